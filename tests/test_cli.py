@@ -1,0 +1,52 @@
+"""The one console command lists every subcommand, and settings layer file < env < flags."""
+
+import subprocess
+import sys
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from router.cli import COMMANDS
+from router.config import load_settings
+from tests.helpers import ROOT
+
+
+def test_help_lists_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "router.cli", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0
+    for name in ("serve", "sidecar", "sim", "replay", "demo", "events"):
+        assert name in COMMANDS
+        assert name in out.stdout
+
+
+class _Demo(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_TEST_", extra="forbid")
+    port: int = Field(8000, description="port")
+    name: str = Field("default", description="name")
+    fast: bool = Field(False, description="fast")
+    pods: list[str] = Field(default_factory=list, description="pods")
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("port: 9000\nname: file\npods: [a, b]\n")
+    s = load_settings(_Demo, ["--config", str(cfg)], "t", "d")
+    assert (s.port, s.name, s.pods) == (9000, "file", ["a", "b"])
+    monkeypatch.setenv("KVROUTE_TEST_NAME", "env")
+    s = load_settings(_Demo, ["--config", str(cfg)], "t", "d")
+    assert s.name == "env" and s.port == 9000
+    s = load_settings(_Demo, ["--config", str(cfg), "--name", "flag", "--fast", "--pods", '["c"]'], "t", "d")
+    assert (s.name, s.fast, s.pods) == ("flag", True, ["c"])
+
+
+def test_bad_config_file_is_a_clear_error(tmp_path, capsys):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("- just\n- a list\n")
+    try:
+        load_settings(_Demo, ["--config", str(cfg)], "t", "d")
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("a list at the top level must be refused")
+    assert "mapping" in capsys.readouterr().err
