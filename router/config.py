@@ -146,3 +146,107 @@ def load_settings(cls: type[S], argv: list[str] | None, prog: str, description: 
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+# ---------------------------------------------------------------------------------------------
+# The router's own settings (``kvroute serve``).
+# ---------------------------------------------------------------------------------------------
+
+from typing import Literal  # noqa: E402
+
+from pydantic import Field, field_validator, model_validator  # noqa: E402
+from pydantic_settings import SettingsConfigDict  # noqa: E402
+
+PodRole = Literal["prefill", "decode", "both"]
+PolicyName = Literal["random", "round-robin", "least-load", "cache-only", "predicted-ttft"]
+
+
+class EventEndpoint(BaseModel):
+    """One ZeroMQ KV-event publisher of a pod (one per data-parallel rank)."""
+
+    endpoint: str = Field(description="PUB endpoint to subscribe to, e.g. tcp://10.0.0.5:5557")
+    replay: str | None = Field(None, description="ROUTER replay endpoint for missed batches, e.g. tcp://10.0.0.5:5558")
+    topic: str = Field("", description="topic prefix to subscribe to ('' = all)")
+
+
+class PodConfig(BaseModel):
+    """A pod of the fleet: where it serves HTTP, what it serves, where it publishes KV events."""
+
+    id: str = Field(description="unique pod id, used in metrics and the x-kvroute-pod header")
+    url: str = Field(description="base URL of the pod's OpenAI server, e.g. http://10.0.0.5:8000")
+    role: PodRole = Field("both", description="prefill, decode or both (aggregated)")
+    model: str = Field("sim-model", description="served model name")
+    kv_events: list[EventEndpoint] = Field(default_factory=list,
+                                           description="KV event publishers, one per DP rank")
+    prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod (else the fleet default)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"pod url must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _endpoints(cls, v: Any) -> Any:
+        """Accept plain endpoint strings as shorthand for ``{endpoint: ...}``."""
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return [{"endpoint": e} if isinstance(e, str) else e for e in (v or [])]
+
+
+class RouterSettings(BaseSettings):
+    """Everything ``kvroute serve`` can be told: the fleet, the policy, the objective, the limits."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
+    pods: list[PodConfig] = Field(default_factory=list, description="the fleet: list of pods (see docs/router.md)")
+    policy: PolicyName = Field("predicted-ttft", description="routing policy")
+    ttft_objective_ms: float | None = Field(None, description="TTFT objective; requests whose best predicted TTFT "
+                                            "misses it are rejected with 429 (none = no objective)")
+    admission: bool = Field(True, description="reject early (429) when the best prediction misses the objective")
+    admission_slack: float = Field(1.0, description="reject when predicted TTFT > objective x this factor")
+    slo_header: str = Field("x-slo-ttft-ms", description="request header carrying a per-request TTFT objective (ms)")
+    priority_header: str = Field("x-priority", description="request header marking critical traffic")
+    priority_exempt_values: list[str] = Field(default_factory=lambda: ["critical", "high"],
+                                              description="values of the priority header that skip admission")
+    retry_after_s: int = Field(1, description="Retry-After seconds on 429")
+    api_keys: list[str] = Field(default_factory=list, description="accepted API keys (Authorization: Bearer); empty = open")
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="largest request body accepted")
+    tokenizer: str = Field("byte", description="'byte' or a path to a Hugging Face tokenizer.json (must match the pods)")
+    block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
+                                   "vllm:cache_config_info, else 16)")
+    prefill_tokens_per_s: float = Field(20000.0, description="prior prefill rate per pod before calibration")
+    overhead_ms: float = Field(5.0, description="prior fixed per-request overhead before calibration")
+    calibrate: bool = Field(True, description="learn each pod's prefill rate and overhead from observed TTFTs")
+    calibration_halflife: float = Field(200.0, description="calibration memory, in observations")
+    unknown_request_tokens: int = Field(512, description="prefill tokens assumed per queued request the router "
+                                        "did not send itself (seen only in vllm:num_requests_waiting)")
+    affinity_bonus_ms: float = Field(0.0, description="predicted-ttft: credit for the pod holding the longest prefix")
+    scrape_interval_s: float = Field(0.25, description="period of each pod's /metrics scrape")
+    health_interval_s: float = Field(1.0, description="period of each pod's /health check")
+    health_timeout_s: float = Field(1.0, description="timeout of a health check or scrape")
+    unhealthy_after: int = Field(2, description="consecutive failed checks before a pod leaves the candidate set")
+    forget_after_s: float = Field(30.0, description="an unhealthy pod's index entries are dropped after this long")
+    connect_timeout_s: float = Field(3.0, description="upstream connect timeout")
+    read_timeout_s: float | None = Field(None, description="upstream read timeout between chunks (none = no limit)")
+    max_connections: int = Field(0, description="upstream connection limit (0 = unlimited)")
+    max_connections_per_pod: int = Field(0, description="upstream connection limit per pod (0 = unlimited)")
+    retries: int = Field(1, description="retries on the next-best pod after a connection failure or 5xx before the first byte")
+    index_max_blocks_per_pod: int = Field(1_000_000, description="bound on indexed blocks per pod")
+    tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
+                                           description="how much a cached block in each tier is worth (1 = free)")
+    speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    seed: int = Field(0, description="seed of the random policy")
+    log_level: str = Field("warning", description="log level")
+    access_log: bool = Field(False, description="log every request (costs throughput)")
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> "RouterSettings":
+        ids = [p.id for p in self.pods]
+        if len(ids) != len(set(ids)):
+            raise ValueError("pod ids must be unique")
+        return self

@@ -1,0 +1,86 @@
+"""Prometheus metrics of the router, ``kvroute_`` prefix, on an explicit registry (no globals).
+
+Counters and histograms are updated on the request path; per-pod gauges (health, load, booked
+work, calibrated rate, index size, event lag) are read from their owners at scrape time by a
+custom collector, so nothing has to push them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvroute_requests", "Requests answered, by pod, policy and HTTP status",
+                                ["pod", "policy", "status"], registry=r)
+        self.routing_seconds = Histogram("kvroute_routing_seconds", "Time to decide where a request goes "
+                                         "(tokenize, index lookup, predict, rank)", buckets=ROUTING_BUCKETS, registry=r)
+        self.predicted_ttft = Histogram("kvroute_predicted_ttft_seconds", "Predicted TTFT on the chosen pod",
+                                        buckets=TTFT_BUCKETS, registry=r)
+        self.observed_ttft = Histogram("kvroute_observed_ttft_seconds", "Observed TTFT (first upstream byte)",
+                                       buckets=TTFT_BUCKETS, registry=r)
+        self.prediction_error = Histogram("kvroute_ttft_prediction_error_seconds",
+                                          "Absolute error of the TTFT prediction", buckets=TTFT_BUCKETS, registry=r)
+        self.rejections = Counter("kvroute_rejections", "Requests rejected, by reason", ["reason"], registry=r)
+        self.retries = Counter("kvroute_retries", "Requests retried on another pod, by cause", ["cause"], registry=r)
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.estimated_cached_tokens = Counter("kvroute_estimated_cached_tokens",
+                                               "Prompt tokens the index said the chosen pod had cached", registry=r)
+        self.client_disconnects = Counter("kvroute_client_disconnects", "Streams the client left early", registry=r)
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FleetCollector(Collector):
+    """Per-pod gauges read at scrape time from ``snapshot()`` -> {pod: {name: value}}."""
+
+    GAUGES = {
+        "healthy": "1 if the pod is in the candidate set",
+        "waiting": "Requests waiting on the pod (its own metric)",
+        "running": "Requests running on the pod (its own metric)",
+        "kv_usage": "KV cache usage 0..1 (its own metric)",
+        "booked_requests": "Requests the router sent there that have not produced a first token",
+        "booked_tokens": "Prefill tokens the router has booked there",
+        "prefill_tokens_per_s": "Calibrated prefill rate",
+        "overhead_seconds": "Calibrated fixed TTFT overhead",
+        "mean_abs_prediction_error_seconds": "Mean absolute TTFT prediction error",
+        "index_blocks": "Blocks of the pod in the prefix index",
+        "event_lag_seconds": "Lag of the pod's KV events (publish to apply)",
+        "event_age_seconds": "Seconds since the pod's last KV event",
+    }
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict[str, Any]]], extra: Callable[[], dict[str, float]] | None = None):
+        self._snapshot = snapshot
+        self._extra = extra
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self._snapshot()
+        for name, doc in self.GAUGES.items():
+            g = GaugeMetricFamily(f"kvroute_pod_{name}", doc, labels=["pod"])
+            for pod, values in snap.items():
+                v = values.get(name)
+                if v is not None:
+                    g.add_metric([pod], float(v))
+            yield g
+        if self._extra:
+            for name, value in self._extra().items():
+                g = GaugeMetricFamily(f"kvroute_{name}", name.replace("_", " "))
+                g.add_metric([], float(value))
+                yield g

@@ -1,0 +1,258 @@
+"""The fleet: pods from config, their health, and their load as their own /metrics report it.
+
+One task per pod checks ``/health`` every ``health_interval_s`` and another scrapes ``/metrics``
+every ``scrape_interval_s`` (waiting, running, KV usage, block size). A pod that fails
+``unhealthy_after`` checks in a row leaves the candidate set at once; after ``forget_after_s``
+unhealthy its prefix-index entries are dropped (``on_forget``), since whatever it held may be gone.
+Only the vLLM metric names the router needs are parsed, with a small line scanner rather than a
+full exposition parser, because this runs four times a second per pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import aiohttp
+
+from router.config import PodConfig
+
+log = logging.getLogger("kvroute.pods")
+
+
+@dataclass
+class PodState:
+    config: PodConfig
+    healthy: bool = False
+    checked: bool = False
+    failures: int = 0
+    unhealthy_since: float | None = None
+    forgotten: bool = False
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    last_scrape: float | None = None
+    scrape_errors: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+
+@dataclass
+class PodMetrics:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    seen: set[str] = field(default_factory=set)
+
+
+def _labels(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(text):
+        eq = text.find("=", i)
+        if eq < 0:
+            break
+        key = text[i:eq].strip().lstrip(",").strip()
+        if eq + 1 >= len(text) or text[eq + 1] != '"':
+            break
+        j = eq + 2
+        val = []
+        while j < len(text) and text[j] != '"':
+            if text[j] == "\\" and j + 1 < len(text):
+                j += 1
+            val.append(text[j])
+            j += 1
+        out[key] = "".join(val)
+        i = j + 1
+    return out
+
+
+def parse_vllm_metrics(text: str) -> PodMetrics:
+    """The load signals of a vLLM /metrics page, summed over engines (DP ranks)."""
+    m = PodMetrics()
+    kv_new: list[float] = []
+    kv_old: list[float] = []
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace]
+            close = line.rfind("}")
+            labels_text, rest = line[brace + 1:close], line[close + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+            labels_text = ""
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if name == "vllm:num_requests_waiting":
+            m.waiting += value
+        elif name == "vllm:num_requests_running":
+            m.running += value
+        elif name == "vllm:kv_cache_usage_perc":
+            kv_new.append(value)
+        elif name == "vllm:gpu_cache_usage_perc":
+            kv_old.append(value)
+        elif name == "vllm:cache_config_info":
+            labels = _labels(labels_text)
+            try:
+                m.block_size = int(labels["block_size"])
+            except (KeyError, ValueError):
+                pass
+            try:
+                m.num_gpu_blocks = int(labels["num_gpu_blocks"])
+            except (KeyError, ValueError):
+                pass
+        else:
+            continue
+        m.seen.add(name)
+    kv = kv_new or kv_old
+    if kv:
+        m.kv_usage = sum(kv) / len(kv)
+    return m
+
+
+class PodRegistry:
+    """Owns every pod's state; the only writer is its own polling tasks."""
+
+    def __init__(self, pods: Iterable[PodConfig], *, scrape_interval_s: float = 0.25,
+                 health_interval_s: float = 1.0, timeout_s: float = 1.0, unhealthy_after: int = 2,
+                 forget_after_s: float = 30.0, on_forget: Callable[[str], None] | None = None,
+                 on_health_change: Callable[[str, bool], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pods: dict[str, PodState] = {p.id: PodState(p) for p in pods}
+        self.scrape_interval_s = scrape_interval_s
+        self.health_interval_s = health_interval_s
+        self.timeout_s = timeout_s
+        self.unhealthy_after = max(1, unhealthy_after)
+        self.forget_after_s = forget_after_s
+        self.on_forget = on_forget
+        self.on_health_change = on_health_change
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- queries -------------------------------------------------------------------------
+    def healthy(self) -> list[PodState]:
+        return [p for p in self.pods.values() if p.healthy]
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.pods.values():
+            seen.setdefault(p.config.model, None)
+        return list(seen)
+
+    def block_size(self) -> int | None:
+        """The block size the pods report (the most common one), if any has reported."""
+        sizes = [p.block_size for p in self.pods.values() if p.block_size]
+        return max(set(sizes), key=sizes.count) if sizes else None
+
+    # ---- state changes -------------------------------------------------------------------
+    def mark(self, pod_id: str, ok: bool) -> None:
+        """Record a health observation (a check, or a failed connection from dispatch)."""
+        pod = self.pods.get(pod_id)
+        if pod is None:
+            return
+        pod.checked = True
+        was = pod.healthy
+        if ok:
+            pod.failures = 0
+            pod.healthy = True
+            pod.unhealthy_since = None
+            pod.forgotten = False
+        else:
+            pod.failures += 1
+            if pod.failures >= self.unhealthy_after:
+                pod.healthy = False
+                if pod.unhealthy_since is None:
+                    pod.unhealthy_since = self._clock()
+        if was != pod.healthy:
+            log.warning("pod %s is now %s", pod_id, "healthy" if pod.healthy else "unhealthy")
+            if self.on_health_change:
+                self.on_health_change(pod_id, pod.healthy)
+        if (not pod.healthy and not pod.forgotten and pod.unhealthy_since is not None
+                and self._clock() - pod.unhealthy_since >= self.forget_after_s):
+            pod.forgotten = True
+            if self.on_forget:
+                self.on_forget(pod_id)
+
+    def apply_metrics(self, pod_id: str, m: PodMetrics) -> None:
+        pod = self.pods[pod_id]
+        pod.waiting = int(m.waiting)
+        pod.running = int(m.running)
+        if m.kv_usage is not None:
+            pod.kv_usage = m.kv_usage
+        if m.block_size:
+            pod.block_size = m.block_size
+        if m.num_gpu_blocks:
+            pod.num_gpu_blocks = m.num_gpu_blocks
+        pod.last_scrape = self._clock()
+
+    # ---- polling -------------------------------------------------------------------------
+    async def check_health(self, pod: PodState) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(pod.config.url + "/health") as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        self.mark(pod.id, ok)
+        return ok
+
+    async def scrape(self, pod: PodState) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(pod.config.url + "/metrics") as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"status {resp.status}")
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+            pod.scrape_errors += 1
+            return False
+        self.apply_metrics(pod.id, parse_vllm_metrics(text))
+        return True
+
+    async def refresh_all(self) -> None:
+        """One health check and one scrape of every pod, concurrently (used at start-up)."""
+        await asyncio.gather(*(self.check_health(p) for p in self.pods.values()))
+        await asyncio.gather(*(self.scrape(p) for p in self.pods.values() if p.healthy))
+
+    async def _loop(self, fn, pod: PodState, interval: float) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await fn(pod)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one pod's oddity stop the loop
+                log.exception("poll of pod %s failed", pod.id)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        await self.refresh_all()
+        for pod in self.pods.values():
+            self._tasks.append(asyncio.create_task(self._loop(self.check_health, pod, self.health_interval_s)))
+            self._tasks.append(asyncio.create_task(self._loop(self.scrape, pod, self.scrape_interval_s)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,253 @@
+"""The router's state and its per-request decision, independent of HTTP.
+
+``Router`` owns the pieces one decision reads (fleet registry, prefix index, booking ledger,
+calibrator, policy state) and exposes three steps: ``plan`` (tokenize, look up, build the snapshot,
+decide; the same call serves ``/debug/route`` with ``dry_run=True``), ``book`` (account the work on
+the chosen pod at once and credit the index speculatively) and ``first_token``/``finish`` (release
+the work and feed the calibrator).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from indexer.keys import block_keys, key_seed
+from indexer.tokens import Tokenizer
+from router.booking import Ledger
+from router.config import RouterSettings
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.pods import PodRegistry, PodState
+from router.prompts import prompt_tokens
+from router.scheduling import Calibrator, Candidate, Decision, PolicyState, RequestView, decide
+
+AGGREGATED_ROLES = ("both",)
+
+
+@dataclass
+class Plan:
+    """A decision plus what dispatch needs to carry it out."""
+
+    kind: str
+    model: str
+    tokens: list[int]
+    keys: list[int]
+    request: RequestView
+    decision: Decision
+    pods: dict[str, PodState]
+    routing_s: float = 0.0
+
+
+@dataclass
+class Booking:
+    pod_id: str
+    ticket: int
+    work_tokens: float
+    predicted_ttft_s: float
+    cached_tokens: int
+    sent_at: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+
+def _priority_exempt(value: str | None, exempt_values: list[str]) -> bool:
+    return value is not None and value.strip().lower() in exempt_values
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, registry: PodRegistry, index: Any, tokenizer: Tokenizer,
+                 metrics: RouterMetrics, *, ledger: Ledger | None = None, calibrator: Calibrator | None = None,
+                 block_size: int = 16, subscriber: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.registry = registry
+        self.index = index
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.ledger = ledger or Ledger(clock)
+        self.calibrator = calibrator or Calibrator(settings.prefill_tokens_per_s, settings.overhead_ms / 1000.0,
+                                                   settings.calibration_halflife, settings.calibrate)
+        self.block_size = block_size
+        self.subscriber = subscriber
+        self.state = PolicyState(affinity_bonus_s=settings.affinity_bonus_ms / 1000.0)
+        self.state.rng.seed(settings.seed)
+        self._clock = clock
+        self._seeds: dict[str, int] = {}
+        self._salts = {pid: zlib.crc32(pid.encode()) for pid in registry.pods}
+        self._exempt = [v.lower() for v in settings.priority_exempt_values]
+        self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
+        self.policy = settings.policy
+        for pid, p in registry.pods.items():
+            self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
+
+    # ---- the decision ----------------------------------------------------------------------
+    def resolve_model(self, body: Mapping[str, Any]) -> str:
+        model = body.get("model")
+        models = self.registry.models()
+        if model is None:
+            if not models:
+                raise APIError(503, "no pods are configured")
+            return models[0]
+        if not isinstance(model, str):
+            raise APIError(400, "'model' must be a string", param="model")
+        if model not in models:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model
+
+    def objective_s(self, headers: Mapping[str, str]) -> float | None:
+        raw = headers.get(self.settings.slo_header)
+        if raw is not None:
+            try:
+                ms = float(raw)
+            except ValueError:
+                raise APIError(400, f"header {self.settings.slo_header} must be a number of milliseconds") from None
+            if not (ms > 0) or ms == float("inf"):
+                raise APIError(400, f"header {self.settings.slo_header} must be a positive number of milliseconds")
+            return ms / 1000.0
+        if self.settings.ttft_objective_ms is not None:
+            return self.settings.ttft_objective_ms / 1000.0
+        return None
+
+    def keys_for(self, model: str, tokens: list[int]) -> list[int]:
+        seed = self._seeds.get(model)
+        if seed is None:
+            seed = self._seeds[model] = key_seed(model)
+        return block_keys(tokens, self.block_size, seed)
+
+    def candidate_pods(self, model: str) -> list[PodState]:
+        healthy = [p for p in self.registry.healthy() if p.config.model == model]
+        aggregated = [p for p in healthy if p.config.role in AGGREGATED_ROLES]
+        return aggregated or healthy
+
+    def candidates(self, pods: list[PodState], keys: list[int], tokens: list[int]) -> list[Candidate]:
+        matches = self.index.match(keys, pods=[p.id for p in pods]) if keys and pods else {}
+        anchor = keys[0] if keys else hash(tuple(tokens[: self.block_size]))
+        bs = self.block_size
+        out = []
+        for p in pods:
+            cal = self.calibrator.pod(p.id)
+            m = matches.get(p.id)
+            if m is not None:
+                cached = int(m.blocks) * bs
+                by_tier = {str(t): int(b) * bs for t, b in (m.by_tier or {}).items()}
+                effective = float(m.weighted) * bs
+            else:
+                cached, by_tier, effective = 0, {}, 0.0
+            out.append(Candidate(
+                pod_id=p.id, role=p.config.role, model=p.config.model,
+                waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
+                inflight_requests=self.ledger.inflight(p.id),
+                queue_tokens=self.ledger.queued_tokens(p.id, cal.rate),
+                prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s,
+                cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
+                tiebreak=((anchor ^ self._salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
+            ))
+        return out
+
+    def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False) -> Plan:
+        started = time.perf_counter()
+        model = self.resolve_model(body)
+        objective = self.objective_s(headers)
+        tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
+        keys = self.keys_for(model, tokens)
+        pods = self.candidate_pods(model)
+        cands = self.candidates(pods, keys, tokens)
+        request = RequestView(prompt_tokens=len(tokens), objective_s=objective,
+                              exempt=_priority_exempt(headers.get(self.settings.priority_header), self._exempt),
+                              unknown_request_tokens=self.settings.unknown_request_tokens)
+        decision = decide(cands, request, self.policy, self.state, admission=self.settings.admission,
+                          slack=self.settings.admission_slack, dry_run=dry_run)
+        elapsed = time.perf_counter() - started
+        if not dry_run:
+            self.metrics.routing_seconds.observe(elapsed)
+        return Plan(kind=kind, model=model, tokens=tokens, keys=keys, request=request, decision=decision,
+                    pods={p.id: p for p in pods}, routing_s=elapsed)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def book(self, plan: Plan, cand: Candidate) -> Booking:
+        pred = plan.decision.predictions[cand.pod_id]
+        queue_tokens = pred.queue_s * cand.prefill_tokens_per_s
+        ticket = self.ledger.book(cand.pod_id, pred.uncached_tokens)
+        if plan.keys:
+            try:
+                if cand.pod_id in self._with_events:
+                    self.index.speculate(cand.pod_id, plan.keys)
+                else:
+                    self.index.record_route(cand.pod_id, plan.keys)
+            except Exception:  # the index is advisory; never fail a request over it
+                pass
+        self.metrics.prompt_tokens.inc(plan.request.prompt_tokens)
+        cached = min(int(cand.effective_cached_tokens), plan.request.prompt_tokens)
+        self.metrics.estimated_cached_tokens.inc(cached)
+        self.metrics.predicted_ttft.observe(pred.ttft_s)
+        return Booking(pod_id=cand.pod_id, ticket=ticket, work_tokens=queue_tokens + pred.uncached_tokens,
+                       predicted_ttft_s=pred.ttft_s, cached_tokens=cached, sent_at=self._clock())
+
+    def first_token(self, booking: Booking, observe: bool = True) -> None:
+        """The pod produced its first token: release the work and learn from the TTFT."""
+        if booking.released:
+            return
+        booking.released = True
+        self.ledger.release(booking.pod_id, booking.ticket)
+        if observe:
+            ttft = self._clock() - booking.sent_at
+            self.metrics.observed_ttft.observe(ttft)
+            self.metrics.prediction_error.observe(abs(ttft - booking.predicted_ttft_s))
+            self.calibrator.observe(booking.pod_id, booking.work_tokens, ttft)
+
+    def finish(self, booking: Booking) -> None:
+        """The request ended without a usable first-token time (error, non-streaming, cancelled)."""
+        if not booking.released:
+            booking.released = True
+            self.ledger.release(booking.pod_id, booking.ticket)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def pod_snapshot(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        sub_stats: dict[str, Any] = {}
+        if self.subscriber is not None:
+            try:
+                sub_stats = self.subscriber.stats() or {}
+            except Exception:
+                sub_stats = {}
+        for pid, p in self.registry.pods.items():
+            cal = self.calibrator.pod(pid)
+            n, tokens = self.ledger.inflight(pid), self.ledger.queued_tokens(pid, cal.rate)
+            row: dict[str, Any] = {
+                "healthy": 1.0 if p.healthy else 0.0, "waiting": p.waiting, "running": p.running,
+                "kv_usage": p.kv_usage, "booked_requests": n, "booked_tokens": tokens,
+                "prefill_tokens_per_s": cal.rate, "overhead_seconds": cal.overhead_s,
+                "mean_abs_prediction_error_seconds": (cal.abs_error_sum / cal.samples) if cal.samples else None,
+            }
+            try:
+                ps = self.index.pod_stats(pid) or {}
+                row["index_blocks"] = ps.get("blocks") if isinstance(ps, dict) else getattr(ps, "blocks", None)
+            except Exception:
+                pass
+            lags = [s for key, s in _stats_for_pod(sub_stats, pid)]
+            if lags:
+                lag = [s.get("lag_s") for s in lags if isinstance(s, dict) and s.get("lag_s") is not None]
+                age = [s.get("last_event_age_s") for s in lags if isinstance(s, dict) and s.get("last_event_age_s") is not None]
+                row["event_lag_seconds"] = max(lag) if lag else None
+                row["event_age_seconds"] = min(age) if age else None
+            out[pid] = row
+        return out
+
+
+def _stats_for_pod(stats: Any, pod_id: str):
+    """Subscriber stats entries that belong to ``pod_id`` (keyed by pod, or by (pod, endpoint))."""
+    if not isinstance(stats, dict):
+        return []
+    found = []
+    for key, value in stats.items():
+        if key == pod_id or (isinstance(key, tuple) and key and key[0] == pod_id) or \
+                (isinstance(key, str) and key.startswith(pod_id + "|")) or \
+                (isinstance(value, dict) and value.get("pod_id") == pod_id):
+            if isinstance(value, dict) and "endpoints" in value and isinstance(value["endpoints"], dict):
+                found.extend((k, v) for k, v in value["endpoints"].items())
+            elif isinstance(value, list):
+                found.extend((key, v) for v in value)
+            else:
+                found.append((key, value))
+    return found

@@ -1,0 +1,65 @@
+"""The immutable inputs of one routing decision: what each candidate pod looks like right now.
+
+A ``Candidate`` joins three sources that change at different speeds: the pod's scraped metrics
+(every ~250 ms), the router's own booking of in-flight prefill work (every request), and the prefix
+index's answer for this prompt. Scorers see only these values, so a decision can be replayed,
+explained (``/debug/route``) and tested on hand-built snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One pod as the scheduler sees it for one request."""
+
+    pod_id: str
+    role: str = "both"
+    model: str = "sim-model"
+    # scraped from the pod's /metrics
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    # booked by the router: requests sent there whose first token has not come back yet
+    inflight_requests: int = 0
+    queue_tokens: float = 0.0
+    # calibrated speed of this pod
+    prefill_tokens_per_s: float = 20000.0
+    overhead_s: float = 0.005
+    # the prefix index's answer for this prompt
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    effective_cached_tokens: float = 0.0
+    # a stable per-(prompt, pod) number for breaking ties without randomness
+    tiebreak: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests queued or prefilling here: the router's own plus any it did not send."""
+        return self.inflight_requests + max(0, self.waiting - self.inflight_requests)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What scheduling needs of a request: its size and its objective."""
+
+    prompt_tokens: int
+    objective_s: float | None = None
+    exempt: bool = False
+    unknown_request_tokens: int = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted time to first token on one pod, by part."""
+
+    queue_s: float
+    prefill_s: float
+    overhead_s: float
+    uncached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.overhead_s

@@ -1,0 +1,42 @@
+"""``kvroute serve``: read settings (YAML < env KVROUTE_* < flags) and run the gateway under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from router.config import RouterSettings, load_settings
+
+
+def build_app(settings: RouterSettings):
+    """The ASGI app for ``settings`` (the parts start in the app's lifespan)."""
+    from router.api import create_app
+    from router.service import Services
+
+    return create_app(Services(settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings(RouterSettings, argv, prog="kvroute serve",
+                             description="Run the KV-cache-aware router in front of a fleet of vLLM pods.")
+    if not settings.pods:
+        print("kvroute serve: no pods configured (give --pods JSON or a --config YAML with a pods: list)",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    try:
+        import httptools  # noqa: F401
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, loop=loop, http=http,
+                log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
+                timeout_keep_alive=30)
+    return 0

@@ -1,0 +1,104 @@
+"""Wiring: builds the router's parts from settings and starts and stops them in order.
+
+Start-up order matters: the pods are checked and scraped once first, so the block size the pods
+report (``vllm:cache_config_info``) is known before the prefix index is built; then the index, the
+KV-event subscriber (one endpoint per pod and DP rank), the routing core and the upstream session.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from indexer.tokens import load_tokenizer
+from router.config import RouterSettings
+from router.dispatch import Dispatcher
+from router.metrics import FleetCollector, RouterMetrics
+from router.pods import PodRegistry
+from router.routing import Router
+
+log = logging.getLogger("kvroute")
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class Services:
+    """Everything the HTTP layer needs, owned in one place; ``start``/``stop`` in the app's lifespan."""
+
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None):
+        self.settings = settings
+        self.metrics = metrics or RouterMetrics()
+        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.registry = PodRegistry(settings.pods, scrape_interval_s=settings.scrape_interval_s,
+                                    health_interval_s=settings.health_interval_s,
+                                    timeout_s=settings.health_timeout_s, unhealthy_after=settings.unhealthy_after,
+                                    forget_after_s=settings.forget_after_s, on_forget=self._forget_pod)
+        self.dispatcher = Dispatcher(settings.connect_timeout_s, settings.read_timeout_s,
+                                     settings.max_connections, settings.max_connections_per_pod)
+        self.index: Any = None
+        self.subscriber: Any = None
+        self.router: Router | None = None
+        self.started = False
+
+    def _forget_pod(self, pod_id: str) -> None:
+        log.warning("pod %s unhealthy for %.0fs: dropping its index entries", pod_id, self.settings.forget_after_s)
+        if self.index is not None:
+            try:
+                self.index.clear_pod(pod_id)
+            except Exception:
+                log.exception("clearing pod %s from the index failed", pod_id)
+        if self.router is not None:
+            self.router.ledger.forget(pod_id)
+
+    def build_index(self, block_size: int) -> Any:
+        from indexer.index import PrefixIndex
+
+        index = PrefixIndex(block_size=block_size, max_blocks_per_pod=self.settings.index_max_blocks_per_pod,
+                            tier_weights=dict(self.settings.tier_weights),
+                            speculative_ttl_s=self.settings.speculative_ttl_s)
+        for pod in self.settings.pods:
+            index.add_pod(pod.id, pod.model)
+        return index
+
+    async def start_subscriber(self) -> None:
+        endpoints = [(p.id, e) for p in self.settings.pods for e in p.kv_events]
+        if not endpoints:
+            return
+        from indexer.subscriber import KVEventSubscriber
+
+        self.subscriber = KVEventSubscriber(self.index)
+        for pod_id, e in endpoints:
+            self.subscriber.add_endpoint(pod_id, e.endpoint, replay_endpoint=e.replay, topic=e.topic)
+        await self.subscriber.start()
+
+    async def start(self) -> None:
+        await self.registry.start()
+        reported = self.registry.block_size()
+        block_size = self.settings.block_size or reported or DEFAULT_BLOCK_SIZE
+        if self.settings.block_size and reported and reported != self.settings.block_size:
+            log.warning("configured block size %d differs from the %d the pods report; prefix matches will be "
+                        "wrong", self.settings.block_size, reported)
+        self.index = self.build_index(block_size)
+        await self.start_subscriber()
+        self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
+                             block_size=block_size, subscriber=self.subscriber)
+        self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
+        await self.dispatcher.start()
+        self.started = True
+
+    def _fleet_totals(self) -> dict[str, float]:
+        m = self.metrics
+        prompt = m.prompt_tokens._value.get()
+        cached = m.estimated_cached_tokens._value.get()
+        return {"estimated_hit_rate": (cached / prompt) if prompt else 0.0,
+                "healthy_pods": float(len(self.registry.healthy()))}
+
+    async def stop(self) -> None:
+        self.started = False
+        await self.dispatcher.stop()
+        if self.subscriber is not None:
+            try:
+                await self.subscriber.stop()
+            except Exception:
+                log.exception("stopping the event subscriber failed")
+        await self.registry.stop()
