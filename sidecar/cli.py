@@ -1,0 +1,35 @@
+"""``kvroute sidecar``: run the prefill/decode sidecar beside one decode vLLM."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from router.config import load_settings
+from sidecar.config import SidecarSettings
+from sidecar.proxy import SidecarApp
+
+DESCRIPTION = (
+    "Prefill/decode sidecar for NIXL disaggregation, a drop-in for llm-d's pd-sidecar. A request with "
+    "x-prefiller-host-port: HOST:PORT is prefilled there (max_tokens=1, do_remote_decode) and decoded "
+    "by the local vLLM with the returned kv_transfer_params; without the header it goes straight to the "
+    "local vLLM. Prefill targets must be allowlisted unless --no-ssrf-protection."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings(SidecarSettings, argv, prog="kvroute sidecar", description=DESCRIPTION)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = SidecarApp(settings)
+    except ValueError as exc:
+        logging.getLogger("kvroute.sidecar").error("%s", exc)
+        return 2
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
+                            log_level=settings.log_level, access_log=False, server_header=False,
+                            ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
+                            timeout_keep_alive=60, timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

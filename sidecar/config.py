@@ -1,0 +1,66 @@
+"""The sidecar's settings: one typed object, read from defaults < YAML < ``KVROUTE_SIDECAR_*`` env < flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SidecarSettings(BaseSettings):
+    """Everything ``kvroute sidecar`` can be told; each field is a ``--flag`` of the same name."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_SIDECAR_", extra="forbid")
+
+    host: str = Field("0.0.0.0", description="Address the sidecar listens on")
+    port: int = Field(8000, ge=1, le=65535, description="Port the sidecar listens on")
+    vllm_url: str = Field("http://127.0.0.1:8001", description="Base URL of the local decode vLLM")
+
+    prefill_timeout: float = Field(60.0, gt=0, description="Seconds the whole prefill leg may take")
+    decode_timeout: float = Field(600.0, gt=0, description=(
+        "Longest wait in seconds for the decoder's next bytes (response headers or the next chunk)"))
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to open a connection to either leg")
+    fallback_on_prefill_error: bool = Field(True, description=(
+        "On a prefill connection error, timeout or 5xx, prefill locally on the decode pod instead of failing"))
+    prefill_scheme: Literal["http", "https"] = Field("http", description=(
+        "Scheme for the prefill leg when the target names none"))
+
+    ssrf_protection: bool = Field(True, description=(
+        "Only send prefill legs to allowlisted hosts; --no-ssrf-protection lets any target through"))
+    prefill_allowlist: list[str] = Field(default_factory=list, description=(
+        'Allowed prefill targets as a JSON list: IPs, CIDRs, hostnames, each optionally with :port, '
+        'e.g. ["10.0.0.0/8", "[fd00::1]:8000", "prefill.ns.svc:8000"]'))
+    prefill_allow_dns: list[str] = Field(default_factory=list, description=(
+        "DNS names (optionally name:port) whose addresses are allowed, re-resolved every --dns-refresh-s"))
+    dns_refresh_s: float = Field(30.0, gt=0, description="Seconds between re-resolutions of allowlisted names")
+    prefill_allowlist_url: str | None = Field(None, description=(
+        'URL answering a JSON list of allowed "host:port" prefill targets (e.g. the router\'s '
+        '/internal/prefill-pods), fetched every --allowlist-refresh-s'))
+    allowlist_refresh_s: float = Field(10.0, gt=0, description="Seconds between fetches of --prefill-allowlist-url")
+    target_dns_cache_s: float = Field(5.0, ge=0, description=(
+        "Seconds a prefill target name's resolved addresses are reused"))
+
+    strip_client_kv_transfer_params: bool = Field(True, description=(
+        "Drop kv_transfer_params sent by the client (they could point the decoder at any host)"))
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted, in bytes")
+    max_connections: int = Field(4096, ge=0, description="Upstream connection pool size (0 = unlimited)")
+
+    ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
+    ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
+
+    @field_validator("vllm_url", "prefill_allowlist_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "SidecarSettings":
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        return self

@@ -1,0 +1,112 @@
+"""The rules of the two legs, as pure functions over headers and parsed JSON bodies.
+
+The prefill (P) leg asks the prefill pod for one token with ``do_remote_decode`` set, so it keeps
+the prompt's KV blocks for the decoder; the decode (D) leg sends the client's original body to the
+local vLLM with the ``kv_transfer_params`` object P returned, verbatim (current vLLM needs
+``remote_request_id`` and fields we do not know about, so it is never rebuilt).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+PREFILL_HEADER = b"x-prefiller-host-port"
+LEGACY_PREFILL_HEADER = b"x-prefiller-url"
+REQUEST_ID_HEADER = b"x-request-id"
+
+# paths served by the two-leg handler; everything else is proxied to the decoder unchanged
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+# never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the ones the proxy sets itself, and ours
+_DROPPED_REQUEST_HEADERS = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
+    b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
+    PREFILL_HEADER, LEGACY_PREFILL_HEADER, REQUEST_ID_HEADER,
+})
+_DROPPED_RESPONSE_HEADERS = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"server", b"date",
+})
+
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:
+    """Every value of header ``name`` (lower-case bytes), split on commas, stripped, non-empty, in order."""
+    values = []
+    for key, value in headers:
+        if key.lower() == name:
+            values.extend(v.strip() for v in value.decode("latin-1").split(","))
+    return [v for v in values if v]
+
+
+def pick_prefill_target(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The prefill target named by the request: the first ``x-prefiller-host-port`` value, else the legacy header."""
+    for name in (PREFILL_HEADER, LEGACY_PREFILL_HEADER):
+        values = header_values(headers, name)
+        if values:
+            return values[0]
+    return None
+
+
+def has_prefill_header(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True if either prefill header is present at all (even empty: an empty one is a malformed target)."""
+    return any(key.lower() in (PREFILL_HEADER, LEGACY_PREFILL_HEADER) for key, _ in headers)
+
+
+def request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``x-request-id`` (first value) or a fresh one; both legs carry the same id."""
+    for key, value in headers:
+        if key.lower() == REQUEST_ID_HEADER and value.strip():
+            return value.decode("latin-1").strip()
+    return uuid.uuid4().hex
+
+
+def forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """Client headers worth passing upstream (auth, content type, tracing), minus hop-by-hop and ours."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+            if k.lower() not in _DROPPED_REQUEST_HEADERS]
+
+
+def response_headers(raw: Any) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers to relay (iterable of (name, value) bytes), minus hop-by-hop ones."""
+    return [(k.lower(), v) for k, v in raw if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+
+
+def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
+    """The P-leg body: one token, not streamed, no minimum, with the remote-decode transfer request."""
+    out = dict(body)
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        out.pop(key, None)
+    if path == "/v1/responses":
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The D-leg body: the original request plus P's params verbatim, or none at all when P returned none."""
+    out = dict(body)
+    if kv_transfer_params:
+        out["kv_transfer_params"] = kv_transfer_params
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+def error_payload(message: str, err_type: str, code: int) -> dict[str, Any]:
+    """An OpenAI/vLLM-style error object (vLLM >= 0.10.1 shape)."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}

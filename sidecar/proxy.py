@@ -1,0 +1,402 @@
+"""The sidecar's ASGI application: the two-leg handler, the pass-through proxy, health and metrics.
+
+It is a plain ASGI callable rather than a framework app because it needs two things frameworks
+hide: a watch on the client's ``http.disconnect`` while a leg is running (so a client that leaves
+mid-prefill cancels the prefill request at the prefill pod), and byte-for-byte relaying of the
+decoder's response, chunk by chunk, headers included. One long-lived aiohttp session carries
+both legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
+from sidecar.config import SidecarSettings
+from sidecar.legs import (GENERATION_PATHS, decode_body, error_payload, forward_headers, has_prefill_header,
+                          pick_prefill_target, prefill_body, request_id, response_headers)
+from sidecar.metrics import SidecarMetrics
+from sidecar.targets import Target, TargetError, parse_target
+
+log = logging.getLogger("kvroute.sidecar")
+
+_JSON = b"application/json"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """How the prefill leg ended. ``kind``: ok, client_error, server_error, connect_error, timeout, bad_response."""
+
+    kind: str
+    status: int = 0
+    body: bytes = b""
+    content_type: bytes = _JSON
+    params: dict[str, Any] | None = None
+    detail: str = ""
+
+
+async def _send_bytes(send, status: int, body: bytes, content_type: bytes | None = _JSON,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-length", str(len(body)).encode())]
+    if content_type:
+        headers.append((b"content-type", content_type))
+    headers.extend(extra or [])
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send, status: int, message: str, err_type: str,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await _send_bytes(send, status, orjson.dumps(error_payload(message, err_type, status)), _JSON, extra)
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, or None if the client went away first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _outcome(status: int) -> str:
+    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+
+
+class SidecarApp:
+    """ASGI app for ``kvroute sidecar``; ``resolver`` is injectable so name checks can be exercised."""
+
+    def __init__(self, settings: SidecarSettings, *, resolver: Resolver = resolve_name,
+                 metrics: SidecarMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or SidecarMetrics()
+        self.allowlist = Allowlist(
+            settings.prefill_allowlist, settings.prefill_allow_dns, settings.prefill_allowlist_url,
+            dns_refresh_s=settings.dns_refresh_s, url_refresh_s=settings.allowlist_refresh_s, resolver=resolver,
+            on_refresh_error=lambda source: self.metrics.allowlist_refresh_errors.labels(source).inc())
+        self.targets = TargetResolver(resolver, ttl_s=settings.target_dns_cache_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.metrics.allowlist_entries.set_function(lambda: len(self.allowlist.snapshot))
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.settings.max_connections, ttl_dns_cache=10,
+                                         keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",))
+        await self.allowlist.start(self.session)
+        if self.settings.ssrf_protection and not self.allowlist.configured:
+            log.warning("SSRF protection is on and no allowlist is configured: every request naming a "
+                        "prefill target will be refused (403); see --prefill-allowlist")
+        if not self.settings.ssrf_protection:
+            log.warning("SSRF protection is OFF: any client that can reach this port can make it call any host")
+
+    async def shutdown(self) -> None:
+        await self.allowlist.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # reported to the server, which exits cleanly
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ---- ASGI entry ------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method in ("GET", "HEAD"):
+            await _send_bytes(send, 200, b"", None)
+            return
+        if path == "/metrics" and method == "GET":
+            await _send_bytes(send, 200, self.metrics.render(), self.metrics.content_type.encode())
+            return
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                body = await _read_body(receive, self.settings.max_body_bytes)
+            except _BodyTooLarge:
+                await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes",
+                                  "BadRequestError")
+                return
+            if body is None:
+                return
+            if method == "POST" and path in GENERATION_PATHS:
+                work = self._generate(scope, body, send)
+            else:
+                self.metrics.requests.labels("proxy").inc()
+                work = self._decode_leg(scope, body, send, leg="direct")
+            await self._until_disconnect(work, receive)
+        finally:
+            self.metrics.in_flight.dec()
+
+    async def _until_disconnect(self, work, receive) -> None:
+        """Run ``work``; if the client disconnects first, cancel it (which aborts the running leg upstream)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()
+                return
+            self.metrics.requests.labels("client_disconnected").inc()
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, OSError):
+                pass
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+
+    # ---- the two-leg handler ---------------------------------------------------------------
+    async def _generate(self, scope, body: bytes, send) -> None:
+        headers = scope["headers"]
+        if not has_prefill_header(headers):
+            self.metrics.requests.labels("direct").inc()
+            await self._decode_leg(scope, self._strip_client_params(body), send, leg="direct")
+            return
+        self.metrics.requests.labels("pd").inc()
+        rid = request_id(headers)
+        rid_header = [(b"x-request-id", rid.encode("latin-1"))]
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            await _send_error(send, 400, f"request body is not valid JSON: {exc}", "BadRequestError", rid_header)
+            return
+        if not isinstance(request, dict):
+            await _send_error(send, 400, "request body must be a JSON object", "BadRequestError", rid_header)
+            return
+        if "kv_transfer_params" in request and self.settings.strip_client_kv_transfer_params:
+            self.metrics.client_params_stripped.inc()
+            request.pop("kv_transfer_params")
+
+        raw = pick_prefill_target(headers)
+        try:
+            if raw is None:
+                raise TargetError("the header is empty")
+            target = parse_target(raw)
+        except TargetError as exc:
+            self.metrics.ssrf_rejections.labels("malformed").inc()
+            await _send_error(send, 400, f"bad prefill target in x-prefiller-host-port: {exc}",
+                              "BadRequestError", rid_header)
+            return
+        connect_host = await self._allowed_address(target)
+        if connect_host is None:
+            await _send_error(send, 403, f"Forbidden: prefill target {raw!r} is not allowed by the sidecar's "
+                              "SSRF allowlist", "PermissionDeniedError", rid_header)
+            return
+
+        result = await self._prefill_leg(scope, target, connect_host, request, rid)
+        params: dict[str, Any] | None = None
+        if result.kind == "ok":
+            params = result.params
+            if not params:
+                self.metrics.no_params.inc()
+        elif result.kind == "client_error":
+            await _send_bytes(send, result.status, result.body, result.content_type, rid_header)
+            return
+        elif self.settings.fallback_on_prefill_error:
+            self.metrics.fallbacks.labels(result.kind).inc()
+            log.warning("prefill at %s failed (%s: %s); prefilling locally", target.host_port, result.kind,
+                        result.detail)
+        elif result.kind == "server_error":
+            await _send_bytes(send, result.status, result.body, result.content_type, rid_header)
+            return
+        elif result.kind == "timeout":
+            await _send_error(send, 504, f"prefill at {target.host_port} timed out after "
+                              f"{self.settings.prefill_timeout}s", "GatewayTimeout", rid_header)
+            return
+        else:
+            await _send_error(send, 502, f"prefill at {target.host_port} failed: {result.detail}",
+                              "BadGateway", rid_header)
+            return
+        await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid)
+
+    def _strip_client_params(self, body: bytes) -> bytes:
+        """Drop a client's own ``kv_transfer_params`` (cheap byte check first; unparsable bodies go as they are)."""
+        if not self.settings.strip_client_kv_transfer_params or b"kv_transfer_params" not in body:
+            return body
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return body
+        if not isinstance(request, dict) or "kv_transfer_params" not in request:
+            return body
+        request.pop("kv_transfer_params")
+        self.metrics.client_params_stripped.inc()
+        return orjson.dumps(request)
+
+    async def _allowed_address(self, target: Target) -> str | None:
+        """The address to connect to for ``target``, or None (counted) when SSRF protection refuses it."""
+        if not self.settings.ssrf_protection:
+            return str(target.ip) if target.ip is not None else target.host
+        if target.ip is not None:
+            addresses = [target.ip]
+        else:
+            try:
+                addresses = await self.targets.resolve(target.host)
+            except OSError:
+                self.metrics.ssrf_rejections.labels("unresolvable").inc()
+                return None
+        snapshot = self.allowlist.snapshot
+        if not addresses or not all(snapshot.allows(ip, target.port) for ip in addresses):
+            self.metrics.ssrf_rejections.labels("not_allowed").inc()
+            log.info("refused prefill target %s (addresses %s)", target.host_port, [str(a) for a in addresses])
+            return None
+        return str(addresses[0])
+
+    async def _prefill_leg(self, scope, target: Target, connect_host: str, request: dict[str, Any],
+                           rid: str) -> PrefillResult:
+        assert self.session is not None
+        scheme = target.scheme or self.settings.prefill_scheme
+        shown = f"[{connect_host}]" if ":" in connect_host else connect_host
+        url = f"{scheme}://{shown}:{target.port}{scope['path']}"
+        headers = forward_headers(scope["headers"])
+        headers = [(k, v) for k, v in headers if k.lower() not in ("content-type", "accept-encoding")]
+        headers += [("Host", target.host_port), ("X-Request-Id", rid), ("Content-Type", "application/json"),
+                    ("Accept-Encoding", "identity")]
+        extra: dict[str, Any] = {}
+        if scheme == "https" and target.ip is None:
+            extra["server_hostname"] = target.host
+        timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, sock_connect=self.settings.connect_timeout)
+        started = time.perf_counter()
+        result = PrefillResult("bad_response")
+        try:
+            async with self.session.post(url, data=orjson.dumps(prefill_body(request, scope["path"])),
+                                         headers=headers, timeout=timeout, allow_redirects=False, **extra) as resp:
+                data = await resp.read()
+                result = self._classify_prefill(resp.status, data, resp.headers.get("Content-Type"))
+        except asyncio.CancelledError:
+            self.metrics.legs.labels("prefill", "cancelled").inc()
+            raise
+        except asyncio.TimeoutError:
+            result = PrefillResult("timeout", detail=f"no answer within {self.settings.prefill_timeout}s")
+        except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
+            result = PrefillResult("connect_error", detail=str(exc) or type(exc).__name__)
+        except aiohttp.ClientError as exc:
+            result = PrefillResult("server_error", status=502, detail=str(exc) or type(exc).__name__,
+                                   body=orjson.dumps(error_payload(f"prefill failed: {exc}", "BadGateway", 502)))
+        self.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
+        self.metrics.legs.labels("prefill", result.kind).inc()
+        return result
+
+    @staticmethod
+    def _classify_prefill(status: int, data: bytes, content_type: str | None) -> PrefillResult:
+        ctype = (content_type or "application/json").encode("latin-1")
+        if 400 <= status < 500:
+            return PrefillResult("client_error", status, data, ctype)
+        if status >= 500:
+            return PrefillResult("server_error", status, data, ctype, detail=f"status {status}")
+        if status != 200:
+            return PrefillResult("bad_response", status, detail=f"unexpected status {status}")
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return PrefillResult("bad_response", status, detail="response is not JSON")
+        params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+        if params is not None and not isinstance(params, dict):
+            return PrefillResult("bad_response", status, detail="kv_transfer_params is not an object")
+        return PrefillResult("ok", status, params=params)
+
+    # ---- the decoder: decode leg and pass-through ------------------------------------------
+    async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None) -> None:
+        """Send ``body`` to the local decoder and relay its answer chunk by chunk."""
+        assert self.session is not None
+        target = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string") or b""
+        url = self.settings.vllm_url + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        headers = forward_headers(scope["headers"])
+        if rid is None:
+            rid = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
+        if rid is not None:
+            headers.append(("X-Request-Id", rid))
+        if not any(k.lower() == "accept-encoding" for k, _ in headers):
+            headers.append(("Accept-Encoding", "identity"))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout,
+                                        sock_read=self.settings.decode_timeout)
+        started = time.perf_counter()
+        try:
+            resp = await self.session.request(scope["method"], url, data=body or None, headers=headers,
+                                              timeout=timeout, allow_redirects=False)
+        except asyncio.CancelledError:
+            self.metrics.legs.labels(leg, "cancelled").inc()
+            raise
+        except (aiohttp.ClientConnectorError, aiohttp.ClientOSError):
+            self.metrics.legs.labels(leg, "connect_error").inc()
+            await _send_error(send, 503, "The decode node is not ready to accept requests", "ServiceUnavailable")
+            return
+        except asyncio.TimeoutError:
+            self.metrics.legs.labels(leg, "timeout").inc()
+            await _send_error(send, 504, f"the decoder did not answer within {self.settings.decode_timeout}s",
+                              "GatewayTimeout")
+            return
+        except aiohttp.ClientError as exc:
+            self.metrics.legs.labels(leg, "proxy_error").inc()
+            await _send_error(send, 502, f"the decoder failed: {exc or type(exc).__name__}", "BadGateway")
+            return
+        outcome = _outcome(resp.status)
+        try:
+            out_headers = response_headers(resp.raw_headers)
+            if rid is not None and not any(k == b"x-request-id" for k, _ in out_headers):
+                out_headers.append((b"x-request-id", rid.encode("latin-1")))
+            await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+            try:
+                async for chunk in resp.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                outcome = "stream_error"
+                log.warning("decoder stream broke: %s", exc or type(exc).__name__)
+                if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    err = orjson.dumps(error_payload(f"the decoder stream broke: {exc or type(exc).__name__}",
+                                                     "InternalServerError", 502))
+                    await send({"type": "http.response.body", "body": b"data: " + err + b"\n\ndata: [DONE]\n\n",
+                                "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            resp.close()
+            raise
+        finally:
+            resp.release()
+            self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
+            self.metrics.legs.labels(leg, outcome).inc()

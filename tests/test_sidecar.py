@@ -1,0 +1,485 @@
+"""The sidecar as a real process between real HTTP servers: leg bodies, fallbacks, SSRF, streaming, cancel.
+
+The prefill and decode pods here are small aiohttp servers (in a thread of the test process) that
+record every request they receive, so each test can check the exact bytes and headers of each leg
+and steer the pods' answers (errors, delays, a null ``kv_transfer_params``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import free_port, free_ports, kvroute_process
+
+GENERATION = ("/v1/completions", "/v1/chat/completions")
+P_PARAMS_EXTRA = {"remote_request_id": "p-internal-7", "tp_size": 1, "future_field": {"nested": [1, 2]}}
+
+
+class FakePod:
+    """A recording vLLM stand-in: prefill role when asked ``do_remote_decode``, decode role otherwise."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.received: list[dict] = []
+        self.events: list[str] = []
+        self.behaviour: dict = {}
+        self.published: list[str] = []
+        self.gate: threading.Event | None = None
+        self.loop = asyncio.new_event_loop()
+        self.runner: web.AppRunner | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def start(self) -> "FakePod":
+        self._ready = threading.Event()
+        self.thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def reset(self) -> None:
+        self.received.clear()
+        self.events.clear()
+        self.behaviour = {}
+        self.gate = None
+
+    def wait_event(self, name: str, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if name in self.events:
+                return True
+            time.sleep(0.02)
+        return False
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        self.received.append({"method": request.method, "path": request.path, "query": request.query_string,
+                              "headers": [(k.lower(), v) for k, v in request.headers.items()],
+                              "raw": raw, "json": body})
+        if request.path == "/internal/prefill-pods":
+            return web.json_response(self.published)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        if request.path not in GENERATION:
+            return web.json_response({"echo": request.path, "query": request.query_string})
+        b = self.behaviour
+        try:
+            if b.get("delay"):
+                await asyncio.sleep(b["delay"])
+        except asyncio.CancelledError:
+            self.events.append("cancelled")
+            raise
+        if b.get("status"):
+            return web.Response(status=b["status"], content_type="application/json",
+                                body=json.dumps({"error": {"message": f"{self.name} says no", "type": "X",
+                                                           "param": None, "code": b["status"]}}))
+        params = (body or {}).get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            answer = {"id": "cmpl-p", "object": "text_completion", "model": "fake-model",
+                      "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+            if b.get("params") != "missing":
+                answer["kv_transfer_params"] = None if b.get("params") == "null" else {
+                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+                    "remote_engine_id": f"engine-{self.name}", "remote_host": "127.0.0.1",
+                    "remote_port": self.port, **P_PARAMS_EXTRA}
+            return web.json_response(answer)
+        if body and body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for i in range(3):
+                    chunk = {"id": "cmpl-d", "object": "chat.completion.chunk", "model": "fake-model",
+                             "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
+                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    if i == 0 and self.gate is not None:
+                        while not self.gate.is_set():
+                            await asyncio.sleep(0.01)
+                await resp.write(b"data: [DONE]\n\n")
+            except (asyncio.CancelledError, ConnectionResetError):
+                self.events.append("stream_cancelled")
+                raise
+            return resp
+        if request.path == "/v1/chat/completions":
+            return web.json_response({
+                "id": "chatcmpl-d", "object": "chat.completion", "model": "fake-model", "kv_transfer_params": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "decoded"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+        return web.json_response({"id": "cmpl-d", "object": "text_completion", "model": "fake-model",
+                                  "kv_transfer_params": None,
+                                  "choices": [{"index": 0, "text": "decoded", "finish_reason": "stop"}]})
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    text = httpx.get(base + "/metrics", timeout=5).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def header(record: dict, name: str) -> list[str]:
+    return [v for k, v in record["headers"] if k == name]
+
+
+@pytest.fixture(scope="module")
+def pods():
+    prefill, decode = FakePod("p").start(), FakePod("d").start()
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(pods):
+    """The main sidecar: allowlist 127.0.0.1 (any port), fallback on, a short prefill timeout."""
+    _, decode = pods
+    port = free_port()
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
+            "--prefill-allowlist", json.dumps(["127.0.0.1", "10.0.0.0/8"]), "--prefill-timeout", "1"]
+    with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(autouse=True)
+def _clean(pods):
+    for pod in pods:
+        pod.reset()
+    yield
+
+
+def chat_body(**extra) -> dict:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}], **extra}
+
+
+def test_both_legs_carry_the_exact_bodies_and_one_request_id(pods, sidecar):
+    prefill, decode = pods
+    body = chat_body(stream=False, max_tokens=20, max_completion_tokens=20, min_tokens=2, min_completion_tokens=2,
+                     temperature=0.5)
+    r = httpx.post(sidecar + "/v1/chat/completions", json=body, timeout=10,
+                   headers=[("x-prefiller-host-port", f"127.0.0.1:{prefill.port}, 127.0.0.1:1"),
+                            ("x-prefiller-host-port", "127.0.0.1:2"),
+                            ("x-request-id", "req-abc"), ("authorization", "Bearer k")])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "decoded"
+    assert r.headers["x-request-id"] == "req-abc"
+
+    (p_rec,) = prefill.received
+    assert p_rec["path"] == "/v1/chat/completions"
+    expected_p = {k: v for k, v in body.items() if k not in ("min_tokens", "min_completion_tokens")}
+    expected_p.update(stream=False, max_tokens=1, max_completion_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    assert p_rec["json"] == expected_p
+    assert header(p_rec, "x-request-id") == ["req-abc"]
+    assert header(p_rec, "authorization") == ["Bearer k"]
+    assert header(p_rec, "x-prefiller-host-port") == []
+
+    (d_rec,) = decode.received
+    sent_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+                   "remote_engine_id": "engine-p", "remote_host": "127.0.0.1", "remote_port": prefill.port,
+                   **P_PARAMS_EXTRA}
+    assert d_rec["json"] == {**body, "kv_transfer_params": sent_params}
+    assert header(d_rec, "x-request-id") == ["req-abc"]
+    assert header(d_rec, "authorization") == ["Bearer k"]
+    assert header(d_rec, "x-prefiller-host-port") == []
+
+
+def test_request_id_is_made_when_absent_and_legacy_header_works(pods, sidecar):
+    prefill, decode = pods
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "abc", "max_tokens": 4,
+                                                      "stream_options": {"include_usage": True}},
+                   headers={"x-prefiller-url": f"http://127.0.0.1:{prefill.port}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    assert len(rid) >= 16
+    assert header(prefill.received[0], "x-request-id") == [rid]
+    assert header(decode.received[0], "x-request-id") == [rid]
+    assert "stream_options" not in prefill.received[0]["json"]
+    assert "max_completion_tokens" not in prefill.received[0]["json"]
+    assert decode.received[0]["json"]["stream_options"] == {"include_usage": True}
+    assert header(decode.received[0], "x-prefiller-url") == []
+
+
+def test_streaming_passes_through_chunk_by_chunk(pods, sidecar):
+    prefill, decode = pods
+    decode.gate = threading.Event()  # the decoder holds its later chunks until the client has the first
+    with httpx.stream("POST", sidecar + "/v1/chat/completions", json=chat_body(stream=True, max_tokens=3),
+                      headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert "tok0" in first
+        decode.gate.set()
+        rest = [line for line in lines if line]
+    assert [json.loads(x[6:])["choices"][0]["delta"]["content"] for x in rest[:-1]] == ["tok1 ", "tok2 "]
+    assert rest[-1] == "data: [DONE]"
+    assert prefill.received[0]["json"]["stream"] is False
+    assert decode.received[0]["json"]["stream"] is True
+    assert decode.received[0]["json"]["kv_transfer_params"]["remote_engine_id"] == "engine-p"
+
+
+def test_openai_sdk_streams_through_both_legs(pods, sidecar):
+    prefill, decode = pods
+    client = openai.OpenAI(base_url=sidecar + "/v1", api_key="k", max_retries=0, timeout=10)
+    stream = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3, stream=True,
+                                            extra_headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert text == "tok0 tok1 tok2 "
+    assert len(prefill.received) == 1 and len(decode.received) == 1
+
+
+def test_eos_on_the_first_token_decodes_without_params(pods, sidecar):
+    prefill, decode = pods
+    before = metric(sidecar, "kvroute_sidecar_prefill_without_kv_transfer_params_total")
+    for mode in ("null", "missing"):
+        prefill.behaviour = {"params": mode}
+        r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p", "max_tokens": 5},
+                       headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert "kv_transfer_params" not in decode.received[-1]["json"]
+    assert metric(sidecar, "kvroute_sidecar_prefill_without_kv_transfer_params_total") == before + 2
+
+
+def test_prefill_4xx_goes_back_as_it_is(pods, sidecar):
+    prefill, decode = pods
+    prefill.behaviour = {"status": 400}
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p", "min_tokens": 9},
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "p says no"
+    assert decode.received == []
+
+
+@pytest.mark.parametrize("fault", ["status_500", "connection_refused", "timeout"])
+def test_prefill_failure_falls_back_to_local_prefill(pods, sidecar, fault):
+    prefill, decode = pods
+    target = f"127.0.0.1:{prefill.port}"
+    reason = {"status_500": "server_error", "connection_refused": "connect_error", "timeout": "timeout"}[fault]
+    if fault == "status_500":
+        prefill.behaviour = {"status": 500}
+    elif fault == "timeout":
+        prefill.behaviour = {"delay": 3}
+    else:
+        target = f"127.0.0.1:{free_port()}"
+    before = metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason=reason)
+    body = {"model": "fake-model", "prompt": "p", "max_tokens": 5, "kv_transfer_params": {"remote_host": "x"}}
+    r = httpx.post(sidecar + "/v1/completions", json=body, headers={"x-prefiller-host-port": target}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "decoded"
+    (d_rec,) = decode.received
+    assert d_rec["json"] == {"model": "fake-model", "prompt": "p", "max_tokens": 5}
+    assert metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason=reason) == before + 1
+
+
+def test_no_header_passes_the_request_as_it_is(pods, sidecar):
+    prefill, decode = pods
+    raw = b'{"model":"fake-model","prompt":"as is",  "max_tokens":2}'
+    r = httpx.post(sidecar + "/v1/completions", content=raw, timeout=10,
+                   headers={"content-type": "application/json", "x-request-id": "keep-me"})
+    assert r.status_code == 200
+    assert decode.received[0]["raw"] == raw
+    assert header(decode.received[0], "x-request-id") == ["keep-me"]
+    assert prefill.received == []
+
+
+def test_client_kv_transfer_params_are_stripped_by_default(pods, sidecar):
+    _, decode = pods
+    smuggled = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80}
+    r = httpx.post(sidecar + "/v1/completions", timeout=10,
+                   json={"model": "fake-model", "prompt": "p", "kv_transfer_params": smuggled})
+    assert r.status_code == 200
+    assert decode.received[0]["json"] == {"model": "fake-model", "prompt": "p"}
+
+
+def test_other_paths_are_proxied_and_own_endpoints_answer(pods, sidecar):
+    _, decode = pods
+    assert httpx.get(sidecar + "/v1/models", timeout=5).json()["data"][0]["id"] == "fake-model"
+    echo = httpx.post(sidecar + "/tokenize?x=1&y=2", json={"prompt": "a"}, timeout=5).json()
+    assert echo == {"echo": "/tokenize", "query": "x=1&y=2"}
+    assert httpx.get(sidecar + "/health", timeout=5).status_code == 200
+    text = httpx.get(sidecar + "/metrics", timeout=5).text
+    assert "kvroute_sidecar_legs_total" in text
+    assert [r["path"] for r in decode.received] == ["/v1/models", "/tokenize"]
+
+
+@pytest.mark.parametrize("target", [
+    "127.0.0.2:{port}",            # an IP not in the list
+    "2130706434:{port}",           # 127.0.0.2, decimal
+    "0x7f000002:{port}",           # 127.0.0.2, hex
+    "0177.0.0.2:{port}",           # 127.0.0.2, octal
+    "127.2:{port}",                # 127.0.0.2, short form
+    "0xa9fea9fe:80",               # 169.254.169.254 (cloud metadata), hex
+    "[::1]:{port}",                # IPv6 loopback is not 127.0.0.1
+    "[::ffff:169.254.169.254]:80",  # IPv4-mapped IPv6
+    "[::ffff:7f00:2]:{port}",      # IPv4-mapped 127.0.0.2, hex groups
+    "http://169.254.169.254:80",   # URL form
+])
+def test_ssrf_targets_outside_the_allowlist_are_refused(pods, sidecar, target):
+    prefill, decode = pods
+    before = metric(sidecar, "kvroute_sidecar_ssrf_rejections_total", reason="not_allowed")
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": target.format(port=prefill.port)}, timeout=10)
+    assert r.status_code == 403, r.text
+    err = r.json()["error"]
+    assert err["code"] == 403 and "allowlist" in err["message"]
+    assert prefill.received == [] and decode.received == []
+    assert metric(sidecar, "kvroute_sidecar_ssrf_rejections_total", reason="not_allowed") == before + 1
+
+
+@pytest.mark.parametrize("target", ["2130706433:{port}", "0x7f.1:{port}", "[::ffff:127.0.0.1]:{port}",
+                                    "localhost:{port}"])
+def test_other_spellings_of_an_allowed_address_reach_it(pods, sidecar, target):
+    prefill, decode = pods
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": target.format(port=prefill.port)}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert len(prefill.received) == 1 and len(decode.received) == 1
+
+
+@pytest.mark.parametrize("target", ["", "127.0.0.1", "evil@127.0.0.1:80", "127.0.0.1:80/x", "999.0.0.1:80",
+                                    "[fe80::1%25eth0]:80", "ftp://127.0.0.1:21", "host:99999"])
+def test_malformed_targets_are_a_clear_400(pods, sidecar, target):
+    prefill, decode = pods
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": target}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "prefill target" in r.json()["error"]["message"]
+    assert prefill.received == [] and decode.received == []
+
+
+def test_bad_json_with_a_prefill_header_is_a_400(pods, sidecar):
+    prefill, _ = pods
+    r = httpx.post(sidecar + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}", "content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_client_disconnect_mid_prefill_cancels_the_prefill_request(pods, sidecar):
+    prefill, decode = pods
+    prefill.behaviour = {"delay": 0.9}
+    before = metric(sidecar, "kvroute_sidecar_legs_total", leg="prefill", outcome="cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=0.3)
+    assert prefill.wait_event("cancelled", timeout=3), prefill.events
+    time.sleep(0.9)  # past the prefill's own delay: no decode leg may start afterwards
+    assert decode.received == []
+    assert metric(sidecar, "kvroute_sidecar_legs_total", leg="prefill", outcome="cancelled") == before + 1
+
+
+def test_client_disconnect_mid_stream_cancels_the_decode_request(pods, sidecar):
+    prefill, decode = pods
+    decode.gate = threading.Event()  # never set: the decoder stalls after its first chunk
+    with httpx.stream("POST", sidecar + "/v1/chat/completions", json=chat_body(stream=True),
+                      headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10) as r:
+        first = next(line for line in r.iter_lines() if line)
+        assert "tok0" in first
+    assert decode.wait_event("stream_cancelled", timeout=3), decode.events
+
+
+@pytest.fixture(scope="module")
+def published_sidecar(pods):
+    """A sidecar whose allowlist is the published prefill set; no fallback."""
+    prefill, decode = pods
+    prefill.published = [f"127.0.0.1:{prefill.port}"]
+    port = free_port()
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
+            "--prefill-allowlist-url", prefill.url + "/internal/prefill-pods", "--allowlist-refresh-s", "0.2",
+            "--target-dns-cache-s", "0", "--no-fallback-on-prefill-error"]
+    with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def _wait_allowed(base: str, target: str, want: int) -> httpx.Response:
+    deadline = time.monotonic() + 5
+    while True:
+        r = httpx.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                       headers={"x-prefiller-host-port": target}, timeout=10)
+        if r.status_code == want or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
+
+
+def test_published_prefill_set_is_the_allowlist_and_ports_matter(pods, published_sidecar):
+    prefill, decode = pods
+    prefill.published = [f"127.0.0.1:{prefill.port}"]
+    assert _wait_allowed(published_sidecar, f"127.0.0.1:{prefill.port}", 200).status_code == 200
+    other = free_port()
+    assert _wait_allowed(published_sidecar, f"127.0.0.1:{other}", 403).status_code == 403
+    # a name that resolves to an address outside the set is refused
+    prefill.published = [f"127.0.0.2:{prefill.port}"]
+    assert _wait_allowed(published_sidecar, f"localhost:{prefill.port}", 403).status_code == 403
+    # names in the published set are resolved
+    prefill.published = [f"localhost:{prefill.port}"]
+    assert _wait_allowed(published_sidecar, f"127.0.0.1:{prefill.port}", 200).status_code == 200
+    assert metric(published_sidecar, "kvroute_sidecar_allowlist_entries") == 1
+
+
+def test_without_fallback_a_prefill_5xx_is_returned(pods, published_sidecar):
+    prefill, decode = pods
+    prefill.published = [f"127.0.0.1:{prefill.port}"]
+    _wait_allowed(published_sidecar, f"127.0.0.1:{prefill.port}", 200)
+    decode.reset()
+    prefill.behaviour = {"status": 503}
+    r = httpx.post(published_sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10)
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "p says no"
+    assert decode.received == []
+
+
+def test_unreachable_decoder_is_a_503_and_own_health_stays_up():
+    port, dead = free_ports(2)
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", f"http://127.0.0.1:{dead}"]
+    with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+        base = f"http://127.0.0.1:{port}"
+        r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "p"}, timeout=10)
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "ServiceUnavailable"
+        # SSRF protection is on by default and nothing is allowlisted: any prefill target is refused
+        r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "p"}, timeout=10,
+                       headers={"x-prefiller-host-port": "127.0.0.1:8000"})
+        assert r.status_code == 403
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        assert metric(base, "kvroute_sidecar_legs_total", leg="direct", outcome="connect_error") == 1
