@@ -1,0 +1,655 @@
+"""The approximate per-pod prefix index: which leading blocks of a prompt each pod holds.
+
+Layout (chosen for a fast all-pods lookup and a small footprint in pure Python):
+
+* every event source (a pod, or one data-parallel rank of a pod) owns one **bit**;
+* per tier (``GPU``, ``CPU``, ...) one dict ``key -> bitmask of sources holding that block``;
+  with a single tier that dict is also the "any tier" dict, so nothing is stored twice;
+* per source one insertion-ordered dict ``engine hash -> key``: it maps BlockRemoved (engine
+  hashes only) to keys, resolves ``parent_block_hash`` of the next BlockStored, joins hash-only
+  offload events to known blocks, and its order is the LRU order for the per-source cap;
+* predicted entries (speculative credit after a routing decision, and the approximate mode for
+  pods without events) live in a separate ``key -> bitmask`` dict with per-entry expiry.
+
+``match(keys)`` maps the prompt's keys to masks, folds them with ``&`` and stops at the first
+empty mask, all with C-level iterators (``map``/``accumulate``/``takewhile``); the running mask
+only ever loses bits, so the depth of every source is found by bisecting the few points where it
+changes. Cost: O(matched prompt blocks) + O(sources), never O(pods x blocks).
+
+Tiers follow vLLM's own lookup order: the GPU prefix first, then an offload tier continues where
+the GPU prefix stopped. ``weighted`` = sum over tiers (by descending weight) of weight x the extra
+leading blocks that tier adds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+import types
+from bisect import bisect_right
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg, or_
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.keys import block_keys, key_seed
+
+log = logging.getLogger("kvroute.indexer")
+
+DEFAULT_TIER = "GPU"
+DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5, "FS": 0.5, "OBJ": 0.4, "DISK": 0.5}
+# KV-cache group kinds whose blocks are a real prefix cache; sliding-window/mamba groups are not.
+INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+
+
+class PodMatch:
+    """How much of a prompt one pod holds: leading blocks on any tier, per tier, and weighted."""
+
+    __slots__ = ("blocks", "by_tier", "weighted", "dp_rank")
+
+    def __init__(self, blocks: int, by_tier: Mapping[str, int], weighted: float, dp_rank: int | None):
+        self.blocks = blocks
+        self.by_tier = by_tier
+        self.weighted = weighted
+        self.dp_rank = dp_rank
+
+    def __repr__(self) -> str:
+        return f"PodMatch(blocks={self.blocks}, by_tier={dict(self.by_tier)}, weighted={self.weighted}, dp_rank={self.dp_rank})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, PodMatch) and self.blocks == other.blocks and dict(self.by_tier) == dict(other.by_tier)
+                and self.weighted == other.weighted)
+
+
+NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
+
+
+class _Source:
+    """One event publisher: a pod, or one data-parallel rank of a pod."""
+
+    __slots__ = ("pod", "rank", "bit", "blocks", "pred", "stored", "removed", "evicted", "orphans", "dead")
+
+    def __init__(self, pod: "_Pod", rank: int, bit: int):
+        self.pod = pod
+        self.rank = rank
+        self.bit = bit
+        self.blocks: dict[int, int] = {}   # engine hash -> key, oldest first
+        self.pred: dict[int, float] = {}   # predicted key -> expiry (only on the pod's first source)
+        self.stored = self.removed = self.evicted = self.orphans = 0
+        self.dead = False
+
+
+class _Pod:
+    __slots__ = ("pod_id", "model", "approximate", "sources", "primary", "block_size_mismatch", "refused", "seeds")
+
+    def __init__(self, pod_id: str, model: str, approximate: bool):
+        self.pod_id = pod_id
+        self.model = model
+        self.approximate = approximate
+        self.sources: dict[int, _Source] = {}
+        self.primary: _Source | None = None
+        self.block_size_mismatch: int | None = None
+        self.refused = 0
+        self.seeds: dict[str | None, int] = {}
+
+
+class PrefixIndex:
+    """Per-pod prefix index fed by KV events (and by routing decisions); see the module docstring.
+
+    ``block_size=None`` learns the size from the first event (or :meth:`check_block_size`); a
+    later different size from any pod is refused loudly (log + ``block_size_mismatches``).
+    ``max_blocks_per_pod`` caps each source's confirmed entries and, separately, its predicted
+    ones (LRU: the oldest stored or routed go first, a sixteenth at a time).
+    """
+
+    def __init__(self, block_size: int | None = 16, max_blocks_per_pod: int = 1_000_000,
+                 tier_weights: Mapping[str, float] | None = None, speculative_ttl_s: float = 2.0,
+                 approximate_ttl_s: float = 120.0, default_tier_weight: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_blocks_per_pod < 1:
+            raise ValueError("max_blocks_per_pod must be at least 1")
+        self.block_size = block_size
+        self.block_size_configured = block_size is not None
+        self.max_blocks_per_pod = max_blocks_per_pod
+        self.tier_weights = {**DEFAULT_TIER_WEIGHTS, **{k.upper(): float(v) for k, v in (tier_weights or {}).items()}}
+        self.default_tier_weight = default_tier_weight
+        self.speculative_ttl_s = speculative_ttl_s
+        self.approximate_ttl_s = approximate_ttl_s
+        self.clock = clock
+        self._pods: dict[str, _Pod] = {}
+        self._tiers: dict[str, dict[int, int]] = {}
+        self._any: dict[int, int] = {}          # is the only tier's dict while there is one tier
+        self._pred: dict[int, int] = {}
+        self._pred_heap: list[tuple[float, int, _Source, Sequence[int]]] = []
+        self._pred_counter = 0
+        self._bits: dict[int, _Source] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._alive = 0
+        self.counters = {k: 0 for k in (
+            "events", "blocks_stored", "blocks_removed", "blocks_evicted", "clears", "orphan_blocks",
+            "hash_only_joined", "hash_only_unknown", "unknown_removals", "unknown_pod_events",
+            "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
+            "predicted_added", "predicted_expired", "predicted_confirmed", "lookups")}
+
+    # --- fleet ------------------------------------------------------------------------------------
+    def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:
+        """Register a pod serving ``model`` (keys are seeded by it). Idempotent; updates the mode."""
+        pod = self._pods.get(pod_id)
+        if pod is None:
+            pod = _Pod(pod_id, model, approximate)
+            self._pods[pod_id] = pod
+            pod.primary = self._source(pod, 0)
+        else:
+            if pod.model != model:
+                self.clear_pod(pod_id)
+                pod.model, pod.seeds = model, {}
+            pod.approximate = approximate
+
+    def remove_pod(self, pod_id: str) -> bool:
+        """Forget a pod at once: it stops matching immediately and its entries are dropped."""
+        pod = self._pods.pop(pod_id, None)
+        if pod is None:
+            return False
+        for src in pod.sources.values():
+            self._alive &= ~src.bit
+        for src in list(pod.sources.values()):
+            self._clear_source(src, predicted=True)
+            src.dead = True
+            del self._bits[src.bit]
+            self._free_bits.append(src.bit)
+        return True
+
+    def clear_pod(self, pod_id: str, dp_rank: int | None = None) -> None:
+        """Drop a pod's entries (all ranks, or one DP rank): its engine restarted or reset its cache."""
+        pod = self._pods.get(pod_id)
+        if pod is None:
+            return
+        self.counters["clears"] += 1
+        for rank, src in pod.sources.items():
+            if dp_rank is None or rank == dp_rank:
+                self._clear_source(src, predicted=dp_rank is None or src is pod.primary)
+
+    def pods(self) -> list[str]:
+        return list(self._pods)
+
+    def has_pod(self, pod_id: str) -> bool:
+        return pod_id in self._pods
+
+    def _source(self, pod: _Pod, rank: int) -> _Source:
+        src = pod.sources.get(rank)
+        if src is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = 1 << self._next_bit
+                self._next_bit += 1
+            src = _Source(pod, rank, bit)
+            pod.sources[rank] = src
+            self._bits[bit] = src
+            self._alive |= bit
+        return src
+
+    # --- block size ---------------------------------------------------------------------------------
+    def check_block_size(self, pod_id: str | None, size: int) -> bool:
+        """Accept a pod's block size (from its events or ``vllm:cache_config_info``).
+
+        Unset: learned. Equal: fine. Different: a loud error, counted, and that pod's stores are
+        refused until fixed, since its blocks could never match our keys (silent misses otherwise).
+        """
+        if self.block_size is None:
+            self.block_size = size
+            log.info("block size %d learned from pod %s", size, pod_id)
+            return True
+        pod = self._pods.get(pod_id) if pod_id is not None else None
+        if size == self.block_size:
+            if pod is not None:
+                pod.block_size_mismatch = None
+            return True
+        self.counters["block_size_mismatches"] += 1
+        if pod is not None:
+            if pod.block_size_mismatch != size:
+                log.error("pod %s uses block size %d but the index is configured for %d: its KV events are "
+                          "refused until the sizes agree (set the router's block size to the engine's)",
+                          pod_id, size, self.block_size)
+            pod.block_size_mismatch = size
+        else:
+            log.error("block size %d differs from the index's %d", size, self.block_size)
+        return False
+
+    # --- events -------------------------------------------------------------------------------------
+    def apply_event(self, pod_id: str, event: Any, dp_rank: int | None = 0) -> bool:
+        """Apply one decoded event from ``pod_id`` (its ``dp_rank``). False if it was refused."""
+        pod = self._pods.get(pod_id)
+        if pod is None:
+            self.counters["unknown_pod_events"] += 1
+            return False
+        src = pod.sources.get(dp_rank or 0) or self._source(pod, dp_rank or 0)
+        self.counters["events"] += 1
+        t = type(event)
+        if t is BlockStored:
+            ok = self._store(pod, src, event)
+        elif t is BlockRemoved:
+            ok = self._remove(src, event)
+        elif t is AllBlocksCleared:
+            self.counters["clears"] += 1
+            self._clear_source(src, predicted=src is pod.primary)
+            ok = True
+        else:
+            self.counters["malformed_events"] += 1
+            ok = False
+        if not ok:
+            pod.refused += 1
+            self.counters["refused_events"] += 1
+        return ok
+
+    def apply_batch(self, pod_id: str, events: Iterable[Any], dp_rank: int | None = 0) -> int:
+        """Apply a batch's events in order; returns how many were refused."""
+        return sum(1 for ev in events if not self.apply_event(pod_id, ev, dp_rank))
+
+    def _seed(self, pod: _Pod, ev: BlockStored) -> int:
+        lora = ev.lora_name if ev.lora_name is not None else (None if ev.lora_id is None else f"lora-id:{ev.lora_id}")
+        seed = pod.seeds.get(lora)
+        if seed is None:
+            seed = pod.seeds[lora] = key_seed(pod.model, lora)
+        return seed
+
+    def _store(self, pod: _Pod, src: _Source, ev: BlockStored) -> bool:
+        bs = ev.block_size
+        if bs != self.block_size or pod.block_size_mismatch is not None:
+            if not self.check_block_size(pod.pod_id, bs):
+                return False
+        if ev.kv_cache_spec_kind not in INDEXED_KINDS:
+            self.counters["skipped_kind"] += 1
+            return True
+        hashes = ev.block_hashes
+        tokens = ev.token_ids
+        tier = ev.medium.upper() if ev.medium else DEFAULT_TIER
+        if not tokens:
+            return self._join_hash_only(src, hashes, tier)
+        if len(tokens) != len(hashes) * bs:
+            self.counters["malformed_events"] += 1
+            return False
+        parent = ev.parent_block_hash
+        if parent is None:
+            seed = self._seed(pod, ev)
+        else:
+            seed = src.blocks.get(parent)
+            if seed is None:
+                seed = self._parent_elsewhere(pod, parent)
+                if seed is None:
+                    # the parent was announced before we subscribed (or was evicted from our cap)
+                    self.counters["orphan_blocks"] += len(hashes)
+                    src.orphans += len(hashes)
+                    return True
+        keys = block_keys(tokens, bs, seed, ev.extra_keys)
+        self._add(src, hashes, keys, tier)
+        return True
+
+    @staticmethod
+    def _parent_elsewhere(pod: _Pod, parent: int) -> int | None:
+        for other in pod.sources.values():
+            k = other.blocks.get(parent)
+            if k is not None:
+                return k
+        return None
+
+    def _tier_dict(self, tier: str) -> dict[int, int]:
+        d = self._tiers.get(tier)
+        if d is None:
+            d = {}
+            if not self._tiers:
+                self._any = d
+            elif len(self._tiers) == 1:
+                self._any = dict(self._any)   # a second tier: "any" becomes a dict of its own
+            self._tiers[tier] = d
+        return d
+
+    def _add(self, src: _Source, hashes: Sequence[int], keys: Sequence[int], tier: str) -> None:
+        d = self._tier_dict(tier)
+        anyd = self._any
+        multi = anyd is not d
+        bit = src.bit
+        blocks = src.blocks
+        pop = blocks.pop
+        get = d.get
+        for h, k in zip(hashes, keys):
+            old = pop(h, None)
+            if old is not None and old != k:
+                self._drop_key(src, old)
+            blocks[h] = k
+            d[k] = get(k, 0) | bit
+            if multi:
+                anyd[k] = anyd.get(k, 0) | bit
+        n = len(keys)
+        src.stored += n
+        self.counters["blocks_stored"] += n
+        primary = src.pod.primary
+        if primary is not None and primary.pred:
+            self._confirm_predicted(primary, keys)
+        if len(blocks) > self.max_blocks_per_pod:
+            self._evict(src)
+
+    def _join_hash_only(self, src: _Source, hashes: Sequence[int], tier: str) -> bool:
+        """Offload-tier events without tokens: add the tier to blocks we already know by hash."""
+        known_h, known_k = [], []
+        for h in hashes:
+            k = src.blocks.get(h)
+            if k is None:
+                self.counters["hash_only_unknown"] += 1
+            else:
+                known_h.append(h)
+                known_k.append(k)
+        if known_k:
+            self.counters["hash_only_joined"] += len(known_k)
+            self._add(src, known_h, known_k, tier)
+        return True
+
+    def _remove(self, src: _Source, ev: BlockRemoved) -> bool:
+        tier = ev.medium.upper() if ev.medium else DEFAULT_TIER
+        d = self._tiers.get(tier)
+        bit = src.bit
+        blocks = src.blocks
+        multi = len(self._tiers) > 1
+        for h in ev.block_hashes:
+            k = blocks.get(h)
+            if k is None or d is None:
+                self.counters["unknown_removals"] += 1
+                continue
+            m = d.get(k, 0)
+            if not m & bit:
+                self.counters["unknown_removals"] += 1
+                continue
+            m &= ~bit
+            if m:
+                d[k] = m
+            else:
+                del d[k]
+            src.removed += 1
+            self.counters["blocks_removed"] += 1
+            if multi:
+                if any(od.get(k, 0) & bit for od in self._tiers.values()):
+                    continue  # still held on another tier of this pod
+                m = self._any.get(k, 0) & ~bit
+                if m:
+                    self._any[k] = m
+                else:
+                    self._any.pop(k, None)
+            del blocks[h]
+        return True
+
+    def _drop_key(self, src: _Source, k: int) -> None:
+        """Clear ``src``'s bit for key ``k`` on every tier (and the any-tier dict)."""
+        bit = src.bit
+        for d in self._tiers.values():
+            m = d.get(k, 0)
+            if m & bit:
+                m &= ~bit
+                if m:
+                    d[k] = m
+                else:
+                    del d[k]
+        if len(self._tiers) > 1:
+            m = self._any.get(k, 0)
+            if m & bit:
+                m &= ~bit
+                if m:
+                    self._any[k] = m
+                else:
+                    del self._any[k]
+
+    def _evict(self, src: _Source) -> None:
+        blocks = src.blocks
+        target = self.max_blocks_per_pod - self.max_blocks_per_pod // 16
+        n = len(blocks) - target
+        victims = []
+        it = iter(blocks.items())
+        for _ in range(n):
+            victims.append(next(it))
+        for h, k in victims:
+            del blocks[h]
+            self._drop_key(src, k)
+        src.evicted += n
+        self.counters["blocks_evicted"] += n
+
+    def _clear_source(self, src: _Source, predicted: bool) -> None:
+        for k in src.blocks.values():
+            self._drop_key(src, k)
+        src.blocks = {}
+        if predicted and src.pred:
+            bit = src.bit
+            pred = self._pred
+            for k in src.pred:
+                m = pred.get(k, 0) & ~bit
+                if m:
+                    pred[k] = m
+                else:
+                    pred.pop(k, None)
+            src.pred = {}
+
+    # --- predicted entries ------------------------------------------------------------------------
+    def speculate(self, pod_id: str, keys: Sequence[int], ttl_s: float | None = None) -> None:
+        """Credit ``pod_id`` with ``keys`` for ``ttl_s`` (default ``speculative_ttl_s``) right after
+        routing a request there, so its siblings follow before the engine's events arrive. Real
+        BlockStored events for those keys confirm (replace) the credit; otherwise it expires."""
+        pod = self._pods.get(pod_id)
+        if pod is None or pod.primary is None or not keys:
+            return
+        self._add_predicted(pod.primary, keys, self.speculative_ttl_s if ttl_s is None else ttl_s)
+
+    def record_route(self, pod_id: str, keys: Sequence[int]) -> None:
+        """Learn from a routing decision: for a pod added with ``approximate=True`` (no KV events)
+        its blocks are assumed cached for ``approximate_ttl_s``; for other pods this is
+        :meth:`speculate` with the short TTL."""
+        pod = self._pods.get(pod_id)
+        if pod is None or pod.primary is None or not keys:
+            return
+        self._add_predicted(pod.primary, keys, self.approximate_ttl_s if pod.approximate else self.speculative_ttl_s)
+
+    def _add_predicted(self, src: _Source, keys: Sequence[int], ttl: float) -> None:
+        now = self.clock()
+        self._expire(now)
+        expiry = now + ttl
+        bit = src.bit
+        pred = self._pred
+        mine = src.pred
+        keys = tuple(keys)
+        for k in keys:
+            if mine.pop(k, None) is None:
+                pred[k] = pred.get(k, 0) | bit
+                self.counters["predicted_added"] += 1
+            mine[k] = expiry
+        self._pred_counter += 1
+        heapq.heappush(self._pred_heap, (expiry, self._pred_counter, src, keys))
+        if len(mine) > self.max_blocks_per_pod:
+            target = self.max_blocks_per_pod - self.max_blocks_per_pod // 16
+            it = iter(list(mine)[: len(mine) - target])
+            for k in it:
+                del mine[k]
+                self._unpredict(bit, k)
+                self.counters["blocks_evicted"] += 1
+
+    def _unpredict(self, bit: int, k: int) -> None:
+        m = self._pred.get(k, 0) & ~bit
+        if m:
+            self._pred[k] = m
+        else:
+            self._pred.pop(k, None)
+
+    def _confirm_predicted(self, primary: _Source, keys: Sequence[int]) -> None:
+        mine = primary.pred
+        for k in keys:
+            if mine.pop(k, None) is not None:
+                self._unpredict(primary.bit, k)
+                self.counters["predicted_confirmed"] += 1
+
+    def _expire(self, now: float) -> None:
+        heap = self._pred_heap
+        while heap and heap[0][0] <= now:
+            expiry, _, src, keys = heapq.heappop(heap)
+            if src.dead:
+                continue
+            mine = src.pred
+            for k in keys:
+                if mine.get(k) == expiry:
+                    del mine[k]
+                    self._unpredict(src.bit, k)
+                    self.counters["predicted_expired"] += 1
+
+    # --- lookup -------------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
+        """For every pod (or those in ``pods``), how many of the prompt's leading blocks it holds."""
+        self.counters["lookups"] += 1
+        if self._pred_heap and self._pred_heap[0][0] <= self.clock():
+            self._expire(self.clock())
+        if pods is None:
+            chosen = self._pods
+            alive = self._alive
+        else:
+            chosen = {}
+            alive = 0
+            for p in pods:
+                pod = self._pods.get(p)
+                if pod is not None:
+                    chosen[p] = pod
+                    for src in pod.sources.values():
+                        alive |= src.bit
+        result: dict[str, PodMatch] = {}
+        if pods is not None:
+            for p in pods:
+                result[p] = NO_MATCH
+        if not keys or not alive:
+            for p in chosen:
+                result[p] = NO_MATCH
+            return result
+
+        pred = self._pred
+        tiers = self._tiers
+        if len(tiers) <= 1 and (not pred or not tiers or DEFAULT_TIER in tiers):
+            # one tier (the common case): one pass
+            tier = next(iter(tiers)) if tiers else DEFAULT_TIER
+            masks = map(self._any.get, keys, repeat(0))
+            if pred:
+                masks = map(or_, masks, map(pred.get, keys, repeat(0)))
+            depth = _depths(masks, alive)
+            weight = self.tier_weights.get(tier, self.default_tier_weight)
+            for pid, pod in chosen.items():
+                best, rank = 0, None
+                for r, src in pod.sources.items():
+                    d = depth.get(src.bit, 0)
+                    if d > best:
+                        best, rank = d, r
+                result[pid] = PodMatch(best, {tier: best}, weight * best, rank) if best else NO_MATCH
+            return result
+
+        # several tiers: per tier, and per union of the best tiers (vLLM continues a GPU prefix
+        # from the offload tier)
+        names = set(tiers)
+        if pred:
+            names.add(DEFAULT_TIER)
+        order = sorted(names, key=lambda t: -self.tier_weights.get(t, self.default_tier_weight))
+        lists = []
+        for t in order:
+            d = tiers.get(t)
+            lst = list(map(d.get, keys, repeat(0))) if d is not None else [0] * len(keys)
+            if t == DEFAULT_TIER and pred:
+                lst = list(map(or_, lst, map(pred.get, keys, repeat(0))))
+            lists.append(lst)
+        tier_depths = [_depths(lst, alive) for lst in lists]
+        union_depths = [tier_depths[0]]
+        union = lists[0]
+        for lst in lists[1:]:
+            union = list(map(or_, union, lst))
+            union_depths.append(_depths(union, alive))
+        weights = [self.tier_weights.get(t, self.default_tier_weight) for t in order]
+        for pid, pod in chosen.items():
+            best: PodMatch = NO_MATCH
+            for r, src in pod.sources.items():
+                bit = src.bit
+                total = union_depths[-1].get(bit, 0)
+                if total <= best.blocks:
+                    continue
+                by_tier = {}
+                for t, dd in zip(order, tier_depths):
+                    v = dd.get(bit, 0)
+                    if v:
+                        by_tier[t] = v
+                weighted, prev = 0.0, 0
+                for w, ud in zip(weights, union_depths):
+                    u = ud.get(bit, 0)
+                    weighted += w * (u - prev)
+                    prev = u
+                best = PodMatch(total, by_tier, weighted, r)
+            result[pid] = best
+        return result
+
+    # --- metrics ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Index-wide figures for metrics: entries per tier, predicted entries, counters."""
+        return {
+            "pods": len(self._pods),
+            "sources": len(self._bits),
+            "block_size": self.block_size,
+            "keys": len(self._any),
+            "keys_by_tier": {t: len(d) for t, d in self._tiers.items()},
+            "entries": sum(len(s.blocks) for s in self._bits.values()),
+            "predicted_keys": len(self._pred),
+            **self.counters,
+        }
+
+    def pod_stats(self, pod_id: str) -> dict[str, Any] | None:
+        """One pod's figures (None if unknown): blocks held, predicted, stored/removed/evicted."""
+        pod = self._pods.get(pod_id)
+        if pod is None:
+            return None
+        srcs = list(pod.sources.values())
+        return {
+            "model": pod.model,
+            "approximate": pod.approximate,
+            "dp_ranks": sorted(pod.sources),
+            "blocks": sum(len(s.blocks) for s in srcs),
+            "predicted": sum(len(s.pred) for s in srcs),
+            "stored": sum(s.stored for s in srcs),
+            "removed": sum(s.removed for s in srcs),
+            "evicted": sum(s.evicted for s in srcs),
+            "orphan_blocks": sum(s.orphans for s in srcs),
+            "refused_events": pod.refused,
+            "block_size_mismatch": pod.block_size_mismatch,
+        }
+
+    def blocks_of(self, pod_id: str, dp_rank: int | None = None) -> set[int]:
+        """Keys a pod holds from events (all tiers); for tests and debugging, O(blocks)."""
+        pod = self._pods.get(pod_id)
+        if pod is None:
+            return set()
+        return {k for r, s in pod.sources.items() if dp_rank is None or r == dp_rank for k in s.blocks.values()}
+
+
+def _depths(masks: Iterable[int], alive: int) -> dict[int, int]:
+    """``bit -> leading depth`` for every source bit in ``alive`` with depth > 0.
+
+    The running ``&`` of the masks only loses bits, so as ints its values never increase; the few
+    positions where it changes are found by bisection instead of a Python loop over blocks.
+    """
+    acc = list(takewhile(bool, accumulate(masks, and_, initial=alive)))
+    n = len(acc)
+    out: dict[int, int] = {}
+    if n <= 1:
+        return out
+    pos, v = 0, acc[0]
+    last = acc[-1]
+    while True:
+        if v == last:
+            gone, depth = v, n - 1
+        else:
+            nxt = bisect_right(acc, -v, pos, n, key=neg)
+            gone, depth = v ^ acc[nxt], nxt - 1
+        if depth > 0:
+            while gone:
+                low = gone & -gone
+                out[low] = depth
+                gone ^= low
+        if v == last:
+            return out
+        pos, v = nxt, acc[nxt]

@@ -1,0 +1,345 @@
+"""The prefix index: every rule, then a property test against a brute-force model."""
+
+from __future__ import annotations
+
+import logging
+
+from hypothesis import given, settings, strategies as st
+
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.index import PrefixIndex
+from indexer.keys import block_keys, key_seed, prompt_keys
+
+BS = 4
+MODEL = "m"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def stored(hashes, parent, tokens, medium="GPU", bs=BS, **kw):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(tokens),
+                       block_size=bs, medium=medium, **kw)
+
+
+def toks(n_blocks, base=0):
+    return [base + i for i in range(n_blocks * BS)]
+
+
+def new_index(**kw):
+    ix = PrefixIndex(block_size=BS, **kw)
+    for p in ("a", "b", "c"):
+        ix.add_pod(p, MODEL)
+    return ix
+
+
+def keys_of(tokens, lora=None):
+    return prompt_keys(tokens, BS, MODEL, lora)
+
+
+def test_store_then_match_counts_leading_blocks_for_all_pods():
+    ix = new_index()
+    t = toks(6)
+    ix.apply_event("a", stored([1, 2, 3, 4], None, t[:16]))
+    ix.apply_event("b", stored([1, 2], None, t[:8]))
+    m = ix.match(keys_of(t))
+    assert (m["a"].blocks, m["b"].blocks, m["c"].blocks) == (4, 2, 0)
+    assert m["a"].by_tier == {"GPU": 4} and m["a"].weighted == 4.0
+
+
+def test_parent_hash_continues_the_chain():
+    ix = new_index()
+    t = toks(4)
+    ix.apply_event("a", stored([10, 11], None, t[:8]))
+    ix.apply_event("a", stored([12, 13], 11, t[8:]))
+    assert ix.match(keys_of(t))["a"].blocks == 4
+
+
+def test_unknown_parent_is_counted_not_guessed():
+    ix = new_index()
+    t = toks(4)
+    assert ix.apply_event("a", stored([12, 13], 99, t[8:]))
+    assert ix.match(keys_of(t))["a"].blocks == 0
+    assert ix.stats()["orphan_blocks"] == 2
+
+
+def test_a_hole_stops_the_match():
+    ix = new_index()
+    t = toks(4)
+    ix.apply_event("a", stored([1, 2, 3, 4], None, t))
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 1
+
+
+def test_removed_maps_engine_hashes_to_keys_and_unknown_removals_are_counted():
+    ix = new_index()
+    t = toks(2)
+    ix.apply_event("a", stored([1, 2], None, t))
+    ix.apply_event("a", BlockRemoved(block_hashes=[2, 77], medium="GPU"))
+    assert ix.blocks_of("a") == {keys_of(t)[0]}
+    assert ix.stats()["unknown_removals"] == 1
+
+
+def test_all_blocks_cleared_and_clear_pod():
+    ix = new_index()
+    t = toks(2)
+    ix.apply_event("a", stored([1, 2], None, t))
+    ix.apply_event("b", stored([1, 2], None, t))
+    ix.apply_event("a", AllBlocksCleared())
+    m = ix.match(keys_of(t))
+    assert m["a"].blocks == 0 and m["b"].blocks == 2
+    ix.clear_pod("b")
+    assert ix.match(keys_of(t))["b"].blocks == 0
+    assert ix.stats()["keys"] == 0
+
+
+def test_dp_ranks_are_separate_sources_and_the_best_rank_wins():
+    ix = new_index()
+    t = toks(3)
+    ix.apply_event("a", stored([1], None, t[:4]), dp_rank=0)
+    ix.apply_event("a", stored([5, 6, 7], None, t), dp_rank=1)
+    m = ix.match(keys_of(t))["a"]
+    assert m.blocks == 3 and m.dp_rank == 1
+    ix.clear_pod("a", dp_rank=1)
+    m = ix.match(keys_of(t))["a"]
+    assert m.blocks == 1 and m.dp_rank == 0
+
+
+def test_remove_pod_leaves_at_once_and_its_bit_is_reused_cleanly():
+    ix = new_index()
+    t = toks(2)
+    ix.apply_event("a", stored([1, 2], None, t))
+    assert ix.remove_pod("a")
+    assert "a" not in ix.match(keys_of(t))
+    ix.add_pod("d", MODEL)  # takes the freed bit
+    assert ix.match(keys_of(t))["d"].blocks == 0
+    assert ix.apply_event("a", stored([3], None, t[:4])) is False
+    assert ix.stats()["unknown_pod_events"] == 1
+
+
+def test_models_and_loras_do_not_collide():
+    ix = new_index()
+    ix.add_pod("x", "other-model")
+    t = toks(2)
+    ix.apply_event("x", stored([1, 2], None, t))
+    ix.apply_event("a", stored([1, 2], None, t, lora_name="ad1"))
+    assert ix.match(keys_of(t))["x"].blocks == 0 and ix.match(keys_of(t))["a"].blocks == 0
+    assert ix.match(keys_of(t, "ad1"))["a"].blocks == 2
+    assert ix.match(prompt_keys(t, BS, "other-model"))["x"].blocks == 2
+
+
+def test_tier_weights_follow_gpu_then_offload_order():
+    ix = new_index(tier_weights={"GPU": 1.0, "CPU": 0.5})
+    t = toks(4)
+    ix.apply_event("a", stored([1, 2, 3, 4], None, t, medium="CPU"))
+    ix.apply_event("a", stored([1, 2], None, t[:8], medium="GPU"))
+    ix.apply_event("b", stored([1, 2, 3], None, t[:12], medium="GPU"))
+    m = ix.match(keys_of(t))
+    assert m["a"].blocks == 4 and m["a"].by_tier == {"GPU": 2, "CPU": 4}
+    assert m["a"].weighted == 2 * 1.0 + 2 * 0.5
+    assert m["b"].weighted == 3.0 and m["b"].by_tier == {"GPU": 3}
+    # evicted from GPU: still on CPU
+    ix.apply_event("a", BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    m = ix.match(keys_of(t))
+    assert m["a"].blocks == 4 and m["a"].by_tier == {"CPU": 4} and m["a"].weighted == 2.0
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="CPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 0
+    assert keys_of(t)[0] not in ix.blocks_of("a")
+
+
+def test_hash_only_offload_events_join_known_hashes():
+    ix = new_index()
+    t = toks(3)
+    ix.apply_event("a", stored([1, 2, 3], None, t))
+    ix.apply_event("a", stored([1, 2, 99], None, [], medium="CPU"))
+    m = ix.match(keys_of(t))["a"]
+    assert m.by_tier == {"GPU": 3, "CPU": 2}
+    assert ix.stats()["hash_only_joined"] == 2 and ix.stats()["hash_only_unknown"] == 1
+
+
+def test_block_size_mismatch_is_loud_and_refused(caplog):
+    ix = new_index()
+    with caplog.at_level(logging.ERROR, logger="kvroute.indexer"):
+        ok = ix.apply_event("a", stored([1], None, list(range(16)), bs=16))
+    assert ok is False
+    assert ix.stats()["block_size_mismatches"] == 1 and ix.stats()["refused_events"] == 1
+    assert "block size 16" in caplog.text
+    assert ix.pod_stats("a")["block_size_mismatch"] == 16
+    assert ix.check_block_size("a", 16) is False
+
+
+def test_block_size_is_learned_when_not_configured():
+    ix = PrefixIndex(block_size=None)
+    ix.add_pod("a", MODEL)
+    assert ix.apply_event("a", stored([1], None, list(range(8)), bs=8))
+    assert ix.block_size == 8
+    assert ix.apply_event("a", stored([2], None, list(range(4)), bs=4)) is False
+
+
+def test_token_count_must_match_block_count():
+    ix = new_index()
+    assert ix.apply_event("a", stored([1, 2], None, toks(1))) is False
+    assert ix.stats()["malformed_events"] == 1
+
+
+def test_sliding_window_groups_are_not_indexed():
+    ix = new_index()
+    ix.apply_event("a", stored([1], None, toks(1), kv_cache_spec_kind="sliding_window"))
+    assert ix.stats()["skipped_kind"] == 1 and ix.blocks_of("a") == set()
+
+
+def test_cap_evicts_oldest_first():
+    ix = new_index(max_blocks_per_pod=16)
+    t = toks(20)
+    keys = keys_of(t)
+    for i in range(20):
+        ix.apply_event("a", stored([i], None if i == 0 else i - 1, t[i * BS:(i + 1) * BS]))
+    held = ix.blocks_of("a")
+    assert len(held) <= 16
+    assert keys[0] not in held and keys[19] in held
+    assert ix.pod_stats("a")["evicted"] >= 4
+    assert ix.match(keys)["a"].blocks == 0  # the head is gone, so nothing leads
+
+
+def test_speculative_credit_expires_unless_confirmed():
+    clock = Clock()
+    ix = new_index(speculative_ttl_s=2.0, clock=clock)
+    t = toks(3)
+    k = keys_of(t)
+    ix.speculate("b", k)
+    assert ix.match(k)["b"].blocks == 3
+    clock.t += 1.0
+    ix.apply_event("b", stored([1, 2], None, t[:8]))  # confirms the first two
+    clock.t += 1.5
+    assert ix.match(k)["b"].blocks == 2  # the third expired, the confirmed two stay
+    assert ix.stats()["predicted_confirmed"] == 2 and ix.stats()["predicted_expired"] == 1
+    assert ix.stats()["predicted_keys"] == 0
+
+
+def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
+    clock = Clock()
+    ix = PrefixIndex(block_size=BS, approximate_ttl_s=100.0, speculative_ttl_s=1.0, max_blocks_per_pod=32, clock=clock)
+    ix.add_pod("n", MODEL, approximate=True)
+    ix.add_pod("e", MODEL)
+    k = keys_of(toks(5))
+    ix.record_route("n", k)
+    ix.record_route("e", k)
+    clock.t += 50
+    m = ix.match(k)
+    assert m["n"].blocks == 5 and m["e"].blocks == 0
+    clock.t += 60
+    assert ix.match(k)["n"].blocks == 0
+    for i in range(10):
+        ix.record_route("n", keys_of(toks(5, base=1000 * (i + 1))))
+    assert ix.pod_stats("n")["predicted"] <= 32
+
+
+def test_match_restricted_to_some_pods_includes_unknown_ones_as_zero():
+    ix = new_index()
+    t = toks(2)
+    ix.apply_event("a", stored([1, 2], None, t))
+    ix.apply_event("b", stored([1, 2], None, t))
+    m = ix.match(keys_of(t), pods=["b", "zz"])
+    assert set(m) == {"b", "zz"} and m["b"].blocks == 2 and m["zz"].blocks == 0
+
+
+def test_many_pods_bitmask_beyond_64():
+    ix = PrefixIndex(block_size=BS)
+    t = toks(8)
+    k = keys_of(t)
+    for i in range(100):
+        ix.add_pod(f"p{i}", MODEL)
+        n = i % 9
+        if n:
+            ix.apply_event(f"p{i}", stored(range(1, n + 1), None, t[: n * BS]))
+    m = ix.match(k)
+    assert all(m[f"p{i}"].blocks == i % 9 for i in range(100))
+
+
+# --- property test -------------------------------------------------------------------------------
+DOCS = [list(range(d * 1000, d * 1000 + 6 * BS)) for d in range(3)]
+PODS = ["a", "b"]
+
+
+def ehash(pod, rank, doc, i):
+    return hash(("engine", pod, rank, doc, i)) & (2**64 - 1)
+
+
+op = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(PODS), st.integers(0, 1), st.integers(0, 2), st.integers(0, 5),
+              st.integers(1, 3), st.sampled_from(["GPU", "CPU"])),
+    st.tuples(st.just("remove"), st.sampled_from(PODS), st.integers(0, 1), st.integers(0, 2), st.integers(0, 5),
+              st.sampled_from(["GPU", "CPU"])),
+    st.tuples(st.just("clear"), st.sampled_from(PODS), st.integers(0, 1)),
+    st.tuples(st.just("restart"), st.sampled_from(PODS)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(op, max_size=40), st.integers(0, 2))
+def test_index_agrees_with_a_brute_force_model(ops, query_doc):
+    ix = PrefixIndex(block_size=BS, tier_weights={"GPU": 1.0, "CPU": 0.5})
+    for p in PODS:
+        ix.add_pod(p, MODEL)
+    # model: (pod, rank) -> {(doc, i): set(tiers)}
+    model: dict[tuple[str, int], dict[tuple[int, int], set[str]]] = {(p, r): {} for p in PODS for r in (0, 1)}
+    for o in ops:
+        if o[0] == "store":
+            _, p, r, d, start, n, tier = o
+            n = min(n, 6 - start)
+            held = model[(p, r)]
+            parent_known = start == 0 or (d, start - 1) in held
+            ev = stored([ehash(p, r, d, i) for i in range(start, start + n)],
+                        None if start == 0 else ehash(p, r, d, start - 1),
+                        DOCS[d][start * BS:(start + n) * BS], medium=tier)
+            ix.apply_event(p, ev, dp_rank=r)
+            if parent_known:
+                for i in range(start, start + n):
+                    held.setdefault((d, i), set()).add(tier)
+        elif o[0] == "remove":
+            _, p, r, d, i, tier = o
+            ix.apply_event(p, BlockRemoved(block_hashes=[ehash(p, r, d, i)], medium=tier), dp_rank=r)
+            held = model[(p, r)]
+            if (d, i) in held:
+                held[(d, i)].discard(tier)
+                if not held[(d, i)]:
+                    del held[(d, i)]
+        elif o[0] == "clear":
+            _, p, r = o
+            ix.apply_event(p, AllBlocksCleared(), dp_rank=r)
+            model[(p, r)] = {}
+        else:
+            _, p = o
+            ix.clear_pod(p)
+            model[(p, 0)], model[(p, 1)] = {}, {}
+    keys = prompt_keys(DOCS[query_doc], BS, MODEL)
+    got = ix.match(keys)
+    for p in PODS:
+        best_total, best = 0, None
+        for r in (0, 1):
+            held = model[(p, r)]
+
+            def lead(pred):
+                n = 0
+                while n < 6 and (query_doc, n) in held and pred(held[(query_doc, n)]):
+                    n += 1
+                return n
+            total = lead(lambda s: True)
+            gpu = lead(lambda s: "GPU" in s)
+            cpu = lead(lambda s: "CPU" in s)
+            weighted = gpu * 1.0 + (total - gpu) * 0.5
+            if total > best_total:
+                best_total, best = total, (gpu, cpu, weighted)
+        assert got[p].blocks == best_total, (p, got[p], model)
+        if best:
+            assert got[p].by_tier.get("GPU", 0) == best[0] and got[p].by_tier.get("CPU", 0) == best[1]
+            assert abs(got[p].weighted - best[2]) < 1e-9
+    # engine-hash maps agree with the model too
+    for (p, r), held in model.items():
+        expect = {prompt_keys(DOCS[d][: (i + 1) * BS], BS, MODEL)[-1] for (d, i) in held}
+        assert ix.blocks_of(p, r) == expect
