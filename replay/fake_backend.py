@@ -2,7 +2,7 @@
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens`` SSE chunks: the
 first after ``ttft`` seconds, the next ones ``itl`` seconds apart, then a usage chunk and
-``[DONE]``. Every ``reject_every``-th request (or one carrying ``x-fake-status``) gets that error
+``[DONE]``; a request carrying ``x-fake-drop: K`` has its connection cut after K chunks. Every ``reject_every``-th request (or one carrying ``x-fake-status``) gets that error
 status instead. Responses name a pod in ``x-kvroute-pod`` (round-robin over ``pods``), and
 ``/metrics`` exposes ``vllm:prefix_cache_queries_total``/``_hits_total`` counted with an
 unbounded 16-token-block prefix cache, so hit rates are exactly predictable. Run it alone with
@@ -29,6 +29,8 @@ class Behaviour:
     reject_status: int = 429
     pods: tuple[str, ...] = ("pod-0",)
     block: int = 16
+    count_cache: bool = True  # False: skip prompt parsing and cache accounting (fastest answers)
+    tokens: int = 0  # answer with this many tokens instead of max_tokens (0: honour max_tokens)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class State:
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)  # request headers, in arrival order
 
 
 def _prefix_hits(state: State, ids: list[int]) -> int:
@@ -58,10 +61,13 @@ def _prefix_hits(state: State, ids: list[int]) -> int:
     return hit_blocks * b
 
 
+STATE_KEY = web.AppKey("state", State)
+
+
 def build_app(behaviour: Behaviour | None = None) -> web.Application:
     state = State(behaviour or Behaviour())
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app["state"] = state
+    app[STATE_KEY] = state
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -79,7 +85,9 @@ def build_app(behaviour: Behaviour | None = None) -> web.Application:
         beh = state.behaviour
         n = next(state.counter)
         state.requests += 1
-        body = orjson.loads(await request.read())
+        state.headers.append(dict(request.headers))
+        raw = await request.read()
+        body = orjson.loads(raw) if beh.count_cache or not beh.tokens else {}
         pod = beh.pods[n % len(beh.pods)]
         forced = request.headers.get("x-fake-status")
         if forced or (beh.reject_every and (n + 1) % beh.reject_every == 0):
@@ -87,20 +95,27 @@ def build_app(behaviour: Behaviour | None = None) -> web.Application:
             return web.json_response({"error": {"message": "rejected", "type": "rate_limit", "code": status}},
                                      status=status, headers={"x-kvroute-pod": pod})
         chat = request.path.endswith("/chat/completions")
-        if chat:
+        if not beh.count_cache:
+            ids, cached = [], 0
+        elif chat:
             prompt = "".join(m.get("content", "") for m in body.get("messages", []))
             ids = list(prompt.encode())
         else:
             ids = body.get("prompt") or []
-        cached = _prefix_hits(state, ids)
-        state.queries += len(ids)
-        state.hits += cached
-        tokens = int(body.get("max_tokens") or 16)
+        if beh.count_cache:
+            cached = _prefix_hits(state, ids)
+            state.queries += len(ids)
+            state.hits += cached
+        tokens = beh.tokens or int(body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-kvroute-pod": pod})
         await resp.prepare(request)
         if beh.ttft:
             await asyncio.sleep(beh.ttft)
+        drop_after = int(request.headers.get("x-fake-drop", "-1"))
         for i in range(tokens):
+            if i == drop_after:  # cut the stream: the client must count it as failed
+                request.transport.close()
+                return resp
             if i and beh.itl:
                 await asyncio.sleep(beh.itl)
             choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
@@ -133,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ttft", type=float, default=0.0)
     parser.add_argument("--itl", type=float, default=0.0)
+    parser.add_argument("--tokens", type=int, default=0, help="answer with this many tokens (0: max_tokens)")
+    parser.add_argument("--no-cache-stats", action="store_true", help="skip prompt parsing and cache accounting")
     args = parser.parse_args(argv)
     try:
         import uvloop
@@ -140,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(build_app(Behaviour(ttft=args.ttft, itl=args.itl)), host=args.host, port=args.port,
+    web.run_app(build_app(Behaviour(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
+                                       count_cache=not args.no_cache_stats)), host=args.host, port=args.port,
                 access_log=None, print=None)
     return 0
 

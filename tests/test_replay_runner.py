@@ -1,0 +1,154 @@
+"""The runner's measurements against a real streaming backend on loopback with known timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from replay import arrivals, fake_backend, runner, workloads
+from replay.fake_backend import Behaviour
+from replay.metrics import RequestRecord, peak_concurrency, summarize
+
+from tests.helpers import free_port
+
+
+@pytest.fixture
+async def backend():
+    started = []
+
+    async def start(**kw):
+        port = free_port()
+        app_runner = await fake_backend.start(port, Behaviour(**kw))
+        state = app_runner.app[fake_backend.STATE_KEY]
+        started.append(app_runner)
+        return f"http://127.0.0.1:{port}", state
+
+    yield start
+    for r in started:
+        await r.cleanup()
+
+
+def _specs(n=6, output_len=5, sys_len=64, q_len=16, groups=2):
+    return workloads.shared_prefix(num_groups=groups, prompts_per_group=n // groups, system_prompt_len=sys_len,
+                                   question_len=q_len, output_len=output_len)
+
+
+async def test_metrics_match_known_timing(backend):
+    url, state = await backend(ttft=0.1, itl=0.02, pods=("pod-a", "pod-b"))
+    specs = _specs()
+    res = await runner.run(url, specs, arrivals.constant(len(specs), 50.0), model="fake-model", slo_ttft=1.0)
+    s = res.summary
+    assert (s["requests"], s["completed"], s["rejected"], s["errors"]) == (6, 6, 0, 0)
+    for r in res.records:
+        assert r.ok and r.output_tokens == 5 and len(r.itls) == 4
+        assert 0.1 <= r.ttft < 0.35
+        assert all(0.02 <= g < 0.2 for g in r.itls)
+        assert 0.18 <= r.e2e < 0.8
+        assert r.tpot == pytest.approx((r.e2e - r.ttft) / 4)
+    assert 100 <= s["median_ttft_ms"] < 350 and 20 <= s["median_itl_ms"] < 200
+    assert s["ttft_p50"] == pytest.approx(s["median_ttft_ms"] / 1000)
+    assert s["per_pod"] == {"pod-a": 3, "pod-b": 3}
+    assert s["slo_attainment"] == 1.0 and s["request_goodput"] > 0
+    assert s["total_input_tokens"] == 6 * 80 and s["total_output_tokens"] == 30
+    assert s["lateness_p99_ms"] >= 0 and s["lateness_max_ms"] >= s["lateness_p99_ms"]
+    # the bodies the backend received are the workload's prompts, streamed with usage
+    assert len(state.headers) == 6
+
+
+async def test_rejections_count_as_slo_misses(backend):
+    url, _ = await backend(reject_every=2)
+    specs = _specs()
+    res = await runner.run(url, specs, arrivals.constant(len(specs), 100.0), model="fake-model", slo_ttft=5.0)
+    s = res.summary
+    assert (s["requests"], s["completed"], s["rejected"], s["errors"]) == (6, 3, 3, 0)
+    assert s["errors_by_status"] == {"429": 3}
+    assert s["slo_attainment"] == pytest.approx(0.5)  # the 3 rejected requests are misses
+    assert s["slo_met"] == 3
+
+
+async def test_slow_ttft_misses_slo_and_slo_header_sent(backend):
+    url, state = await backend(ttft=0.06)
+    specs = _specs(n=2, groups=1)
+    res = await runner.run(url, specs, [0.0, 0.01], model="fake-model", slo_ttft=0.05, send_slo_header=True)
+    assert res.summary["slo_attainment"] == 0.0 and res.summary["completed"] == 2
+    assert [h.get("x-slo-ttft-ms") for h in state.headers] == ["50", "50"]
+    res2 = await runner.run(url, specs, [0.0, 0.01], model="fake-model")
+    assert res2.summary["slo_attainment"] is None  # no objective given
+    assert all("x-slo-ttft-ms" not in h for h in state.headers[2:])
+
+
+async def test_hit_rate_from_pod_metrics(backend):
+    url, _ = await backend()
+    specs = _specs(n=6, groups=2, sys_len=64, q_len=16)
+    res = await runner.run(url, specs, arrivals.constant(6, 20.0), model="fake-model", pod_metrics=[url])
+    # 16-token blocks: each group's first request misses its 64-token system prompt, the other
+    # two hit it; questions always miss.
+    assert res.summary["hit_rate"] == pytest.approx(4 * 64 / (6 * 80))
+    assert res.summary["usage_hit_rate"] == pytest.approx(4 * 64 / (6 * 80))
+    assert res.summary["hit_rate_per_pod"] == {url: pytest.approx(4 * 64 / (6 * 80))}
+    # a second run measures only its own traffic (counters read before and after)
+    res2 = await runner.run(url, specs[:2], [0.0, 0.05], model="fake-model", pod_metrics=[url, "http://127.0.0.1:1"])
+    assert res2.summary["hit_rate"] == pytest.approx(1.0)
+    assert res2.summary["pod_metrics_unreachable"] == ["http://127.0.0.1:1"]
+
+
+async def test_max_concurrency_queues_without_counting_as_lateness(backend):
+    url, _ = await backend(ttft=0.1)
+    specs = _specs(n=4, groups=1)
+    res = await runner.run(url, specs, [0.0] * 4, model="fake-model", max_concurrency=1)
+    s = res.summary
+    assert s["completed"] == 4 and s["max_concurrent_requests"] == 1
+    assert s["queue_time_p99_ms"] >= 200
+    assert s["lateness_max_ms"] < 100
+    assert sorted(round(r.queue_time, 1) for r in res.records)[-1] >= 0.3
+
+
+async def test_duration_and_max_requests_limit_what_is_sent(backend):
+    url, state = await backend()
+    specs = _specs(n=20, groups=2)
+    res = await runner.run(url, specs, arrivals.constant(20, 10.0), model="fake-model", duration=0.45)
+    assert res.summary["requests"] == 5 and state.requests == 5
+    res = await runner.run(url, specs, arrivals.constant(20, 100.0), model="fake-model", max_requests=3)
+    assert res.summary["requests"] == 3
+
+
+async def test_dropped_stream_and_unreachable_target_are_errors(backend):
+    url, _ = await backend(itl=0.01)
+    specs = _specs(n=2, groups=1)
+    res = await runner.run(url, specs, [0.0, 0.0], model="fake-model", headers={"x-fake-drop": "2"}, slo_ttft=10)
+    s = res.summary
+    assert s["completed"] == 0 and s["errors"] == 2 and s["slo_attainment"] == 0.0
+    assert s["errors_by_status"] == {"incomplete": 2}
+    dead = f"http://127.0.0.1:{free_port()}"
+    res = await runner.run(dead, specs, [0.0, 0.0], model="m", slo_ttft=10)
+    assert res.summary["errors_by_status"] == {"connection": 2} and res.summary["slo_attainment"] == 0.0
+    with pytest.raises(runner.RunError, match="cannot list models"):
+        await runner.run(dead, specs, [0.0], model=None)
+
+
+async def test_other_status_and_chat_endpoint_and_model_discovery(backend):
+    url, state = await backend(ttft=0.02, itl=0.01)
+    specs = _specs(n=2, groups=1)
+    res = await runner.run(url + "/v1", specs, [0.0, 0.0], endpoint="chat", headers={"x-fake-status": "503"})
+    assert res.summary["errors_by_status"] == {"503": 2} and res.config["model"] == "fake-model"
+    res = await runner.run(url, specs, [0.0, 0.0], endpoint="chat")
+    assert res.summary["completed"] == 2
+    assert all(r.ttft >= 0.02 and r.output_tokens == 5 for r in res.records)
+
+
+def test_summarize_and_peak_concurrency_pure():
+    recs = [
+        RequestRecord(0, 0.0, 10, sent=0.0, lateness=0.001, status=200, ttft=0.1, e2e=0.5, itls=[0.1] * 4,
+                      output_tokens=5),
+        RequestRecord(1, 0.1, 10, sent=0.1, lateness=0.003, status=200, ttft=0.3, e2e=0.7, itls=[0.1] * 4,
+                      output_tokens=5),
+        RequestRecord(2, 0.2, 10, sent=0.2, lateness=0.002, status=429, error="busy"),
+        RequestRecord(3, 0.3, 10, sent=0.3, lateness=0.0, status=500, error="boom"),
+    ]
+    s = summarize(recs, duration=1.0, slo_ttft=0.2, slo_tpot=0.2)
+    assert s["requests"] == 4 and s["completed"] == 2 and s["rejected"] == 1 and s["errors"] == 1
+    assert s["slo_attainment"] == 0.25 and s["request_goodput"] == 1.0
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["mean_tpot_ms"] == pytest.approx(100)
+    assert s["mean_e2el_ms"] == pytest.approx(600) and s["lateness_max_ms"] == pytest.approx(3)
+    assert s["max_concurrent_requests"] == 2
+    assert summarize(recs, duration=1.0, slo_ttft=0.2, slo_tpot=0.05)["slo_attainment"] == 0.0
+    assert peak_concurrency([(0, 1), (1, 2), (0.5, 1.5)]) == 2
