@@ -153,7 +153,7 @@ def create_app(services: Services) -> FastAPI:
             given = token.strip().encode()
             if any(hmac.compare_digest(given, k) for k in api_keys):
                 return
-        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>)",
                        headers={"www-authenticate": "Bearer"})
 
     def router():
@@ -272,7 +272,7 @@ def create_app(services: Services) -> FastAPI:
         metrics.requests.labels("", policy, "429").inc()
         return error_response(
             429, f"overloaded: the best predicted time to first token is {best.ttft_s * 1000:.0f} ms, over the "
-            f"{objective * 1000:.0f} ms objective", code="ttft_objective_unreachable",
+            f"{objective * 1000:.0f} ms objective",
             headers={"retry-after": str(settings.retry_after_s), "x-request-id": rid})
 
     async def respond(r, opened: Opened, booking: Booking, body: dict[str, Any], rid: str) -> Response:

@@ -178,7 +178,8 @@ class PodRegistry:
                 if pod.unhealthy_since is None:
                     pod.unhealthy_since = self._clock()
         if was != pod.healthy:
-            log.warning("pod %s is now %s", pod_id, "healthy" if pod.healthy else "unhealthy")
+            log.log(logging.INFO if pod.healthy else logging.WARNING, "pod %s is now %s", pod_id,
+                    "healthy" if pod.healthy else "unhealthy")
             if self.on_health_change:
                 self.on_health_change(pod_id, pod.healthy)
         if (not pod.healthy and not pod.forgotten and pod.unhealthy_since is not None

@@ -92,7 +92,7 @@ class Router:
         if not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model")
         if model not in models:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
 
     def objective_s(self, headers: Mapping[str, str]) -> float | None:

@@ -57,7 +57,7 @@ class Services:
                             tier_weights=dict(self.settings.tier_weights),
                             speculative_ttl_s=self.settings.speculative_ttl_s)
         for pod in self.settings.pods:
-            index.add_pod(pod.id, pod.model)
+            index.add_pod(pod.id, pod.model, approximate=not pod.kv_events)
         return index
 
     async def start_subscriber(self) -> None:

@@ -1,0 +1,401 @@
+"""The router's HTTP surface against real pods on loopback (small recording pods served by aiohttp).
+
+The recording pods speak the slice of vLLM's surface these tests need (health, metrics, OpenAI
+routes with SSE) and remember what they were sent, so the tests can see header stripping,
+retries, streaming pass-through and upstream cancellation from the pod's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+import uvicorn
+from aiohttp import web
+
+from router.api import create_app
+from router.config import RouterSettings, build_settings
+from router.service import Services
+from tests.helpers import free_port
+
+# ---------------------------------------------------------------------------------------------
+# a recording pod
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pod:
+    name: str
+    port: int
+    fail_status: int = 0          # answer this status ...
+    fail_times: int = 0           # ... for the next N requests
+    chunk_delay: float = 0.0      # seconds between SSE chunks
+    chunks: int = 3
+    hang: bool = False            # stream one chunk, then keep writing slowly until the client leaves
+    waiting: int = 0
+    seen: list[dict] = field(default_factory=list)
+    cancelled: int = 0
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = (f'vllm:num_requests_waiting{{model_name="m",engine="0"}} {self.waiting}\n'
+                f'vllm:num_requests_running{{model_name="m",engine="0"}} 0\n'
+                f'vllm:kv_cache_usage_perc{{model_name="m",engine="0"}} 0.25\n'
+                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
+        return web.Response(text=text)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = orjson.loads(raw)
+        self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw, "path": request.path})
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
+                                     status=self.fail_status)
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
+                                      "choices": [{"index": 0, "text": f"hi from {self.name}", "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+                                     headers={"x-pod-name": self.name})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-pod-name": self.name})
+        await resp.prepare(request)
+        try:
+            n = 10**6 if self.hang else self.chunks
+            for i in range(n):
+                chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i} "}]}
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await asyncio.sleep(self.chunk_delay if not self.hang else 0.02)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
+        return resp
+
+
+@contextlib.asynccontextmanager
+async def pods_running(n: int, **kw):
+    pods = [Pod(f"pod-{i}", free_port(), **kw) for i in range(n)]
+    for p in pods:
+        await p.start()
+    try:
+        yield pods
+    finally:
+        for p in pods:
+            await p.stop()
+
+
+def settings_for(pods, **kw) -> RouterSettings:
+    fleet = [{"id": p.name, "url": p.url, "model": "m"} for p in pods]
+    base = {"pods": fleet, "port": free_port(), "health_interval_s": 0.2, "scrape_interval_s": 0.1}
+    base.update(kw)
+    return build_settings(RouterSettings, base)
+
+
+@contextlib.asynccontextmanager
+async def running_router(settings: RouterSettings):
+    """The real app under uvicorn on a free port, in this event loop; yields (base_url, services)."""
+    services = Services(settings)
+    app = create_app(services)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
+                                           lifespan="on", access_log=False))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if task.done():
+            task.result()
+        assert time.monotonic() < deadline, "router did not start"
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{settings.port}", services
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+def completion(stream: bool = False, prompt: str = "hello world", **kw) -> dict:
+    return {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream, **kw}
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_routes_models_health_ready_and_metrics():
+    async with pods_running(2) as pods, running_router(settings_for(pods)) as (base, services):
+        async with httpx.AsyncClient(base_url=base) as c:
+            assert (await c.get("/health")).status_code == 200
+            assert (await c.get("/ready")).status_code == 200
+            models = (await c.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["m"]
+            r = await c.post("/v1/completions", json=completion())
+            assert r.status_code == 200
+            assert r.headers["x-kvroute-pod"] in {"pod-0", "pod-1"}
+            assert r.json()["choices"][0]["text"] == f"hi from {r.headers['x-kvroute-pod']}"
+            assert r.headers["x-pod-name"] == r.headers["x-kvroute-pod"]
+            text = (await c.get("/metrics")).text
+            assert 'kvroute_requests_total{pod="%s",policy="predicted-ttft",status="200"} 1.0' % r.headers[
+                "x-kvroute-pod"] in text
+            assert 'kvroute_pod_healthy{pod="pod-0"} 1.0' in text
+            assert 'kvroute_pod_kv_usage{pod="pod-0"} 0.25' in text
+            assert services.router.block_size == 16  # learned from vllm:cache_config_info
+
+
+async def test_body_is_passed_through_untouched_and_internal_headers_are_stripped():
+    async with pods_running(1) as pods, running_router(settings_for(pods)) as (base, _):
+        raw = b'{"model":"m",  "prompt":"x y z", "max_tokens":2, "weird_extra": {"keep": [1,2]}}'
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/completions", content=raw, headers={
+                "content-type": "application/json", "x-prefiller-host-port": "evil:1", "x-prefiller-url": "http://evil",
+                "x-kvroute-pod": "pod-9", "x-kvroute-anything": "1", "x-data-parallel-host-port": "evil:2",
+                "connection": "keep-alive, x-custom-hop", "x-request-id": "req-abc", "x-user-header": "kept",
+                "proxy-authorization": "secret"})
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] == "req-abc"
+        seen = pods[0].seen[-1]
+        assert seen["raw"] == raw
+        names = {k.lower() for k in seen["headers"]}
+        for stripped in ("x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod", "x-kvroute-anything",
+                         "x-data-parallel-host-port", "proxy-authorization"):
+            assert stripped not in names
+        assert seen["headers"]["x-user-header"] == "kept"
+        assert seen["headers"]["x-request-id"] == "req-abc"
+
+
+async def test_request_id_is_made_when_missing():
+    async with pods_running(1) as pods, running_router(settings_for(pods)) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/completions", json=completion())
+        rid = r.headers["x-request-id"]
+        assert len(rid) >= 16 and pods[0].seen[-1]["headers"]["x-request-id"] == rid
+
+
+async def test_streaming_passes_chunks_through_as_they_come():
+    async with pods_running(1, chunk_delay=0.15, chunks=4) as pods, running_router(settings_for(pods)) as (base, _):
+        arrivals = []
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            async with c.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                assert r.headers["x-kvroute-pod"] == "pod-0"
+                body = b""
+                async for chunk in r.aiter_raw():
+                    arrivals.append(time.monotonic())
+                    body += chunk
+        events = [e for e in body.split(b"\n\n") if e]
+        assert len(events) == 5 and events[-1] == b"data: [DONE]"
+        assert [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["t0 ", "t1 ", "t2 ", "t3 "]
+        # chunks arrived spread over time, not all at the end
+        assert arrivals[-1] - arrivals[0] > 0.3 and len(arrivals) >= 4
+
+
+async def test_client_disconnect_cancels_the_upstream_request():
+    async with pods_running(1, hang=True) as pods, running_router(settings_for(pods)) as (base, services):
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(base + "/v1/completions", json=completion(stream=True))
+            assert resp.status == 200
+            await resp.content.readany()
+            resp.close()  # the client goes away mid-stream
+        deadline = time.monotonic() + 5
+        while pods[0].cancelled == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert pods[0].cancelled == 1
+        assert services.router.ledger.inflight("pod-0") == 0
+        await asyncio.sleep(0.1)
+        assert services.metrics.client_disconnects._value.get() == 1
+
+
+async def test_5xx_before_first_byte_is_retried_once_on_the_next_pod():
+    async with pods_running(2, fail_status=503) as pods, running_router(settings_for(pods)) as (base, services):
+        async with httpx.AsyncClient(base_url=base) as c:
+            first = (await c.post("/debug/route", json=completion(stream=True))).json()["chosen"]
+            by_name = {p.name: p for p in pods}
+            by_name[first].fail_times = 1
+            r = await c.post("/v1/completions", json=completion(stream=True))
+        assert r.status_code == 200
+        assert all(len(p.seen) == 1 for p in pods)  # the first pod failed, the second answered
+        assert r.headers["x-kvroute-pod"] != first
+        assert services.metrics.retries.labels("5xx")._value.get() == 1
+        assert services.router.ledger.inflight(first) == 0
+        # both pods failing: the client gets the last pod's error, after exactly one retry
+        for p in pods:
+            p.fail_times, p.seen = 5, []
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and r.json()["error"]["message"] == "boom"
+        assert sum(len(p.seen) for p in pods) == 2
+
+
+async def test_connection_failure_is_retried_and_marks_the_pod():
+    async with pods_running(1) as pods:
+        dead_port = free_port()
+        fleet = [{"id": "dead", "url": f"http://127.0.0.1:{dead_port}", "model": "m"},
+                 {"id": "alive", "url": pods[0].url, "model": "m"}]
+        settings = build_settings(RouterSettings, {"pods": fleet, "port": free_port(), "health_interval_s": 30,
+                                                   "unhealthy_after": 5, "policy": "round-robin"})
+        async with running_router(settings) as (base, services):
+            services.registry.mark("dead", True)  # pretend it was healthy at the last check
+            async with httpx.AsyncClient(base_url=base) as c:
+                codes = [(await c.post("/v1/completions", json=completion())) for _ in range(2)]
+            assert [r.status_code for r in codes] == [200, 200]
+            assert {r.headers["x-kvroute-pod"] for r in codes} == {"alive"}
+            assert services.metrics.retries.labels("connect")._value.get() == 1
+            assert services.registry.pods["dead"].failures >= 1
+
+
+async def test_api_keys_are_required_when_configured():
+    async with pods_running(1) as pods, running_router(settings_for(pods, api_keys=["k1", "k2"])) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/completions", json=completion())
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            r = await c.post("/v1/completions", json=completion(), headers={"authorization": "Bearer nope"})
+            assert r.status_code == 401
+            assert (await c.get("/v1/models")).status_code == 401
+            assert (await c.post("/debug/route", json=completion())).status_code == 401
+            r = await c.post("/v1/completions", json=completion(), headers={"authorization": "Bearer k2"})
+            assert r.status_code == 200
+            assert "authorization" not in {k.lower() for k in pods[0].seen[-1]["headers"]}
+            assert (await c.get("/health")).status_code == 200
+        assert len(pods[0].seen) == 1
+
+
+async def test_bad_requests_get_openai_errors_and_touch_no_pod():
+    async with pods_running(1) as pods, running_router(settings_for(pods, max_body_bytes=1000)) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as c:
+            cases = [
+                (await c.post("/v1/completions", content=b"{not json"), 400),
+                (await c.post("/v1/completions", content=b"[1,2]"), 400),
+                (await c.post("/v1/completions", content=b""), 400),
+                (await c.post("/v1/completions", json={"model": "m"}), 400),
+                (await c.post("/v1/completions", json={"model": "m", "prompt": [1, "a"]}), 400),
+                (await c.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404),
+                (await c.post("/v1/completions", json={"model": 3, "prompt": "x"}), 400),
+                (await c.post("/v1/completions", json=completion(stream="yes")), 400),
+                (await c.post("/v1/chat/completions", json={"model": "m", "messages": "hi"}), 400),
+                (await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"content": "x"}]}), 400),
+                (await c.post("/v1/completions", json=completion(prompt="x" * 2000)), 413),
+                (await c.post("/v1/completions", json=completion(), headers={"x-slo-ttft-ms": "soon"}), 400),
+                (await c.get("/v1/completions"), 405),
+                (await c.get("/nowhere"), 404),
+            ]
+        for r, status in cases:
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert err["code"] == status and isinstance(err["message"], str) and err["type"]
+        assert pods[0].seen == []
+
+
+async def test_no_healthy_pod_gives_503_not_a_hang():
+    dead = [{"id": "dead", "url": f"http://127.0.0.1:{free_port()}", "model": "m"}]
+    settings = build_settings(RouterSettings, {"pods": dead, "port": free_port(), "health_timeout_s": 0.2})
+    async with running_router(settings) as (base, services):
+        async with httpx.AsyncClient(base_url=base) as c:
+            assert (await c.get("/ready")).status_code == 503
+            r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and "no healthy pod" in r.json()["error"]["message"]
+        assert services.metrics.rejections.labels("no-pods")._value.get() == 1
+
+
+async def test_admission_rejects_with_429_before_any_pod_is_touched():
+    # a tiny prefill rate makes a 2,000-token prompt take 2 s anywhere
+    async with pods_running(2) as pods, running_router(settings_for(pods, prefill_tokens_per_s=1000.0, calibrate=False)) as (base, services):
+        prompt = "a" * 2000
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/completions", json=completion(prompt=prompt), headers={"x-slo-ttft-ms": "500"})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "RateLimitError"
+            assert r.json()["error"]["code"] == 429 and "objective" in r.json()["error"]["message"]
+            assert all(not p.seen for p in pods)
+            # the priority header exempts critical traffic
+            r = await c.post("/v1/completions", json=completion(prompt=prompt),
+                             headers={"x-slo-ttft-ms": "500", "x-priority": "critical"})
+            assert r.status_code == 200
+            # a lenient objective admits
+            r = await c.post("/v1/completions", json=completion(prompt=prompt), headers={"x-slo-ttft-ms": "5000"})
+            assert r.status_code == 200
+        assert services.metrics.rejections.labels("slo")._value.get() == 1
+
+
+async def test_configured_objective_applies_without_a_header():
+    async with pods_running(1) as pods, running_router(settings_for(pods, prefill_tokens_per_s=1000.0, calibrate=False,
+                                                                    ttft_objective_ms=100)) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as c:
+            assert (await c.post("/v1/completions", json=completion(prompt="a" * 500))).status_code == 429
+            assert (await c.post("/v1/completions", json=completion(prompt="a" * 20))).status_code == 200
+
+
+async def test_debug_route_agrees_with_the_real_decision():
+    async with pods_running(3) as pods, running_router(settings_for(pods, calibrate=False)) as (base, services):
+        prompts = [f"session {i} " + "shared system prompt " * 20 + f"turn {i}" for i in range(6)]
+        async with httpx.AsyncClient(base_url=base) as c:
+            for p in prompts + prompts[:3]:
+                body = completion(prompt=p)
+                explained = (await c.post("/debug/route", json=body)).json()
+                assert explained["admitted"] and len(explained["pods"]) == 3
+                assert {row["verdict"] for row in explained["pods"]} == {"chosen", "candidate"}
+                chosen_row = next(row for row in explained["pods"] if row["verdict"] == "chosen")
+                assert chosen_row["predicted_ttft_ms"] == min(row["predicted_ttft_ms"] for row in explained["pods"])
+                real = await c.post("/v1/completions", json=body)
+                assert real.headers["x-kvroute-pod"] == explained["chosen"]
+        # the debug calls sent nothing anywhere
+        assert sum(len(p.seen) for p in pods) == len(prompts) + 3
+
+
+async def test_debug_route_shows_the_cached_prefix_after_a_route():
+    async with pods_running(2) as pods, running_router(settings_for(pods)) as (base, _):
+        body = completion(prompt="p" * 160)  # 10 blocks of 16 byte-tokens
+        async with httpx.AsyncClient(base_url=base) as c:
+            first = await c.post("/v1/completions", json=body)
+            explained = (await c.post("/debug/route", json=body)).json()
+        row = next(r for r in explained["pods"] if r["pod"] == first.headers["x-kvroute-pod"])
+        assert row["cached_tokens"] == 160 and row["uncached_tokens"] == 1
+        assert explained["chosen"] == first.headers["x-kvroute-pod"]
+
+
+async def test_openai_sdk_works_through_the_router():
+    import openai
+
+    async with pods_running(2, chunks=3) as pods, running_router(settings_for(pods, api_keys=["sk-test"])) as (base, _):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+        done = await client.completions.create(model="m", prompt="hello", max_tokens=2)
+        assert done.choices[0].text.startswith("hi from pod-")
+        stream = await client.completions.create(model="m", prompt="hello", max_tokens=3, stream=True)
+        texts = [chunk.choices[0].text async for chunk in stream]
+        assert texts == ["t0 ", "t1 ", "t2 "]
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="missing", prompt="x", max_tokens=1)
+        bad = openai.AsyncOpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.completions.create(model="m", prompt="x", max_tokens=1)
+        await client.close()
+        await bad.close()

@@ -1,0 +1,174 @@
+"""Scorers, predictor, admission and calibration on hand-built snapshots (no I/O)."""
+
+import random
+
+import pytest
+
+from router.booking import Ledger
+from router.scheduling import Calibrator, Candidate, PolicyState, RequestView, admit, decide, predict
+from router.scheduling.scorers import SCORERS
+
+
+def cand(pid, **kw):
+    kw.setdefault("prefill_tokens_per_s", 10000.0)
+    kw.setdefault("overhead_s", 0.01)
+    return Candidate(pod_id=pid, **kw)
+
+
+def test_predict_adds_queue_uncached_prefill_and_overhead():
+    c = cand("a", queue_tokens=5000, cached_tokens=2048, effective_cached_tokens=2048.0)
+    p = predict(c, RequestView(prompt_tokens=3048))
+    assert p.uncached_tokens == 1000
+    assert p.queue_s == pytest.approx(0.5)
+    assert p.prefill_s == pytest.approx(0.1)
+    assert p.ttft_s == pytest.approx(0.61)
+
+
+def test_predict_counts_waiting_requests_the_router_did_not_send():
+    # 3 waiting on the pod, 1 of them ours: 2 foreign requests at 500 tokens each
+    c = cand("a", waiting=3, inflight_requests=1, queue_tokens=1000)
+    p = predict(c, RequestView(prompt_tokens=100, unknown_request_tokens=500))
+    assert p.queue_s == pytest.approx((1000 + 2 * 500) / 10000)
+
+
+def test_fully_cached_prompt_still_prefills_one_token():
+    c = cand("a", effective_cached_tokens=4096.0, cached_tokens=4096)
+    assert predict(c, RequestView(prompt_tokens=4096)).uncached_tokens == 1
+
+
+def test_cpu_tier_is_worth_less_than_gpu():
+    gpu = cand("g", cached_tokens=1000, effective_cached_tokens=1000.0)
+    cpu = cand("c", cached_tokens=1000, effective_cached_tokens=800.0)
+    req = RequestView(prompt_tokens=2000)
+    assert predict(gpu, req).ttft_s < predict(cpu, req).ttft_s
+
+
+def test_predicted_ttft_prefers_cache_until_its_queue_costs_more():
+    req = RequestView(prompt_tokens=4000)
+    warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0)
+    cold = cand("cold")
+    state = PolicyState()
+    assert decide([cold, warm], req, "predicted-ttft", state).chosen.pod_id == "warm"
+    busy_warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=20000,
+                     inflight_requests=4)
+    assert decide([cold, busy_warm], req, "predicted-ttft", state).chosen.pod_id == "cold"
+
+
+def test_cache_only_ignores_queue_and_breaks_ties_by_load():
+    req = RequestView(prompt_tokens=4000)
+    warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=10**6, inflight_requests=50)
+    cold = cand("cold")
+    assert decide([cold, warm], req, "cache-only", PolicyState()).chosen.pod_id == "warm"
+    a = cand("a", cached_tokens=64, effective_cached_tokens=64.0, inflight_requests=3)
+    b = cand("b", cached_tokens=64, effective_cached_tokens=64.0, inflight_requests=1)
+    assert decide([a, b], req, "cache-only", PolicyState()).chosen.pod_id == "b"
+
+
+def test_least_load_counts_own_and_foreign_requests():
+    a = cand("a", inflight_requests=2)
+    b = cand("b", waiting=5)
+    c = cand("c", inflight_requests=1, waiting=1)
+    ranked = decide([a, b, c], RequestView(prompt_tokens=10), "least-load", PolicyState()).ranked
+    assert [x.pod_id for x in ranked] == ["c", "a", "b"]
+
+
+def test_round_robin_cycles_and_random_uses_the_seeded_rng():
+    pods = [cand(p) for p in "abc"]
+    state = PolicyState()
+    req = RequestView(prompt_tokens=10)
+    picks = [decide(pods, req, "round-robin", state).chosen.pod_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    s1, s2 = PolicyState(rng=random.Random(7)), PolicyState(rng=random.Random(7))
+    seq1 = [decide(pods, req, "random", s1).chosen.pod_id for _ in range(20)]
+    seq2 = [decide(pods, req, "random", s2).chosen.pod_id for _ in range(20)]
+    assert seq1 == seq2 and len(set(seq1)) == 3
+
+
+def test_dry_run_leaves_stateful_policies_untouched():
+    pods = [cand(p) for p in "abc"]
+    state = PolicyState()
+    req = RequestView(prompt_tokens=10)
+    peek = decide(pods, req, "round-robin", state, dry_run=True).chosen.pod_id
+    assert decide(pods, req, "round-robin", state).chosen.pod_id == peek
+    state = PolicyState(rng=random.Random(3))
+    peek = decide(pods, req, "random", state, dry_run=True).chosen.pod_id
+    assert decide(pods, req, "random", state).chosen.pod_id == peek
+
+
+def test_ties_break_by_stable_per_prompt_number_not_order():
+    req = RequestView(prompt_tokens=100)
+    pods = [cand("a", tiebreak=9), cand("b", tiebreak=3), cand("c", tiebreak=5)]
+    for policy in ("predicted-ttft", "least-load", "cache-only"):
+        assert decide(pods, req, policy, PolicyState()).chosen.pod_id == "b"
+        assert decide(list(reversed(pods)), req, policy, PolicyState()).chosen.pod_id == "b"
+
+
+def test_every_policy_is_registered():
+    assert set(SCORERS) == {"random", "round-robin", "least-load", "cache-only", "predicted-ttft"}
+
+
+def test_admission_rejects_only_when_the_best_pod_misses():
+    req = RequestView(prompt_tokens=15000, objective_s=2.0)
+    slow = cand("slow", queue_tokens=30000)
+    fast = cand("fast")
+    d = decide([slow, fast], req, "predicted-ttft", PolicyState())
+    assert d.verdict.admitted and d.chosen.pod_id == "fast"
+    d = decide([slow, cand("slow2", queue_tokens=25000)], req, "predicted-ttft", PolicyState())
+    assert not d.verdict.admitted and d.verdict.reason == "slo" and d.chosen is None
+    exempt = RequestView(prompt_tokens=15000, objective_s=2.0, exempt=True)
+    d = decide([slow], exempt, "predicted-ttft", PolicyState())
+    assert d.verdict.admitted and d.verdict.reason == "exempt"
+    no_slo = RequestView(prompt_tokens=20000)
+    assert decide([slow], no_slo, "predicted-ttft", PolicyState()).verdict.reason == "no-objective"
+    assert not decide([], req, "predicted-ttft", PolicyState()).verdict.admitted
+    assert decide([], req, "predicted-ttft", PolicyState()).verdict.reason == "no-pods"
+    assert admit(predict(slow, req), req, enabled=False).admitted
+
+
+def test_affinity_bonus_keeps_a_session_on_its_pod_when_nearly_tied():
+    req = RequestView(prompt_tokens=3000)
+    cold_fast = cand("cold")  # predicted 0.31 s; warm 0.36 s
+    warm = cand("warm", cached_tokens=2000, effective_cached_tokens=2000.0, queue_tokens=2500)
+    assert decide([cold_fast, warm], req, "predicted-ttft", PolicyState()).chosen.pod_id == "cold"
+    assert decide([cold_fast, warm], req, "predicted-ttft",
+                  PolicyState(affinity_bonus_s=0.1)).chosen.pod_id == "warm"
+
+
+def test_calibrator_learns_rate_and_overhead():
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=100)
+    rng = random.Random(1)
+    true_rate, true_overhead = 8000.0, 0.03
+    for _ in range(300):
+        work = rng.uniform(100, 20000)
+        cal.observe("p", work, true_overhead + work / true_rate + rng.gauss(0, 0.005))
+    pod = cal.pod("p")
+    assert pod.rate == pytest.approx(true_rate, rel=0.05)
+    assert pod.overhead_s == pytest.approx(true_overhead, abs=0.01)
+
+
+def test_calibrator_ignores_garbage_and_clamps():
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005)
+    cal.observe("p", 1000, float("nan"))
+    cal.observe("p", 1000, -1.0)
+    assert cal.pod("p").rate == 20000
+    for _ in range(50):
+        cal.observe("p", 1000, 0.0)  # impossibly fast: clamped, never negative or infinite
+    assert 0 < cal.pod("p").rate <= 20000 * 20
+    assert cal.pod("p").overhead_s >= 0
+
+
+def test_ledger_books_and_releases_fifo_work():
+    now = [0.0]
+    led = Ledger(clock=lambda: now[0])
+    t1 = led.book("a", 10000)
+    t2 = led.book("a", 5000)
+    assert led.inflight("a") == 2
+    assert led.queued_tokens("a", rate=10000) == pytest.approx(15000)
+    now[0] = 0.5  # half of the head request done
+    assert led.queued_tokens("a", rate=10000) == pytest.approx(10000)
+    now[0] = 5.0  # head can't be more than done; the second has not started
+    assert led.queued_tokens("a", rate=10000) == pytest.approx(5000)
+    assert led.release("a", t1) and not led.release("a", t1)
+    assert led.queued_tokens("a", rate=10000) == pytest.approx(5000)
+    led.release("a", t2)
+    assert led.inflight("a") == 0 and led.queued_tokens("a", rate=10000) == 0
