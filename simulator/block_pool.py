@@ -1,0 +1,155 @@
+"""The prefix cache of one pod: a pool of KV blocks with chained hashes, ref counts and LRU eviction.
+
+It follows vLLM's block pool: a block is named by a hash chained over its parent's hash and its
+tokens (sha256 over ``parent digest || tokens as uint32``, published as the digest's last 8 bytes
+read as an unsigned big-endian integer, like vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+Blocks in use have a positive ref count; a freed block goes to the tail of the free queue and
+keeps its hash, so it can still be hit until it is reallocated. Allocation takes the head of the
+queue (least recently freed) and evicts its hash. Every change that vLLM would publish is handed
+to ``on_event`` as ``("stored", hashes, parent, token_ids)``, ``("removed", [hash])`` or
+``("cleared",)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+_TOKEN_BYTES = 4
+
+
+def none_hash(seed: str = "") -> bytes:
+    """The chain's root digest (vLLM's NONE_HASH); equal seeds give comparable hashes across pods."""
+    return hashlib.sha256(b"kvroute-sim-none-hash:" + seed.encode()).digest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids packed as little-endian uint32 (ids outside [0, 2^32) are reduced modulo 2^32)."""
+    try:
+        return array("I", token_ids).tobytes()
+    except OverflowError:
+        return array("I", [t & 0xFFFFFFFF for t in token_ids]).tobytes()
+
+
+def chain_digests(parent: bytes, packed: bytes, block_size: int, start_block: int, end_block: int) -> list[bytes]:
+    """Digests of full blocks ``start_block..end_block-1`` of ``packed`` tokens, chained from ``parent``."""
+    out = []
+    step = block_size * _TOKEN_BYTES
+    sha = hashlib.sha256
+    for i in range(start_block, end_block):
+        parent = sha(parent + packed[i * step:(i + 1) * step]).digest()
+        out.append(parent)
+    return out
+
+
+def digest_to_u64(digest: bytes) -> int:
+    return int.from_bytes(digest[-8:], "big")
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, on_event: Callable[[tuple], None] | None = None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.on_event = on_event or (lambda event: None)
+
+    # --- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (cached but unreferenced blocks count as free, as in vLLM)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the leading ``hashes`` that are cached (stops at the first miss)."""
+        found = []
+        cached = self.cached
+        for h in hashes:
+            b = cached.get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def free_after_touch(self, block_ids: Sequence[int]) -> int:
+        """How many blocks stay allocatable once ``block_ids`` are referenced."""
+        return len(self.free) - sum(1 for b in block_ids if self.ref[b] == 0)
+
+    # --- changes ---------------------------------------------------------------------------------
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Reference cached blocks (a prefix hit): they leave the free queue while in use."""
+        for b in block_ids:
+            if self.ref[b] == 0:
+                self.free.pop(b, None)
+            self.ref[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks from the head of the free queue, evicting their hashes; None if short."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                self.block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                    self.on_event(("removed", [h]))
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def cache(self, block_ids: Sequence[int], hashes: Sequence[int], parent: int | None,
+              token_ids: Sequence[int]) -> None:
+        """Name newly full blocks by their hashes and announce them (one BlockStored for the run).
+
+        A hash already cached in another block is not announced again (vLLM keeps both copies; the
+        event stream only ever needs one).
+        """
+        new_hashes: list[int] = []
+        new_tokens: list[int] = []
+        bs = self.block_size
+        run_parent = parent
+        for i, (b, h) in enumerate(zip(block_ids, hashes)):
+            if h in self.cached or self.block_hash[b] is not None:
+                if new_hashes:
+                    self.on_event(("stored", new_hashes, run_parent, new_tokens))
+                    new_hashes, new_tokens = [], []
+                run_parent = h
+                continue
+            self.block_hash[b] = h
+            self.cached[h] = b
+            new_hashes.append(h)
+            new_tokens.extend(token_ids[i * bs:(i + 1) * bs])
+        if new_hashes:
+            self.on_event(("stored", new_hashes, run_parent, new_tokens))
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference; unreferenced blocks join the free queue's tail, last block first
+        (so a sequence's tail is evicted before its head, as in vLLM)."""
+        for b in reversed(block_ids):
+            r = self.ref[b] - 1
+            self.ref[b] = r
+            if r == 0:
+                self.free[b] = None
+            elif r < 0:  # defensive: never go negative
+                self.ref[b] = 0
+
+    def reset(self) -> None:
+        """Forget every cached hash (vLLM's reset_prefix_cache) and announce AllBlocksCleared."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.on_event(("cleared",))
+
+    def forget(self) -> None:
+        """Lose the cache silently, as a restarted engine does (no event: a new process knows nothing)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks

@@ -1,0 +1,472 @@
+"""The simulated engines: when each request gets its tokens, and what the prefix cache does meanwhile.
+
+Two timing models share one block pool, one event path and one set of metrics:
+
+* ``CostEngine`` ('cost'): vLLM's scheduler in miniature. Each step takes running requests first
+  (decode: 1 token; unfinished prefill: the next chunk), then waiting ones in FIFO order while the
+  token budget (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks allow; a running
+  request that cannot get a block preempts the newest running one (recompute). A step lasts
+  ``step_overhead_s + compute_s_per_token * tokens + kv_read_s_per_token * resident KV tokens of
+  the batch`` (times the slow-down fault). Full blocks are cached as they fill and announced once
+  per step in one event batch, as vLLM's scheduler does.
+* ``SeedEngine`` ('seed'): one FIFO prefill server at ``prefill_tokens_per_s`` that computes only
+  the uncached part; the cache (LRU in blocks) is updated at admission; decode runs beside it at
+  ``decode_s_per_token``.
+
+Both reuse at most ``(prompt_len - 1) // block_size`` cached blocks, as vLLM does (the last prompt
+token is always computed to get logits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Callable
+
+from simulator.block_pool import BlockPool
+from simulator.events import all_blocks_cleared, block_removed, block_stored
+from simulator.faults import Faults
+from simulator.metrics import PodMetrics
+from simulator.request import SimRequest
+from simulator.settings import SimSettings
+
+log = logging.getLogger("kvroute.sim.engine")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class OutputTokens:
+    """The tokens the sim 'generates': a fixed text, cycled (so outputs are deterministic)."""
+
+    TEXT = (" The quick brown fox jumps over the lazy dog, and the cache remembers every block"
+            " it has seen before.")
+
+    def __init__(self, encode: Callable[[str], list[int]]):
+        self.ids = encode(self.TEXT) or [32]
+
+    def at(self, i: int) -> int:
+        return self.ids[i % len(self.ids)]
+
+
+class EngineBase:
+    def __init__(self, settings: SimSettings, metrics: PodMetrics, faults: Faults,
+                 publish: Callable[[list], None], output: OutputTokens):
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.metrics = metrics
+        self.faults = faults
+        self._publish = publish
+        self.output = output
+        self.fmt = settings.kv_events_format
+        self.pending_events: list = []
+        self.pool = BlockPool(settings.num_gpu_blocks, settings.block_size, self._on_pool_event)
+        self.on_release: Callable[[SimRequest], None] | None = None  # NIXL lease hook
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- events ------------------------------------------------------------------------------
+    def _on_pool_event(self, ev: tuple) -> None:
+        kind = ev[0]
+        if kind == "stored":
+            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size))
+        elif kind == "removed":
+            self.pending_events.append(block_removed(self.fmt, ev[1]))
+        else:
+            self.pending_events.append(all_blocks_cleared(self.fmt))
+
+    def flush_events(self) -> None:
+        if self.pending_events:
+            events, self.pending_events = self.pending_events, []
+            self._publish(events)
+
+    # --- shared bookkeeping ------------------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def _count_prefix(self, req: SimRequest, hit_tokens: int) -> None:
+        m = self.metrics
+        m.prefix_queries.inc(req.n_prompt)
+        if hit_tokens:
+            m.prefix_hits.inc(hit_tokens)
+        if req.remote_tokens:
+            m.external_queries.inc(req.n_prompt)
+            m.external_hits.inc(req.remote_tokens)
+        req.cached_tokens = hit_tokens
+
+    def _record_finish(self, req: SimRequest, reason: str, now: float) -> None:
+        m = self.metrics
+        if reason != "abort":
+            m.prompt_len.observe(req.n_prompt)
+            m.generation_len.observe(req.num_output)
+            m.e2e.observe(now - req.arrival)
+            if req.first_token_at is not None:
+                m.decode_time.observe(now - req.first_token_at)
+        m.success[reason].inc()
+        req.finish(reason, now)
+
+    def _max_hit_blocks(self, req: SimRequest) -> int:
+        return min(len(req.hashes), (req.n_prompt - 1) // self.block_size)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset()
+        self.flush_events()
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks held past a request's end (a NIXL lease)."""
+        self.pool.release(block_ids)
+        self.wake()
+
+    def wake(self) -> None:
+        pass
+
+    def forget_cache(self) -> None:
+        self.pool.forget()
+
+
+class CostEngine(EngineBase):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._busy_until = 0.0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = self.loop.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def submit(self, req: SimRequest) -> None:
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        req.aborted = True
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    async def _run(self) -> None:
+        loop = self.loop
+        while True:
+            try:
+                batch = self._schedule()
+                self.flush_events()
+                if not batch:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                duration = self._step_cost(batch) * self.faults.slowdown
+                start = max(loop.time(), self._busy_until)
+                end = start + duration
+                self._busy_until = end
+                delay = end - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    await asyncio.sleep(0)
+                self._commit(batch, end, duration)
+                self.flush_events()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad step kill the pod
+                log.exception("engine step failed")
+                await asyncio.sleep(0.01)
+
+    def _step_cost(self, batch: list[tuple[SimRequest, int]]) -> float:
+        s = self.settings
+        tokens = 0
+        resident = 0
+        for req, n in batch:
+            tokens += n
+            resident += req.num_computed + n
+        return s.step_overhead_s + s.compute_s_per_token * tokens + s.kv_read_s_per_token * resident
+
+    # --- scheduling ----------------------------------------------------------------------------
+    def _blocks_needed(self, req: SimRequest, n: int) -> int:
+        return _ceil_div(req.num_computed + n, self.block_size) - len(req.block_ids)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        self.waiting.appendleft(req)
+        self.metrics.preemptions.inc()
+
+    def _drop(self, req: SimRequest) -> None:
+        """Remove an aborted request and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        self._record_finish(req, "abort", self.now())
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        s = self.settings
+        bs = self.block_size
+        pool = self.pool
+        budget = s.max_num_batched_tokens
+        batch: list[tuple[SimRequest, int]] = []
+        in_batch: set[int] = set()
+
+        for req in [r for r in self.running if r.aborted]:
+            self._drop(req)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.all_tokens) - req.num_computed, budget)
+            need = self._blocks_needed(req, n)
+            preempted_self = False
+            while need > pool.num_free:
+                victim = self.running[-1]
+                if id(victim) in in_batch:  # cannot take blocks back from a request already scheduled
+                    break
+                self._preempt(victim)
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            if need > pool.num_free:
+                break
+            if need > 0:
+                req.block_ids.extend(pool.allocate(need))
+            batch.append((req, n))
+            in_batch.add(id(req))
+            budget -= n
+            i += 1
+
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < s.max_num_seqs:
+            req = waiting[0]
+            if req.aborted:
+                waiting.popleft()
+                self._record_finish(req, "abort", self.now())
+                continue
+            first_time = not req.admitted
+            hit = pool.match_prefix(req.hashes[:self._max_hit_blocks(req)])
+            computed = len(hit) * bs
+            remote = req.remote_tokens if req.remote_tokens > computed else 0
+            start = max(computed, remote)
+            n = min(len(req.all_tokens) - start, budget)
+            need = _ceil_div(start + n, bs) - len(hit)
+            if pool.free_after_touch(hit) < need:
+                break  # FIFO: the head waits for blocks
+            pool.touch(hit)
+            new = pool.allocate(need) if need > 0 else []
+            req.block_ids = hit + new
+            req.num_cached_blocks = len(hit)
+            req.num_computed = start
+            if remote:
+                # KV received from the prefill pod: its full blocks are cached now (BlockStored here)
+                self._cache_full_blocks(req)
+            if first_time:
+                req.admitted = True
+                req.scheduled_at = self.now()
+                self.metrics.queue_time.observe(req.scheduled_at - req.arrival)
+                self._count_prefix(req, computed)
+            waiting.popleft()
+            self.running.append(req)
+            batch.append((req, n))
+            in_batch.add(id(req))
+            budget -= n
+        return batch
+
+    def _cache_full_blocks(self, req: SimRequest) -> None:
+        bs = self.block_size
+        full = min(req.num_computed, len(req.all_tokens)) // bs
+        full = min(full, len(req.block_ids))
+        have = req.num_cached_blocks
+        if full <= have:
+            return
+        req.extend_hashes(full, bs)
+        parent = req.hashes[have - 1] if have else None
+        self.pool.cache(req.block_ids[have:full], req.hashes[have:full], parent,
+                        req.all_tokens[have * bs:full * bs])
+        req.num_cached_blocks = full
+
+    def _commit(self, batch: list[tuple[SimRequest, int]], now: float, duration: float) -> None:
+        m = self.metrics
+        step_tokens = sum(n for _, n in batch)
+        for req, n in batch:
+            if req.aborted or req.finish_reason is not None:
+                continue
+            prefill = req.num_computed < req.n_prompt
+            req.num_computed += n
+            if prefill:
+                m.prompt_tokens.inc(n)
+                req.prefill_compute_s += duration * n / step_tokens
+            self._cache_full_blocks(req)
+            if req.num_computed < len(req.all_tokens):
+                continue  # still prefilling (chunked)
+            first = req.first_token_at is None
+            last = req.last_token_at
+            req.emit(self.output.at(req.num_output), now)
+            m.generation_tokens.inc()
+            if first:
+                m.ttft.observe(now - req.arrival)
+                if req.scheduled_at is not None:
+                    m.prefill_time.observe(now - req.scheduled_at)
+            elif last is not None:
+                m.itl.observe(now - last)
+            if req.done_generating:
+                self._finish(req, "length" if req.length_capped else "stop", now)
+
+    def _finish(self, req: SimRequest, reason: str, now: float) -> None:
+        self.running.remove(req)
+        if req.keep_blocks and self.on_release is not None:
+            self.on_release(req)  # the NIXL lease now owns the blocks
+        else:
+            self.pool.release(req.block_ids)
+            req.block_ids = []
+        self._record_finish(req, reason, now)
+
+
+class SeedEngine(EngineBase):
+    """One FIFO prefill server; the cache is updated when a request is admitted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._server_free_at = 0.0
+        self._waiting = 0
+        self._running = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._req_tasks: dict[int, asyncio.Task] = {}
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, req: SimRequest) -> None:
+        s = self.settings
+        bs = self.block_size
+        pool = self.pool
+        now = self.now()
+        hit = pool.match_prefix(req.hashes[:self._max_hit_blocks(req)])
+        computed = max(len(hit) * bs, min(req.remote_tokens, req.n_prompt - 1))
+        req.admitted = True
+        self._count_prefix(req, len(hit) * bs)
+        # LRU update at admission: touch hits, store every other full prompt block (as many as fit)
+        pool.touch(hit)
+        full = len(req.hashes)
+        new = pool.allocate(min(full - len(hit), pool.num_free)) or []
+        parent = req.hashes[len(hit) - 1] if hit else None
+        span = slice(len(hit), len(hit) + len(new))
+        pool.cache(new, req.hashes[span], parent, req.prompt[span.start * bs:span.stop * bs])
+        req.block_ids = hit + new
+        if not req.keep_blocks:
+            pool.release(req.block_ids)
+            req.block_ids = []
+        self.flush_events()
+        uncached = req.n_prompt - computed
+        start = max(now, self._server_free_at)
+        compute = uncached / s.prefill_tokens_per_s * self.faults.slowdown
+        req.prefill_compute_s = compute
+        self._server_free_at = start + compute
+        self._waiting += 1
+        task = self.loop.create_task(self._serve(req, start, start + compute))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._req_tasks[id(req)] = task
+
+    async def _serve(self, req: SimRequest, start: float, first_at: float) -> None:
+        loop = self.loop
+        m = self.metrics
+        waiting = True
+        try:
+            await asyncio.sleep(max(0.0, start - loop.time()))
+            self._waiting -= 1
+            waiting = False
+            self._running += 1
+            req.scheduled_at = start
+            m.queue_time.observe(start - req.arrival)
+            await asyncio.sleep(max(0.0, first_at - loop.time()))
+            m.prompt_tokens.inc(req.n_prompt - req.cached_tokens)
+            now = first_at
+            req.emit(self.output.at(0), now)
+            m.generation_tokens.inc()
+            m.ttft.observe(now - req.arrival)
+            m.prefill_time.observe(now - start)
+            itl = self.settings.decode_s_per_token * self.faults.slowdown
+            while not req.done_generating:
+                now += itl
+                delay = now - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                req.emit(self.output.at(req.num_output), now)
+                m.generation_tokens.inc()
+                m.itl.observe(itl)
+            self._running -= 1
+            self._end(req, "length" if req.length_capped else "stop", now)
+        except asyncio.CancelledError:
+            if waiting:
+                self._waiting -= 1
+            else:
+                self._running -= 1
+            self._end(req, "abort", loop.time())
+            raise
+        finally:
+            self._req_tasks.pop(id(req), None)
+
+    def _end(self, req: SimRequest, reason: str, now: float) -> None:
+        if req.block_ids:
+            if req.keep_blocks and reason != "abort" and self.on_release is not None:
+                self.on_release(req)
+            else:
+                self.pool.release(req.block_ids)
+                req.block_ids = []
+        self._record_finish(req, reason, now)
+
+    def abort(self, req: SimRequest) -> None:
+        task = self._req_tasks.get(id(req))
+        if task is not None:
+            task.cancel()
+

@@ -1,0 +1,626 @@
+"""The simulated pod's HTTP surface (vLLM's OpenAI server), as a plain ASGI app.
+
+Plain ASGI rather than a framework keeps the hot path to: read the body, ``orjson.loads``, validate
+by hand, hash the prompt's blocks, wait for tokens, write bytes. One process can run several pods
+(``--count``): one uvicorn server listens on every pod's socket and ``MultiPodApp`` picks the pod by
+the local port of the connection.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
+``GET /metrics``; simulator-only: ``GET|POST /sim/faults``, ``GET /sim/state``,
+``POST /sim/nixl/read``, ``POST /sim/nixl/release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+import httpx
+import orjson
+import zmq
+import zmq.asyncio
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from indexer.tokens import Tokenizer, load_tokenizer
+from simulator.block_pool import none_hash
+from simulator.engine import CostEngine, OutputTokens, SeedEngine
+from simulator.events import KVEventsConfig
+from simulator.faults import FaultError, Faults, RequestFaults
+from simulator.metrics import PodMetrics
+from simulator.nixl import (LeaseTable, decode_params_problem, flat_block_ids, producer_params,
+                            remote_read)
+from simulator.openai_shapes import (GenRequest, ShapeError, chat_body, chat_chunk, completion_body,
+                                     completion_chunk, error_body, models_body, parse_generation, usage,
+                                     usage_chunk)
+from simulator.publisher import EventPublisher
+from simulator.request import FINISH, SimRequest
+from simulator.settings import SimSettings
+
+log = logging.getLogger("kvroute.sim")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class SimulatedDrop(Exception):
+    """Raised inside a response to make the server cut the connection (the drop fault)."""
+
+
+class _DropFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, SimulatedDrop)
+
+
+class Pod:
+    """One simulated vLLM pod: engine, cache, event publisher, NIXL leases, metrics, faults."""
+
+    def __init__(self, settings: SimSettings, index: int, port: int, tokenizer: Tokenizer,
+                 zmq_ctx: zmq.Context, zmq_actx: zmq.asyncio.Context, http: httpx.AsyncClient,
+                 events_config: KVEventsConfig | None):
+        s = self.settings = settings
+        self.index = index
+        self.port = port
+        self.host = s.host
+        suffix = f"-{index}" if s.count > 1 else ""
+        self.name = (s.pod_name + suffix) if s.pod_name else f"{s.host}:{port}"
+        self.engine_id = (s.engine_id + suffix) if s.engine_id else f"sim-{port}"
+        self.model = s.model
+        self.tokenizer = tokenizer
+        self.http = http
+        self.created = int(time.time())
+        cache_info = {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
+                      "enable_prefix_caching": "True", "cache_dtype": "auto", "prefix_caching_hash_algo": "sha256",
+                      "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
+        self.metrics = PodMetrics(s.model, "0", cache_info)
+        self.faults = Faults(s.fault_status, s.fault_delay_s, s.fault_drop_after_chunks, s.fault_events_stop,
+                             s.fault_slowdown)
+        self.events_config = events_config
+        self.publisher: EventPublisher | None = None
+        if events_config is not None and events_config.enabled:
+            self.publisher = EventPublisher(events_config, self.metrics, zmq_ctx, zmq_actx)
+            self.publisher.stopped = self.faults.events_stop
+        engine_cls = SeedEngine if s.timing == "seed" else CostEngine
+        self.engine = engine_cls(s, self.metrics, self.faults, self._publish,
+                                 OutputTokens(lambda text: tokenizer.encode(text, add_special_tokens=False)))
+        self.engine.on_release = self._lease_blocks
+        self.leases = LeaseTable(self.metrics, s.nixl_lease_timeout_s)
+        self.root_hash = none_hash(s.hash_seed)
+        self.max_prompt_tokens = s.num_gpu_blocks * s.block_size
+        self._ids = itertools.count()
+        self._token_text: dict[int, str] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.engine.start()
+        self.leases.start()
+        if self.publisher is not None:
+            self.publisher.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        await self.leases.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def _publish(self, events: list) -> None:
+        if self.publisher is not None:
+            self.publisher.stopped = self.faults.events_stop
+            self.publisher.publish(events)
+
+    def _lease_blocks(self, req: SimRequest) -> None:
+        ids = list(req.block_ids)
+        req.block_ids = []
+        self.leases.add(req.request_id, ids, req.n_prompt, release=lambda: self.engine.release_blocks(ids))
+
+    def text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def state(self) -> dict[str, Any]:
+        pool = self.engine.pool
+        return {"pod": self.name, "engine_id": self.engine_id, "port": self.port, "model": self.model,
+                "timing": self.settings.timing, "block_size": pool.block_size, "num_gpu_blocks": pool.num_blocks,
+                "cached_blocks": len(pool.cached), "free_blocks": pool.num_free,
+                "running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "leases": {rid: len(lease.block_ids) for rid, lease in self.leases.leases.items()},
+                "events": None if self.publisher is None else {
+                    "endpoint": self.events_config.endpoint, "replay_endpoint": self.events_config.replay_endpoint,
+                    "topic": self.events_config.topic, "next_seq": self.publisher.seq,
+                    "stopped": self.publisher.stopped},
+                "faults": self.faults.as_dict()}
+
+
+# --- ASGI plumbing -------------------------------------------------------------------------------
+Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client went away")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ShapeError("request body too large", status=413)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def header(scope: dict, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_json(send: Send, status: int, obj: Any, extra: list[tuple[bytes, bytes]] = ()) -> None:
+    await respond(send, status, orjson.dumps(obj), JSON_HEADERS + list(extra))
+
+
+async def respond_error(send: Send, status: int, message: str, param: str | None = None,
+                        extra: list[tuple[bytes, bytes]] = ()) -> None:
+    await respond_json(send, status, error_body(status, message, param), extra)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ShapeError(f"JSON decode error: {exc}") from exc
+
+
+async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_gone()
+            return
+
+
+# --- the app -------------------------------------------------------------------------------------
+def build_app(pod: Pod):
+    """The ASGI app of one pod."""
+    routes: dict[tuple[str, str], Callable] = {}
+
+    def route(method: str, path: str):
+        def deco(fn):
+            routes[(method, path)] = fn
+            return fn
+        return deco
+
+    @route("POST", "/v1/completions")
+    async def completions(scope, receive, send):
+        await generate(pod, "completion", scope, receive, send)
+
+    @route("POST", "/v1/chat/completions")
+    async def chat(scope, receive, send):
+        await generate(pod, "chat", scope, receive, send)
+
+    @route("GET", "/v1/models")
+    async def models(scope, receive, send):
+        await respond_json(send, 200, models_body(pod.model, pod.settings.max_model_len, pod.created))
+
+    @route("GET", "/health")
+    async def health(scope, receive, send):
+        await respond(send, 200, b"", [])
+
+    @route("GET", "/version")
+    async def version(scope, receive, send):
+        await respond_json(send, 200, {"version": "0.33.0"})
+
+    @route("GET", "/metrics")
+    async def metrics(scope, receive, send):
+        m = pod.metrics
+        m.running.set(pod.engine.num_running)
+        m.waiting.set(pod.engine.num_waiting)
+        m.kv_usage.set(pod.engine.usage())
+        await respond(send, 200, m.render(), [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    @route("POST", "/reset_prefix_cache")
+    async def reset(scope, receive, send):
+        await read_body(receive)
+        pod.engine.reset_prefix_cache()
+        await respond(send, 200, b"", [])
+
+    @route("POST", "/tokenize")
+    async def tokenize(scope, receive, send):
+        body = parse_json(await read_body(receive))
+        if not isinstance(body, dict):
+            raise ShapeError("request body must be a JSON object")
+        name = body.get("model")
+        if name not in (None, "", pod.model):
+            raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        if "messages" in body:
+            from simulator.openai_shapes import chat_ids_of
+            ids = chat_ids_of(body, pod.tokenizer)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise ShapeError("'prompt' must be a string", param="prompt")
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise ShapeError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+            ids = pod.tokenizer.encode(prompt, add_special_tokens=add)
+        out = {"count": len(ids), "max_model_len": pod.settings.max_model_len, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            tok_str = getattr(pod.tokenizer, "token_str", None)
+            out["token_strs"] = [tok_str(t) if tok_str else pod.text_of(t) for t in ids]
+        await respond_json(send, 200, out)
+
+    @route("POST", "/detokenize")
+    async def detokenize(scope, receive, send):
+        body = parse_json(await read_body(receive))
+        if not isinstance(body, dict):
+            raise ShapeError("request body must be a JSON object")
+        name = body.get("model")
+        if name not in (None, "", pod.model):
+            raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            raise ShapeError("'tokens' must be a list of non-negative integers", param="tokens")
+        await respond_json(send, 200, {"prompt": pod.tokenizer.decode(tokens)})
+
+    @route("GET", "/sim/faults")
+    async def get_faults(scope, receive, send):
+        await respond_json(send, 200, pod.faults.as_dict())
+
+    @route("POST", "/sim/faults")
+    async def set_faults(scope, receive, send):
+        body = parse_json(await read_body(receive))
+        try:
+            pod.faults.update(body)
+        except FaultError as exc:
+            raise ShapeError(str(exc)) from exc
+        if pod.publisher is not None:
+            pod.publisher.stopped = pod.faults.events_stop
+            if body.get("events_restart"):
+                pod.publisher.restart()
+                pod.engine.forget_cache()
+                pod.metrics.faults.labels("events_restart").inc()
+        await respond_json(send, 200, pod.faults.as_dict())
+
+    @route("GET", "/sim/state")
+    async def state(scope, receive, send):
+        await respond_json(send, 200, pod.state())
+
+    @route("POST", "/sim/nixl/read")
+    async def nixl_read(scope, receive, send):
+        body = parse_json(await read_body(receive))
+        rid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
+        if body.get("remote_engine_id") != pod.engine_id:
+            raise ShapeError(f"this is engine {pod.engine_id!r}, not {body.get('remote_engine_id')!r}",
+                             status=404, param="remote_engine_id")
+        lease = pod.leases.get(rid)
+        if lease is None:
+            raise ShapeError(f"no leased blocks for request {rid!r} (read already, expired or unknown)",
+                             status=404, param="remote_request_id")
+        pod.metrics.nixl_reads.inc()
+        await respond_json(send, 200, {"num_blocks": len(lease.block_ids), "num_tokens": lease.num_tokens,
+                                       "block_size": pod.settings.block_size, "block_ids": lease.block_ids})
+
+    @route("POST", "/sim/nixl/release")
+    async def nixl_release(scope, receive, send):
+        body = parse_json(await read_body(receive))
+        rid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
+        await respond_json(send, 200, {"released": pod.leases.end(rid)})
+
+    known_paths = {p for _, p in routes}
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        handler = routes.get((scope["method"], scope["path"]))
+        if handler is None:
+            if scope["path"] in known_paths:
+                await respond_json(send, 405, {"detail": "Method Not Allowed"})
+            else:
+                await respond_json(send, 404, {"detail": "Not Found"})
+            return
+        try:
+            await handler(scope, receive, send)
+        except ShapeError as exc:
+            await respond_error(send, exc.status, exc.message, exc.param)
+        except (SimulatedDrop, ConnectionResetError):
+            raise
+        except Exception as exc:  # never a stack trace to the client
+            log.exception("request failed")
+            await respond_error(send, 500, f"internal error: {type(exc).__name__}")
+
+    app.pod = pod  # type: ignore[attr-defined]
+    return app
+
+
+class MultiPodApp:
+    """One ASGI app in front of several pods, picked by the local port of the connection."""
+
+    def __init__(self, apps_by_port: dict[int, Any]):
+        self.apps = apps_by_port
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            first = next(iter(self.apps.values()))
+            await first(scope, receive, send)
+            return
+        server = scope.get("server")
+        app = self.apps.get(server[1]) if server else None
+        if app is None:
+            app = next(iter(self.apps.values()))
+        await app(scope, receive, send)
+
+
+# --- generation ----------------------------------------------------------------------------------
+async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Send) -> None:
+    s = pod.settings
+    loop = asyncio.get_running_loop()
+    base_id = header(scope, b"x-request-id")
+    try:
+        faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
+    except FaultError as exc:
+        raise ShapeError(str(exc)) from exc
+    raw = await read_body(receive)
+    arrival = loop.time()
+    if faults.delay_s:
+        pod.metrics.faults.labels("delay").inc()
+        await asyncio.sleep(faults.delay_s)
+    body = parse_json(raw)
+    gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, max_model_len=s.max_model_len,
+                           default_max_tokens=s.default_max_tokens, max_prompt_tokens=pod.max_prompt_tokens)
+    base_id = base_id or gen.body_request_id or uuid.uuid4().hex
+    echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
+    if faults.status is not None:
+        pod.metrics.faults.labels("status").inc()
+        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+        return
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    response_id = f"{prefix}-{base_id}"
+    internal_id = f"{response_id}-{next(pod._ids):x}"
+    req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
+                     pod.root_hash, arrival)
+
+    kv = gen.kv_transfer_params or {}
+    producer = bool(kv.get("do_remote_decode"))
+    if producer:
+        req.keep_blocks = True
+    elif kv.get("do_remote_prefill"):
+        await _remote_prefill(pod, req, kv)
+
+    pod.engine.submit(req)
+    watcher = loop.create_task(watch_disconnect(receive, lambda: pod.engine.abort(req)))
+    try:
+        if gen.stream:
+            await _stream(pod, gen, req, response_id, faults, send, echo)
+        else:
+            await _whole(pod, gen, req, response_id, faults, send, echo, producer)
+    finally:
+        watcher.cancel()
+        if req.finish_reason is None:
+            pod.engine.abort(req)
+
+
+async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
+    """Decode leg: read the prompt's KV from the prefill pod over the simulated link, if we can."""
+    s = pod.settings
+    problem = decode_params_problem(kv, s.nixl_allowed_hosts)
+    if problem is not None:
+        log.info("Got invalid KVTransferParams (%s); computing the prompt locally", problem)
+        pod.metrics.nixl_transfers.labels("invalid").inc()
+        return
+    local = len(pod.engine.pool.match_prefix(req.hashes[:(req.n_prompt - 1) // s.block_size]))
+    got = await remote_read(pod.http, kv, skip_blocks=local, block_size=s.block_size,
+                            kv_bytes_per_token=s.kv_bytes_per_token, bandwidth=s.nixl_bandwidth_bytes_per_s,
+                            latency=s.nixl_latency_s, slowdown=pod.faults.slowdown)
+    if got != req.n_prompt:
+        pod.metrics.nixl_transfers.labels("failed" if got == 0 else "mismatch").inc()
+        return
+    pod.metrics.nixl_transfers.labels("ok").inc()
+    req.remote_tokens = req.n_prompt - 1  # the last prompt token is recomputed locally for logits
+
+
+def _usage_of(req: SimRequest) -> dict:
+    return usage(req.n_prompt, req.num_output, req.cached_tokens)
+
+
+def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
+    out = [(b"x-sim-cached-tokens", str(req.cached_tokens).encode()),
+           (b"x-sim-prefill-compute-s", f"{req.prefill_compute_s:.6f}".encode())]
+    if req.ttft is not None:
+        out.append((b"x-sim-ttft-s", f"{req.ttft:.6f}".encode()))
+    if req.scheduled_at is not None:
+        out.append((b"x-sim-queue-s", f"{max(0.0, req.scheduled_at - req.arrival):.6f}".encode()))
+    return out
+
+
+async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
+                 send: Send, echo: list, producer: bool = False) -> None:
+    parts = []
+    queue = req.queue
+    while True:
+        item = await queue.get()
+        if item is FINISH:
+            break
+        parts.append(pod.text_of(item))
+    if req.finish_reason == "abort":
+        return
+    kv_params = None
+    if producer:
+        lease = pod.leases.leases.get(req.request_id)
+        if lease is not None:
+            kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
+                                        host=pod.host, port=pod.port, num_tokens=req.n_prompt,
+                                        expires_at_unix=time.time() + pod.settings.nixl_lease_timeout_s)
+    build = chat_body if gen.kind == "chat" else completion_body
+    body = orjson.dumps(build(response_id, pod.model, "".join(parts), req.finish_reason, _usage_of(req), kv_params))
+    headers = JSON_HEADERS + echo + _timing_headers(req)
+    if faults.drop_after_chunks is not None:
+        pod.metrics.faults.labels("drop").inc()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        if faults.drop_after_chunks > 0:
+            await send({"type": "http.response.body", "body": body[:len(body) // 2], "more_body": True})
+        raise SimulatedDrop("simulated connection drop")
+    await respond(send, 200, body, headers)
+
+
+async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
+                  send: Send, echo: list) -> None:
+    created = int(time.time())
+    model = pod.model
+    chat = gen.kind == "chat"
+    drop = faults.drop_after_chunks
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+    sent = 0
+
+    async def emit(obj: dict) -> None:
+        nonlocal sent
+        if drop is not None and sent >= drop:
+            pod.metrics.faults.labels("drop").inc()
+            raise SimulatedDrop("simulated connection drop")
+        await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(obj) + b"\n\n",
+                    "more_body": True})
+        sent += 1
+
+    if chat:
+        await emit(chat_chunk(response_id, model, created, {"role": "assistant", "content": ""}, None))
+    queue = req.queue
+    while True:
+        item = await queue.get()
+        if item is FINISH:
+            break
+        text = pod.text_of(item)
+        # FINISH is queued right after the last token, once finish_reason is set
+        reason = req.finish_reason if req.finish_reason is not None and queue.qsize() == 1 else None
+        chunk = (chat_chunk(response_id, model, created, {"content": text}, reason) if chat
+                 else completion_chunk(response_id, model, created, text, reason))
+        if gen.continuous_usage:
+            chunk["usage"] = usage(req.n_prompt, 0, req.cached_tokens)
+        await emit(chunk)
+    if req.finish_reason == "abort":
+        return
+    if gen.include_usage:
+        await emit(usage_chunk(response_id, model, created, gen.kind, _usage_of(req)))
+    if drop is not None and sent >= drop:
+        pod.metrics.faults.labels("drop").inc()
+        raise SimulatedDrop("simulated connection drop")
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+# --- building and running pods ------------------------------------------------------------------
+def events_config_for(settings: SimSettings) -> KVEventsConfig | None:
+    if settings.kv_events_port is not None:
+        return KVEventsConfig.shortcut(settings.kv_events_port)
+    if settings.kv_events_config is not None:
+        return KVEventsConfig.from_json(settings.kv_events_config)
+    return None
+
+
+def bind_sockets(host: str, port: int, count: int):
+    """Bind the HTTP sockets of pods 0..count-1 (port+i; port 0 = any free port for each)."""
+    import socket
+
+    socks = []
+    try:
+        for i in range(count):
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port + i if port else 0))
+            sock.listen(2048)
+            sock.setblocking(False)
+            socks.append(sock)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+class SimFleet:
+    """``count`` pods in this process, sharing a tokenizer, ZMQ contexts and an HTTP client."""
+
+    def __init__(self, settings: SimSettings, sockets: list | None = None):
+        self.settings = settings
+        self.sockets = sockets if sockets is not None else bind_sockets(settings.host, settings.port, settings.count)
+        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.zmq_ctx = zmq.Context()
+        self.zmq_actx = zmq.asyncio.Context()
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), trust_env=False)
+        base_events = events_config_for(settings)
+        self.pods: list[Pod] = []
+        for i, sock in enumerate(self.sockets):
+            port = sock.getsockname()[1]
+            name = (settings.pod_name + (f"-{i}" if settings.count > 1 else "")) if settings.pod_name \
+                else f"{settings.host}:{port}"
+            cfg = base_events.for_pod(i, name, settings.model) if base_events is not None else None
+            self.pods.append(Pod(settings, i, port, self.tokenizer, self.zmq_ctx, self.zmq_actx, self.http, cfg))
+        self.app = MultiPodApp({pod.port: build_app(pod) for pod in self.pods})
+
+    def start(self) -> None:
+        for pod in self.pods:
+            pod.start()
+
+    async def stop(self) -> None:
+        for pod in self.pods:
+            await pod.stop()
+        await self.http.aclose()
+        self.zmq_actx.term()
+        self.zmq_ctx.term()
+
+    async def serve(self, ready: asyncio.Event | None = None, should_exit: asyncio.Event | None = None) -> None:
+        """Run every pod's HTTP server until cancelled (or ``should_exit`` is set)."""
+        import uvicorn
+
+        logging.getLogger("uvicorn.error").addFilter(_DropFilter())
+        config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level=self.settings.log_level,
+                                timeout_keep_alive=30, backlog=2048)
+        server = uvicorn.Server(config)
+        self.start()
+        watcher = None
+        if should_exit is not None:
+            async def _watch():
+                await should_exit.wait()
+                server.should_exit = True
+            watcher = asyncio.get_running_loop().create_task(_watch())
+        if ready is not None:
+            async def _ready():
+                while not server.started:
+                    await asyncio.sleep(0.01)
+                ready.set()
+            asyncio.get_running_loop().create_task(_ready())
+        try:
+            await server.serve(sockets=self.sockets)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await self.stop()
