@@ -1,0 +1,354 @@
+"""ZeroMQ subscriber: each pod's KV-event stream into the prefix index, in order, repaired.
+
+One SUB socket per pod endpoint (a pod with data-parallel ranks has one endpoint per rank), each
+read by its own task, so one pod's events apply strictly in order and a slow pod never holds up
+another. Per stream, by sequence number:
+
+* ``seq == applied + 1``: apply.
+* ``seq > applied + 1`` (a gap; PUB drops silently at its high-water mark): ask the pod's replay
+  ROUTER through a DEALER for everything from ``applied`` on. The first reply must be the batch we
+  applied last, with the same timestamp; if it is not, the engine restarted while we were away
+  (its new stream merely overtook our old position), so the pod's rank is cleared and replayed
+  from 0. Without a replay endpoint, or when the buffer no longer holds the gap, the missing
+  batches are counted as lost.
+* ``seq`` not above the last live one: the engine restarted (sequences restart at 0). The rank's
+  entries are cleared before the new batch applies (and its own missed start replayed).
+* a stream's first batch with ``seq > 0``: catch up from the replay buffer (from 0).
+* AllBlocksCleared clears the rank (the index does it).
+
+Replay replies are parsed by frame count, so both layouts work: ``[b"", seq, payload]`` (vLLM
+< 0.26) and ``[b"", topic, seq, payload]`` (>= 0.26); the end marker is an empty last frame or
+seq ``0xFFFF_FFFF_FFFF_FFFF``. Every wait has a timeout: a slow replay client's replies (even the
+end marker) may be dropped by the ROUTER.
+
+Socket errors recreate the socket with exponential backoff (libzmq itself reconnects a connected
+SUB). Bad input is counted (``decode_errors``) and dropped; nothing a pod sends stops the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from indexer.events import END_SEQ, DecodeError, EventBatch, decode_frame, decode_payload, decode_seq, encode_seq
+from indexer.index import PrefixIndex
+
+log = logging.getLogger("kvroute.indexer.subscriber")
+
+
+@dataclass
+class StreamState:
+    """Ordering state and counters of one endpoint (one pod, one DP rank)."""
+
+    pod_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_rank: int | None = None
+    applied: int | None = None          # last applied sequence number
+    last_live: int | None = None        # last sequence number seen on the live stream
+    last_ts: float | None = None        # publish time of the last applied batch
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    lost_batches: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    replayed_batches: int = 0
+    restarts: int = 0
+    resyncs: int = 0
+    duplicates: int = 0
+    decode_errors: int = 0
+    apply_errors: int = 0
+    reconnects: int = 0
+    last_event_mono: float | None = None
+    lag_s: float | None = None
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    def snapshot(self, now_mono: float) -> dict[str, Any]:
+        return {
+            "pod_id": self.pod_id, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+            "dp_rank": self.dp_rank, "last_seq": self.applied, "batches": self.batches, "events": self.events,
+            "gaps": self.gaps, "lost_batches": self.lost_batches, "replays": self.replays,
+            "replay_failures": self.replay_failures, "replayed_batches": self.replayed_batches,
+            "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates, "decode_errors": self.decode_errors,
+            "apply_errors": self.apply_errors, "reconnects": self.reconnects,
+            "last_event_age_s": None if self.last_event_mono is None else max(0.0, now_mono - self.last_event_mono),
+            "lag_s": self.lag_s,
+        }
+
+
+ReplayFn = Callable[[int], Awaitable["list[tuple[int, EventBatch]] | None"]]
+ApplyFn = Callable[[int, EventBatch], None]
+ClearFn = Callable[[], None]
+
+
+async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: ApplyFn, clear: ClearFn,
+                      replay: ReplayFn | None) -> None:
+    """The ordering rules for one live batch (pure apart from the three callbacks)."""
+    if st.last_live is not None and seq <= st.last_live:
+        st.restarts += 1
+        log.warning("pod %s (%s): sequence went back from %d to %d: engine restarted, clearing its entries",
+                    st.pod_id, st.endpoint, st.last_live, seq)
+        clear()
+        st.applied = st.last_ts = None
+    st.last_live = seq
+    if st.applied is not None and seq <= st.applied:
+        st.duplicates += 1  # already applied from a replay
+        return
+    if st.applied is None:
+        if seq > 0 and replay is not None:
+            await _catch_up(st, 0, seq, apply, replay)
+    elif seq > st.applied + 1:
+        st.gaps += 1
+        if replay is None:
+            st.lost_batches += seq - st.applied - 1
+        else:
+            got = await _replay(st, st.applied, replay)
+            if got:
+                first_seq, first_batch = got[0]
+                if first_seq == st.applied and first_batch.ts == st.last_ts:
+                    _apply_replayed(st, got, st.applied + 1, seq, apply)
+                else:
+                    # our last batch is not in the pod's buffer as we saw it: either a new engine's
+                    # stream overtook our old position, or the buffer no longer reaches back to it
+                    if first_seq <= st.applied:
+                        st.restarts += 1
+                        why = "engine restarted"
+                    else:
+                        st.resyncs += 1
+                        why = "replay buffer no longer reaches it"
+                    log.warning("pod %s (%s): replay does not hold our last batch %d (%s): clearing and rebuilding",
+                                st.pod_id, st.endpoint, st.applied, why)
+                    clear()
+                    st.applied = st.last_ts = None
+                    if first_seq > 0:
+                        got = await _replay(st, 0, replay) or got
+                    _apply_replayed(st, got, 0, seq, apply)
+            expected = 0 if st.applied is None else st.applied + 1
+            if seq > expected:
+                st.lost_batches += seq - expected
+    _apply(st, seq, batch, apply)
+
+
+async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, replay: ReplayFn) -> None:
+    got = await _replay(st, start, replay)
+    if got:
+        _apply_replayed(st, got, start, seq, apply)
+
+
+async def _replay(st: StreamState, start: int, replay: ReplayFn) -> list[tuple[int, EventBatch]] | None:
+    st.replays += 1
+    try:
+        got = await replay(start)
+    except Exception as exc:  # a replay that fails is counted, never fatal
+        log.warning("pod %s: replay from %d failed: %s", st.pod_id, start, exc)
+        got = None
+    if got is None:
+        st.replay_failures += 1
+    return got
+
+
+def _apply_replayed(st: StreamState, got: list[tuple[int, EventBatch]], start: int, stop: int, apply: ApplyFn) -> None:
+    for s, b in got:
+        if start <= s < stop and (st.applied is None or s > st.applied):
+            st.replayed_batches += 1
+            _apply(st, s, b, apply)
+
+
+def _apply(st: StreamState, seq: int, batch: EventBatch, apply: ApplyFn) -> None:
+    try:
+        apply(seq, batch)
+    except Exception:  # a bug or a hostile batch must not stop the stream
+        st.apply_errors += 1
+        log.exception("pod %s: applying batch %d failed", st.pod_id, seq)
+    st.applied = seq
+    st.last_ts = batch.ts
+    st.batches += 1
+    st.events += len(batch.events)
+
+
+class KVEventSubscriber:
+    """Feeds a :class:`PrefixIndex` from the pods' ZMQ KV-event streams; see the module docstring."""
+
+    def __init__(self, index: PrefixIndex, *, context: zmq.asyncio.Context | None = None,
+                 replay_timeout_s: float = 2.0, reconnect_min_s: float = 0.1, reconnect_max_s: float = 5.0,
+                 rcvhwm: int = 100_000, catch_up_on_connect: bool = True,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+        self.index = index
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self.replay_timeout_s = replay_timeout_s
+        self.reconnect_min_s = reconnect_min_s
+        self.reconnect_max_s = reconnect_max_s
+        self.rcvhwm = rcvhwm
+        self.catch_up_on_connect = catch_up_on_connect
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._streams: dict[tuple[str, str], StreamState] = {}
+        self._running = False
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._running = True
+        for st in self._streams.values():
+            self._spawn(st)
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [st.task for st in self._streams.values() if st.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for st in self._streams.values():
+            st.task = None
+
+    def add_endpoint(self, pod_id: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                     model: str | None = None, dp_rank: int | None = None) -> None:
+        """Subscribe to one pod endpoint (one per DP rank). ``model`` also registers the pod in the
+        index if it is not there yet; otherwise the router must ``index.add_pod`` it (events of
+        pods the index does not know are counted and dropped)."""
+        if model is not None and not self.index.has_pod(pod_id):
+            self.index.add_pod(pod_id, model)
+        key = (pod_id, endpoint)
+        if key in self._streams:
+            return
+        st = StreamState(pod_id, endpoint, replay_endpoint, topic, dp_rank)
+        self._streams[key] = st
+        if self._running:
+            self._spawn(st)
+
+    def remove_pod(self, pod_id: str) -> None:
+        """Stop reading a pod's endpoints and drop it from the index, at once."""
+        for key in [k for k in self._streams if k[0] == pod_id]:
+            st = self._streams.pop(key)
+            if st.task is not None:
+                st.task.cancel()
+        self.index.remove_pod(pod_id)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per endpoint (keyed ``pod_id@endpoint``): sequence, gaps, replays, restarts, errors, lag."""
+        now = self.clock()
+        return {f"{p}@{e}": st.snapshot(now) for (p, e), st in self._streams.items()}
+
+    def _spawn(self, st: StreamState) -> None:
+        if st.task is None or st.task.done():
+            st.task = asyncio.get_running_loop().create_task(self._run(st), name=f"kv-events:{st.pod_id}")
+
+    # --- reading ----------------------------------------------------------------------------------
+    async def _run(self, st: StreamState) -> None:
+        backoff = self.reconnect_min_s
+        first = True
+        while True:
+            sock = self._ctx.socket(zmq.SUB)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                sock.setsockopt(zmq.RECONNECT_IVL, int(self.reconnect_min_s * 1000))
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.reconnect_max_s * 1000))
+                sock.setsockopt(zmq.SUBSCRIBE, st.topic.encode("utf-8"))
+                if "*" in st.endpoint or "::" in st.endpoint:
+                    sock.bind(st.endpoint)
+                else:
+                    sock.connect(st.endpoint)
+                if not first:
+                    st.reconnects += 1
+                first = False
+                while True:
+                    frames = await sock.recv_multipart()
+                    backoff = self.reconnect_min_s
+                    await self._on_frames(st, frames)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.warning("pod %s: KV event socket %s failed (%s); retrying in %.1fs",
+                            st.pod_id, st.endpoint, exc, backoff)
+            except Exception:
+                log.exception("pod %s: KV event stream %s failed; retrying in %.1fs", st.pod_id, st.endpoint, backoff)
+            finally:
+                sock.close(linger=0)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.reconnect_max_s)
+
+    async def _on_frames(self, st: StreamState, frames: list[bytes]) -> None:
+        try:
+            _topic, seq, batch = decode_frame(frames)
+        except DecodeError as exc:
+            st.decode_errors += 1
+            log.debug("pod %s: dropped a malformed KV event frame: %s", st.pod_id, exc)
+            return
+        st.last_event_mono = self.clock()
+        st.lag_s = max(0.0, self.wall_clock() - batch.ts) if batch.ts > 0 else None
+        replay = None
+        if st.replay_endpoint and (st.applied is not None or st.last_live is not None or self.catch_up_on_connect):
+            replay = self._replay_fn(st)
+        await handle_live(st, seq, batch, lambda s, b: self._apply(st, b), lambda: self._clear(st, batch), replay)
+
+    def _replay_fn(self, st: StreamState) -> ReplayFn:
+        async def replay(start: int) -> list[tuple[int, EventBatch]] | None:
+            return await request_replay(self._ctx, st.replay_endpoint, start, self.replay_timeout_s,
+                                        on_decode_error=lambda: _count_decode_error(st))
+        return replay
+
+    def _rank(self, st: StreamState, batch: EventBatch) -> int:
+        rank = batch.dp_rank if batch.dp_rank is not None else st.dp_rank
+        return rank or 0
+
+    def _apply(self, st: StreamState, batch: EventBatch) -> None:
+        self.index.apply_batch(st.pod_id, batch.events, self._rank(st, batch))
+
+    def _clear(self, st: StreamState, batch: EventBatch) -> None:
+        self.index.clear_pod(st.pod_id, self._rank(st, batch))
+
+
+def _count_decode_error(st: StreamState) -> None:
+    st.decode_errors += 1
+
+
+async def request_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float,
+                         on_decode_error: Callable[[], None] | None = None) -> list[tuple[int, EventBatch]] | None:
+    """DEALER ``[b"", start]`` to a replay ROUTER; the replies until the end marker, decoded.
+
+    Returns None if the end marker does not come within ``timeout_s`` of the previous reply
+    (nothing reliable can be said then). Both reply layouts are accepted.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[tuple[int, EventBatch]] = []
+    try:
+        sock.connect(endpoint)
+        await sock.send_multipart([b"", encode_seq(start)])
+        while True:
+            if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                return None
+            frames = await sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:
+                _topic, seq_raw, payload = frames
+            elif len(frames) == 2:
+                seq_raw, payload = frames
+            else:
+                if on_decode_error:
+                    on_decode_error()
+                continue
+            try:
+                seq = decode_seq(seq_raw)
+            except DecodeError:
+                if on_decode_error:
+                    on_decode_error()
+                continue
+            if seq == END_SEQ or not payload:
+                return out
+            try:
+                out.append((seq, decode_payload(payload)))
+            except DecodeError:
+                if on_decode_error:
+                    on_decode_error()
+    finally:
+        sock.close(linger=0)
