@@ -1,0 +1,382 @@
+"""Prometheus and Grafana: the shipped configs pass promtool, the alert rules fire when they should,
+every metric the rules and the dashboard name is one the services really export, the Operator
+objects point at ports the manifests declare, and a real Prometheus server with the shipped
+Kubernetes scrape config finds and labels the router, sidecar and model-pod targets.
+
+The exported names come from live processes on loopback (``kvroute serve``, ``kvroute sidecar``,
+``kvroute sim``) scraped at test time. promtool and prometheus come from Debian's ``prometheus``
+package (.ci/run installs it); a missing binary fails the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import ROOT, free_ports, kvroute_process, stop_process, wait_http
+
+PROM = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
+
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                "bool", "offset", "inf", "nan"}
+
+
+def binary(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed; .ci/run installs it (Debian package 'prometheus' or "
+                    "the 'test' extra)")
+    return found
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+
+
+def render(path: Path) -> list[dict]:
+    out = run([binary("kubectl"), "kustomize", str(path)])
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression reads (strings, matchers, ranges, groupings removed)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    s = re.sub(r"\{[^}]*\}", "", s)
+    s = re.sub(r"\[[^\]]*\]", "", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
+    s = re.sub(r"\$\{?\w+\}?", "", s)
+    found = re.findall(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![a-zA-Z0-9_:])(?!\s*\()", s)
+    return {n for n in found if n.lower() not in PROMQL_WORDS}
+
+
+def exported(text: str) -> set[str]:
+    """Every series name a /metrics exposition can produce (histogram and counter suffixes included)."""
+    names: set[str] = set()
+    for fam in text_string_to_metric_families(text):
+        names.add(fam.name)
+        if fam.type == "counter":
+            names |= {fam.name + "_total", fam.name + "_created"}
+        elif fam.type == "histogram":
+            names |= {fam.name + s for s in ("_bucket", "_sum", "_count", "_created")}
+        elif fam.type == "summary":
+            names |= {fam.name + s for s in ("_sum", "_count", "_created")}
+        names |= {s.name for s in fam.samples}
+    return names
+
+
+def alert_rules(path: Path = PROM / "alerts.yml") -> list[dict]:
+    return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+# ---------------------------------------------------------------------------------------------
+# A live fleet on loopback: one simulated pod, a sidecar in front of it, a router over it.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live():
+    sim_port, events_port, replay_port, sidecar_port, router_port = free_ports(5)
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
+              "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv@sim-0@sim-model"}
+    with kvroute_process(["sim", "--port", str(sim_port), "--kv-events-config", json.dumps(events)],
+                         ready_url=f"{sim_url}/health"):
+        with kvroute_process(["sidecar", "--host", "127.0.0.1", "--port", str(sidecar_port), "--vllm-url", sim_url],
+                             ready_url=f"http://127.0.0.1:{sidecar_port}/health"):
+            pods = [{"id": "sim-0", "url": sim_url, "role": "both",
+                     "kv_events": [{"endpoint": f"tcp://127.0.0.1:{events_port}",
+                                    "replay": f"tcp://127.0.0.1:{replay_port}"}]}]
+            with kvroute_process(["serve", "--port", str(router_port), "--pods", json.dumps(pods)],
+                                 ready_url=f"http://127.0.0.1:{router_port}/ready"):
+                router_url = f"http://127.0.0.1:{router_port}"
+                # One routed request, so labelled series have samples too.
+                r = httpx.post(f"{router_url}/v1/completions", timeout=30,
+                               json={"model": "sim-model", "prompt": "hello " * 40, "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                yield {"router": router_url, "sidecar": f"http://127.0.0.1:{sidecar_port}", "sim": sim_url}
+
+
+@pytest.fixture(scope="module")
+def exported_names(live) -> dict[str, set[str]]:
+    names = {}
+    for service, url in live.items():
+        r = httpx.get(f"{url}/metrics", timeout=10)
+        assert r.status_code == 200
+        names[service] = exported(r.text)
+    names["prometheus"] = {"up"}  # synthesized by Prometheus for every target
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# promtool
+# ---------------------------------------------------------------------------------------------
+
+def test_alert_rules_pass_promtool_check():
+    out = run([binary("promtool"), "check", "rules", "alerts.yml"], cwd=PROM)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
+
+
+def test_alert_rules_unit_tests_pass():
+    """alerts.test.yml feeds synthetic series and states which alerts fire, with which text."""
+    out = run([binary("promtool"), "test", "rules", "alerts.test.yml"], cwd=PROM)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (PROM / "alerts.test.yml").read_text()))
+    assert tested >= {"KvrouteHighErrorRate", "KvrouteHighRejectionRate", "KvrouteKVEventLag",
+                      "KvroutePodWithoutKVEvents", "KvrouteTTFTPredictionError", "KvrouteRouterDown"}
+
+
+def test_alert_rule_unit_tests_catch_a_broken_threshold(tmp_path):
+    """The unit tests are not vacuous: loosening the error-rate threshold makes them fail."""
+    shutil.copy(PROM / "alerts.test.yml", tmp_path)
+    text = (PROM / "alerts.yml").read_text()
+    assert "> 0.05" in text
+    (tmp_path / "alerts.yml").write_text(text.replace("> 0.05", "> 0.5"))
+    out = run([binary("promtool"), "test", "rules", "alerts.test.yml"], cwd=tmp_path)
+    assert out.returncode != 0 and "KvrouteHighErrorRate" in out.stdout + out.stderr
+
+
+def test_static_scrape_config_passes_promtool_check():
+    out = run([binary("promtool"), "check", "config", "prometheus-static.yml"], cwd=PROM)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def kubernetes_config_with_file_sd(directory: Path, targets_file: Path, interval: str | None = None) -> Path:
+    """prometheus.yml with each kubernetes_sd_configs replaced by file_sd_configs reading targets_file.
+
+    Debian's Prometheus is built without Kubernetes service discovery, so promtool cannot parse
+    kubernetes_sd_configs; everything else (jobs, relabel rules, rule files) is kept as shipped.
+    """
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    swapped = 0
+    for job in config["scrape_configs"]:
+        if job.pop("kubernetes_sd_configs", None) is not None:
+            job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+            swapped += 1
+    assert swapped == len(config["scrape_configs"])
+    if interval:
+        config["global"]["scrape_interval"] = interval
+        config["global"]["evaluation_interval"] = interval
+    shutil.copy(PROM / "alerts.yml", directory / "alerts.yml")
+    path = directory / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_kubernetes_scrape_config_passes_promtool_check(tmp_path):
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]")
+    path = kubernetes_config_with_file_sd(tmp_path, targets)
+    out = run([binary("promtool"), "check", "config", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
+
+
+def test_operator_rule_is_generated_from_alerts_yml_and_passes_promtool(tmp_path):
+    out = run([sys.executable, str(PROM / "make_prometheusrule.py"), "--check"])
+    assert out.returncode == 0, out.stderr
+    rule = yaml.safe_load((PROM / "operator" / "prometheusrule.yaml").read_text())
+    assert rule["spec"]["groups"] == yaml.safe_load((PROM / "alerts.yml").read_text())["groups"]
+    extracted = tmp_path / "rules.yml"
+    extracted.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = run([binary("promtool"), "check", "rules", str(extracted)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric names
+# ---------------------------------------------------------------------------------------------
+
+def test_promql_name_extraction():
+    assert metric_names('sum by (pod) (rate(kvroute_requests_total{status=~"5..", pod!=""}[5m])) '
+                        '/ on (pod) group_left max(vllm:num_requests_waiting) > 0.5') == {
+        "kvroute_requests_total", "vllm:num_requests_waiting"}
+    assert metric_names("histogram_quantile(0.9, sum by (le) (rate(x_bucket[$__rate_interval])))") == {"x_bucket"}
+    assert metric_names('up{job="kvroute-router"} == 0') == {"up"}
+
+
+def test_every_metric_in_the_alert_rules_is_exported(exported_names):
+    known = set().union(*exported_names.values())
+    for rule in alert_rules():
+        names = metric_names(rule["expr"])
+        assert names, rule["alert"]
+        assert names <= known, f"{rule['alert']} reads metrics nobody exports: {sorted(names - known)}"
+
+
+def test_every_metric_on_the_dashboard_is_exported(exported_names):
+    known = set().union(*exported_names.values())
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    used = set()
+    for expr in exprs:
+        names = metric_names(expr)
+        assert names, expr
+        assert names <= known, f"dashboard query reads metrics nobody exports: {sorted(names - known)}\n{expr}"
+        used |= names
+    # The dashboard covers what it promises: traffic, TTFT predicted vs observed, hit rate,
+    # rejections, per-pod load, event lag.
+    assert {"kvroute_requests_total", "kvroute_predicted_ttft_seconds_bucket", "kvroute_observed_ttft_seconds_bucket",
+            "vllm:prefix_cache_hits_total", "kvroute_rejections_total", "vllm:num_requests_waiting",
+            "kvroute_pod_event_lag_seconds"} <= used
+
+
+def test_dashboard_is_importable_grafana_json():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] == "kvroute"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource"]
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}"
+            assert p["targets"] and all(t["refId"] for t in p["targets"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The Operator objects against the manifests
+# ---------------------------------------------------------------------------------------------
+
+def selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        if expr["operator"] == "Exists" and expr["key"] not in labels:
+            return False
+        if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_operator_monitors_find_the_ports_the_manifests_declare():
+    monitors = {d["metadata"]["name"]: d for d in render(ROOT / "deploy" / "prometheus" / "operator")}
+    assert set(monitors) == {"kvroute-router", "kvroute-sidecar", "vllm", "kvroute"}
+    for overlay in ("vllm-pd", "vllm-aggregated", "simulated"):
+        docs = render(ROOT / "deploy" / "kubernetes" / "overlays" / overlay)
+        pods = [(w["spec"]["template"], w["metadata"]["name"]) for w in docs if w["kind"] in ("Deployment", "StatefulSet")]
+        # Router: the ServiceMonitor selects the router Service, whose port it names.
+        sm = monitors["kvroute-router"]["spec"]
+        services = [d for d in docs if d["kind"] == "Service" and selects(sm["selector"], d["metadata"]["labels"])]
+        assert [s["metadata"]["name"] for s in services] == ["kvroute-router"]
+        assert sm["endpoints"][0]["port"] in {p["name"] for p in services[0]["spec"]["ports"]}
+        # Model pods: the vllm PodMonitor selects every pod of the pool and its port exists on each.
+        pm = monitors["vllm"]["spec"]
+        model = [(t, n) for t, n in pods if "kvroute.io/pool" in t["metadata"]["labels"]]
+        assert model and [n for t, n in pods if selects(pm["selector"], t["metadata"]["labels"])] == [n for _, n in model]
+        for t, name in model:
+            ports = {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            assert pm["podMetricsEndpoints"][0]["port"] in ports, name
+        # Sidecars: exactly the decode pods, on the sidecar container's port.
+        sc = monitors["kvroute-sidecar"]["spec"]
+        chosen = [(t, n) for t, n in pods if selects(sc["selector"], t["metadata"]["labels"])]
+        for t, name in chosen:
+            sidecar = next(c for c in t["spec"]["containers"] if c["name"] == "sidecar")
+            assert sc["podMetricsEndpoints"][0]["port"] in {p["name"] for p in sidecar["ports"]}, name
+        assert bool(chosen) == (overlay == "vllm-pd")
+
+
+# ---------------------------------------------------------------------------------------------
+# A real Prometheus with the shipped Kubernetes scrape config
+# ---------------------------------------------------------------------------------------------
+
+def sanitize(label: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def pod_targets(docs: list[dict], address_for) -> list[dict]:
+    """What Kubernetes pod discovery would produce for the rendered pods: one target per container
+    port, with the __meta_kubernetes_* labels Prometheus documents, at an address we choose."""
+    groups = []
+    for w in docs:
+        if w["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        template = w["spec"]["template"]
+        for i in range(w["spec"].get("replicas", 1)):
+            pod = f"{w['metadata']['name']}-{i}" if w["kind"] == "StatefulSet" else f"{w['metadata']['name']}-abc12-{i}"
+            for c in template["spec"]["containers"]:
+                for port in c.get("ports", []):
+                    labels = {f"__meta_kubernetes_pod_label_{sanitize(k)}": v for k, v in template["metadata"]["labels"].items()}
+                    labels.update({
+                        "__meta_kubernetes_namespace": w["metadata"]["namespace"],
+                        "__meta_kubernetes_pod_name": pod,
+                        "__meta_kubernetes_pod_phase": "Running",
+                        "__meta_kubernetes_pod_container_name": c["name"],
+                        "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                        "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+                    })
+                    groups.append({"targets": [address_for(c["name"], port.get("name"))], "labels": labels})
+    return groups
+
+
+def test_real_prometheus_with_the_kubernetes_config_scrapes_router_sidecar_and_pods(live, tmp_path):
+    docs = render(ROOT / "deploy" / "kubernetes" / "overlays" / "vllm-pd")
+    host = {name: url.removeprefix("http://") for name, url in live.items()}
+
+    def address_for(container: str, port_name: str | None) -> str:
+        if port_name == "http":
+            return host["router"] if container == "router" else host["sidecar"]
+        if port_name == "vllm":
+            return host["sim"]
+        return "127.0.0.1:9"  # event, replay and NIXL ports: must not be scraped at all
+
+    targets = tmp_path / "targets.json"
+    targets.write_text(json.dumps(pod_targets(docs, address_for)))
+    config = kubernetes_config_with_file_sd(tmp_path, targets, interval="1s")
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        wait_http(f"http://127.0.0.1:{port}/-/ready", timeout=30, proc=proc)
+
+        def query(q: str) -> list[dict]:
+            r = httpx.get(f"{api}/query", params={"query": q}, timeout=5)
+            assert r.status_code == 200, r.text
+            return r.json()["data"]["result"]
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            up = query("up")
+            if len(up) == 8 and all(s["value"][1] == "1" for s in up) and query("kvroute_pod_healthy"):
+                break
+            time.sleep(0.5)
+        up = {(s["metric"]["job"], s["metric"].get("kubernetes_pod_name") or s["metric"].get("pod")): s for s in query("up")}
+        # 2 router replicas, 2 sidecars (decode pods), 4 vLLM endpoints (2 prefill + 2 decode);
+        # no event, replay or NIXL port became a target.
+        assert sorted(j for j, _ in up) == ["kvroute-router"] * 2 + ["kvroute-sidecar"] * 2 + ["vllm"] * 4, up
+        assert all(s["value"][1] == "1" for s in up.values()), up
+        assert {p for j, p in up if j == "kvroute-sidecar"} == {"vllm-decode-0", "vllm-decode-1"}
+        assert {p for j, p in up if j == "vllm"} == {"vllm-prefill-0", "vllm-prefill-1", "vllm-decode-0", "vllm-decode-1"}
+        # Model-pod series carry pod and role; router series keep their own `pod` label intact.
+        waiting = query('vllm:num_requests_waiting{job="vllm", role="decode"}')
+        assert {s["metric"]["pod"] for s in waiting} == {"vllm-decode-0", "vllm-decode-1"}
+        healthy = query('kvroute_pod_healthy{job="kvroute-router"}')
+        assert {s["metric"]["pod"] for s in healthy} == {"sim-0"}
+        assert all(s["metric"]["kubernetes_pod_name"].startswith("kvroute-router-") for s in healthy)
+        assert all(s["metric"]["kubernetes_namespace"] == "kvroute" for s in healthy)
+        # The rules file loaded and every rule evaluates without error.
+        rules = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
+        loaded = [r for g in rules for r in g["rules"]]
+        assert len(loaded) == len(alert_rules())
+        assert all(r["health"] in ("ok", "unknown") for r in loaded), [(r["name"], r.get("lastError")) for r in loaded]
+    finally:
+        stop_process(proc)
