@@ -99,7 +99,8 @@ class EngineBase:
         if req.remote_tokens:
             m.external_queries.inc(req.n_prompt)
             m.external_hits.inc(req.remote_tokens)
-        req.cached_tokens = hit_tokens
+        # like vLLM, a request's cached tokens include KV received from a remote prefill
+        req.cached_tokens = max(hit_tokens, req.remote_tokens)
 
     def _record_finish(self, req: SimRequest, reason: str, now: float) -> None:
         m = self.metrics
