@@ -103,8 +103,11 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
         st.duplicates += 1  # already applied from a replay
         return
     if st.applied is None:
-        if seq > 0 and replay is not None:
-            await _catch_up(st, 0, seq, apply, replay)
+        if seq > 0:
+            if replay is not None:
+                await _catch_up(st, 0, seq, apply, replay)
+            expected = 0 if st.applied is None else st.applied + 1
+            st.lost_batches += max(0, seq - expected)
     elif seq > st.applied + 1:
         st.gaps += 1
         if replay is None:
@@ -131,8 +134,10 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
                     if first_seq > 0:
                         got = await _replay(st, 0, replay) or got
                     _apply_replayed(st, got, 0, seq, apply)
+                    # what the buffer no longer holds of the new state is lost to us
+                    st.lost_batches += min(got[0][0], seq)
             expected = 0 if st.applied is None else st.applied + 1
-            if seq > expected:
+            if seq > expected and st.applied is not None:
                 st.lost_batches += seq - expected
     _apply(st, seq, batch, apply)
 
@@ -140,6 +145,8 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
 async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, replay: ReplayFn) -> None:
     got = await _replay(st, start, replay)
     if got:
+        if got[0][0] > start:  # the buffer no longer reaches back to the start
+            st.lost_batches += min(got[0][0], seq) - start
         _apply_replayed(st, got, start, seq, apply)
 
 
