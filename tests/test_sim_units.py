@@ -1,0 +1,82 @@
+"""Pure pieces of the simulator: event bytes against the spec's examples, the block pool, config."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from simulator.block_pool import BlockPool, chain_digests, digest_to_u64, none_hash, token_bytes
+from simulator.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig,
+                              KVEventsConfigError, LegacyAllBlocksCleared, LegacyBlockRemoved,
+                              LegacyBlockStored, encode_batch)
+
+
+def test_legacy_array_bytes_match_the_spec_example():
+    # spec 1.3: [1.5, [["BlockStored",[11,12],nil,[1,2,3,4],2,nil,"GPU",nil,nil,0], ["BlockRemoved",[11],"GPU",nil],
+    #               ["AllBlocksCleared"]], 0]; hex starts 93 cb3ff8000000000000 93 9a ab"BlockStored" 92 0b 0c c0
+    batch = KVEventBatch(1.5, [LegacyBlockStored([11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None, None, 0),
+                               LegacyBlockRemoved([11], "GPU", None), LegacyAllBlocksCleared()], 0)
+    raw = msgspec.msgpack.encode(batch)
+    assert raw.startswith(bytes.fromhex("93cb3ff8000000000000939aab") + b"BlockStored" + bytes.fromhex("920b0cc0"))
+    assert msgspec.msgpack.decode(raw) == [1.5, [["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None,
+                                                  None, 0], ["BlockRemoved", [11], "GPU", None],
+                                                 ["AllBlocksCleared"]], 0]
+
+
+def test_map_form_matches_the_v026_capture():
+    h = 15760518052499183552  # >= 2^63: must go out as msgpack uint64 (0xcf)
+    ev = BlockStored([h], None, list(range(16)), 16, None, "GPU", None, extra_keys=[None], group_idx=0,
+                     kv_cache_spec_kind="full_attention")
+    raw = encode_batch(1789095808.83, [ev, BlockRemoved([h], "GPU", group_idx=0), AllBlocksCleared()], 0)
+    assert bytes.fromhex("cf") + h.to_bytes(8, "big") in raw
+    ts, events, rank = msgspec.msgpack.decode(raw)
+    assert (ts, rank) == (1789095808.83, 0)
+    assert events[0] == {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+                         "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+                         "lora_name": None, "extra_keys": [None], "group_idx": 0,
+                         "kv_cache_spec_kind": "full_attention"}
+    assert events[1] == {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+    assert events[2] == {"type": "AllBlocksCleared"}
+
+
+def test_hash_chain_is_deterministic_and_chained():
+    root = none_hash("")
+    packed = token_bytes(list(range(32)))
+    d = chain_digests(root, packed, 16, 0, 2)
+    assert d == chain_digests(root, packed, 16, 0, 2)
+    assert chain_digests(d[0], packed[64:], 16, 0, 1) == [d[1]]
+    assert chain_digests(none_hash("other"), packed, 16, 0, 1) != d[:1]
+    assert 0 <= digest_to_u64(d[0]) < 2**64 and digest_to_u64(d[0]) == int.from_bytes(d[0][-8:], "big")
+
+
+def test_block_pool_lru_eviction_and_refcounts():
+    events = []
+    pool = BlockPool(4, 2, events.append)
+    a = pool.allocate(2)
+    pool.cache(a, [101, 102], None, [1, 2, 3, 4])
+    assert events[-1] == ("stored", [101, 102], None, [1, 2, 3, 4])
+    assert pool.usage() == 0.5
+    pool.release(a)
+    assert pool.usage() == 0.0 and pool.match_prefix([101, 102, 103]) == a
+    pool.touch(pool.match_prefix([101]))  # in use again: cannot be evicted
+    b = pool.allocate(3)  # 2 never-used blocks, then the LRU freed one: block of hash 102 (freed tail-first)
+    assert b is not None and ("removed", [102]) in events and ("removed", [101]) not in events
+    assert pool.allocate(1) is None  # 101 is referenced
+    pool.reset()
+    assert events[-1] == ("cleared",) and pool.match_prefix([101]) == []
+
+
+def test_kv_events_config_parsing_and_offsets():
+    cfg = KVEventsConfig.from_json({"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                                    "topic": "kv@{pod}@{model}"})
+    assert cfg.enabled
+    pod2 = cfg.for_pod(2, "p2", "m")
+    assert (pod2.endpoint, pod2.replay_endpoint, pod2.topic) == ("tcp://*:5561", "tcp://*:5562", "kv@p2@m")
+    connect = KVEventsConfig.from_json({"enable_kv_cache_events": True, "endpoint": "tcp://indexer:5557"})
+    assert connect.for_pod(3, "p", "m").endpoint == "tcp://indexer:5557"  # a connecting endpoint is shared
+    assert not KVEventsConfig.from_json({"enable_kv_cache_events": True, "publisher": "null"}).enabled
+    assert not KVEventsConfig.from_json({}).enabled
+    for bad in ({"publisher": "kafka"}, {"hwm": "many"}, {"extra": 1}, {"enable_kv_cache_events": 1}):
+        with pytest.raises(KVEventsConfigError):
+            KVEventsConfig.from_json(bad)
