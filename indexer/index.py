@@ -534,13 +534,13 @@ class PrefixIndex:
                 masks = map(or_, masks, map(pred.get, keys, repeat(0)))
             depth = _depths(masks, alive)
             weight = self.tier_weights.get(tier, self.default_tier_weight)
-            for pid, pod in chosen.items():
-                best, rank = 0, None
-                for r, src in pod.sources.items():
-                    d = depth.get(src.bit, 0)
-                    if d > best:
-                        best, rank = d, r
-                result[pid] = PodMatch(best, {tier: best}, weight * best, rank) if best else NO_MATCH
+            result.update(dict.fromkeys(chosen, NO_MATCH))
+            bits = self._bits
+            for bit, d in depth.items():  # only the sources that match at all
+                src = bits[bit]
+                pid = src.pod.pod_id
+                if d > result[pid].blocks:
+                    result[pid] = PodMatch(d, {tier: d}, weight * d, src.rank)
             return result
 
         # several tiers: per tier, and per union of the best tiers (vLLM continues a GPU prefix
