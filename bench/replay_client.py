@@ -93,6 +93,9 @@ def main() -> int:
     print(f"TTFT p50 {s['median_ttft_ms']:.2f} ms, p99 {s['p99_ttft_ms']:.2f} ms (fast backend, loopback)")
     print(f"send lateness p50 {s['lateness_p50_ms']:.2f} ms, p99 {s['lateness_p99_ms']:.2f} ms, "
           f"max {s['lateness_max_ms']:.2f} ms")
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average during run {load[0]:.2f} (1 min); other processes "
+          "competing for the CPUs raise the lateness tail")
     print(f"HEADLINE: {achieved:.0f} req/s of {args.prompt_len}-token prompts sustained, "
           f"send lateness p99 {s['lateness_p99_ms']:.2f} ms ({args.loop})")
     return 0

@@ -13,6 +13,7 @@ no total timeout (long streams are legitimate; ``request_timeout`` bounds silenc
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from dataclasses import dataclass, field
@@ -276,6 +277,10 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
                                   counts["ok"], counts["rejected"], counts["errors"]))
 
         tasks: set[asyncio.Task] = set()
+        # The bodies and records are long-lived: move them out of the collector's way so that
+        # a full collection during the run does not stall the scheduler.
+        gc.collect()
+        gc.freeze()
         t0 = perf() + start_delay
         reporter = asyncio.create_task(report_progress()) if progress else None
         try:
@@ -293,6 +298,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
         finally:
+            gc.unfreeze()
             if reporter:
                 reporter.cancel()
                 await asyncio.gather(reporter, return_exceptions=True)
