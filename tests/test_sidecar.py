@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import subprocess
 import threading
 import time
 
@@ -34,6 +36,7 @@ class FakePod:
         self.events: list[str] = []
         self.behaviour: dict = {}
         self.published: list[str] = []
+        self.polls = 0
         self.gate: threading.Event | None = None
         self.loop = asyncio.new_event_loop()
         self.runner: web.AppRunner | None = None
@@ -86,11 +89,12 @@ class FakePod:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = None
+        if request.path == "/internal/prefill-pods":  # allowlist polls are not requests under test
+            self.polls += 1
+            return web.json_response(self.published)
         self.received.append({"method": request.method, "path": request.path, "query": request.query_string,
                               "headers": [(k.lower(), v) for k, v in request.headers.items()],
                               "raw": raw, "json": body})
-        if request.path == "/internal/prefill-pods":
-            return web.json_response(self.published)
         if request.path == "/v1/models":
             return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
         if request.path not in GENERATION:
@@ -107,6 +111,8 @@ class FakePod:
                                 body=json.dumps({"error": {"message": f"{self.name} says no", "type": "X",
                                                            "param": None, "code": b["status"]}}))
         params = (body or {}).get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and b.get("garbage"):
+            return web.Response(status=200, content_type="application/json", body=b"<html>oops</html>")
         if params.get("do_remote_decode"):
             answer = {"id": "cmpl-p", "object": "text_completion", "model": "fake-model",
                       "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
@@ -125,6 +131,10 @@ class FakePod:
                     chunk = {"id": "cmpl-d", "object": "chat.completion.chunk", "model": "fake-model",
                              "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    if i == 0 and b.get("drop"):
+                        request.transport.close()
+                        self.events.append("dropped")
+                        return resp
                     if i == 0 and self.gate is not None:
                         while not self.gate.is_set():
                             await asyncio.sleep(0.01)
@@ -420,13 +430,14 @@ def test_client_disconnect_mid_stream_cancels_the_decode_request(pods, sidecar):
 
 @pytest.fixture(scope="module")
 def published_sidecar(pods):
-    """A sidecar whose allowlist is the published prefill set; no fallback."""
+    """A sidecar whose allowlist is the published prefill set; no fallback; 1 s decode timeout; small bodies."""
     prefill, decode = pods
     prefill.published = [f"127.0.0.1:{prefill.port}"]
     port = free_port()
     args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
             "--prefill-allowlist-url", prefill.url + "/internal/prefill-pods", "--allowlist-refresh-s", "0.2",
-            "--target-dns-cache-s", "0", "--no-fallback-on-prefill-error"]
+            "--target-dns-cache-s", "0", "--no-fallback-on-prefill-error", "--decode-timeout", "1",
+            "--max-body-bytes", "100000"]
     with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 
@@ -454,6 +465,7 @@ def test_published_prefill_set_is_the_allowlist_and_ports_matter(pods, published
     prefill.published = [f"localhost:{prefill.port}"]
     assert _wait_allowed(published_sidecar, f"127.0.0.1:{prefill.port}", 200).status_code == 200
     assert metric(published_sidecar, "kvroute_sidecar_allowlist_entries") == 1
+    assert prefill.polls >= 3  # fetched at start, then refreshed for each of the two changes above
 
 
 def test_without_fallback_a_prefill_5xx_is_returned(pods, published_sidecar):
@@ -483,3 +495,97 @@ def test_unreachable_decoder_is_a_503_and_own_health_stays_up():
         assert r.status_code == 403
         assert httpx.get(base + "/health", timeout=5).status_code == 200
         assert metric(base, "kvroute_sidecar_legs_total", leg="direct", outcome="connect_error") == 1
+
+
+def test_unusable_prefill_answer_falls_back(pods, sidecar):
+    prefill, decode = pods
+    prefill.behaviour = {"garbage": True}
+    before = metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response")
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10)
+    assert r.status_code == 200
+    assert "kv_transfer_params" not in decode.received[0]["json"]
+    assert metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response") == before + 1
+
+
+def test_a_broken_decoder_stream_ends_with_an_sse_error(pods, sidecar):
+    prefill, decode = pods
+    decode.behaviour = {"drop": True}
+    with httpx.stream("POST", sidecar + "/v1/chat/completions", json=chat_body(stream=True),
+                      headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert "tok0" in lines[0]
+    assert json.loads(lines[-2][6:])["error"]["type"] == "InternalServerError"
+    assert lines[-1] == "data: [DONE]"
+    assert metric(sidecar, "kvroute_sidecar_legs_total", leg="decode", outcome="stream_error") >= 1
+
+
+async def test_many_concurrent_streams_through_both_legs(pods, sidecar):
+    prefill, decode = pods
+    n = 40
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        async with client.stream("POST", sidecar + "/v1/chat/completions", json=chat_body(stream=True, user=str(i)),
+                                 headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}",
+                                          "x-request-id": f"r{i}"}) as r:
+            assert r.status_code == 200
+            assert r.headers["x-request-id"] == f"r{i}"
+            return "".join([line async for line in r.aiter_lines() if line])
+
+    async with httpx.AsyncClient(timeout=20, limits=httpx.Limits(max_connections=n)) as client:
+        bodies = await asyncio.gather(*(one(client, i) for i in range(n)))
+    assert all(b.count("tok") == 3 and b.endswith("data: [DONE]") for b in bodies)
+    assert sorted(header(r, "x-request-id")[0] for r in prefill.received) == sorted(f"r{i}" for i in range(n))
+    for rec in decode.received:  # each decode leg carries the request id its own prefill leg had
+        assert rec["json"]["user"] == header(rec, "x-request-id")[0][1:]
+
+
+def test_a_silent_decoder_hits_the_decode_timeout(pods, published_sidecar):
+    _, decode = pods
+    decode.behaviour = {"delay": 3}
+    r = httpx.post(published_sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"}, timeout=10)
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "GatewayTimeout"
+    decode.reset()
+    decode.gate = threading.Event()  # stalls after the first chunk, longer than the 1 s decode timeout
+    with httpx.stream("POST", published_sidecar + "/v1/chat/completions", json=chat_body(stream=True),
+                      timeout=10) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert "tok0" in lines[0] and lines[-1] == "data: [DONE]" and "error" in lines[-2]
+
+
+def test_an_oversized_body_is_a_413(pods, published_sidecar):
+    _, decode = pods
+    r = httpx.post(published_sidecar + "/v1/completions", timeout=10,
+                   json={"model": "fake-model", "prompt": "x" * 200_000})
+    assert r.status_code == 413
+    assert "exceeds" in r.json()["error"]["message"]
+    assert decode.received == []
+
+
+def test_tls_on_the_listener(pods, tmp_path):
+    prefill, decode = pods
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
+            "--prefill-allowlist", '["127.0.0.1"]', "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    with kvroute_process(args):
+        base = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = httpx.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "p"}, verify=ssl.create_default_context(cafile=str(cert)),
+                               headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=5)
+                break
+            except httpx.ConnectError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert r.status_code == 200
+        assert len(prefill.received) == 1 and len(decode.received) == 1
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
