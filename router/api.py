@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-import uuid
+import itertools
+import os
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
@@ -31,11 +32,38 @@ from router.service import Services
 POD_HEADER = "x-kvroute-pod"
 
 
+_RID_PREFIX = os.urandom(6).hex()
+_rid_counter = itertools.count(1)
+
+
 def _request_id(request: Request) -> str:
+    """The client's X-Request-Id if it is sane, else a new one (process-random prefix + counter:
+    unique, and cheaper than a uuid4 per request)."""
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 200 and rid.isprintable():
         return rid
-    return uuid.uuid4().hex
+    return f"{_RID_PREFIX}{next(_rid_counter):010x}"
+
+
+class KVRouteApp(FastAPI):
+    """FastAPI with a fast path: the two proxy routes skip the middleware stack, routing table and
+    dependency solver (they need none of them) and are called as plain functions; everything
+    else, including the lifespan, goes through FastAPI as usual."""
+
+    fast_routes: dict[str, Callable[[Request], Any]]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast_routes.get(scope["path"])
+            if handler is not None:
+                request = Request(scope, receive)
+                try:
+                    response = await handler(request)
+                except Exception as exc:  # the same answer the slow path's handler would give
+                    response = error_response(500, f"internal error: {type(exc).__name__}")
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -141,7 +169,7 @@ def create_app(services: Services) -> FastAPI:
         finally:
             await services.stop()
 
-    app = FastAPI(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = KVRouteApp(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.services = services
 
     def authenticate(request: Request) -> None:
@@ -325,6 +353,7 @@ def create_app(services: Services) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "chat", "/v1/chat/completions")
 
+    app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
     return app
 
 
