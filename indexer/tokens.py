@@ -181,3 +181,60 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     if spec in (None, "", "byte"):
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+class RemoteTokenizer:
+    """Token ids from a pod's own ``POST /tokenize`` (vLLM applies its chat template there), cached.
+
+    For deployments where the router has no tokenizer files: the pod's answer is exactly what the
+    engine hashes. ``base_url`` comes from the router's configured fleet, never from a client.
+    Results are kept in a bounded LRU (``cache_size`` entries) keyed by the request body, so a
+    repeated system prompt or conversation costs one round trip. Raises ``RemoteTokenizeError``
+    on a non-2xx answer or a body without a ``tokens`` list.
+    """
+
+    def __init__(self, base_url: str, model: str, client: Any, cache_size: int = 4096):
+        from collections import OrderedDict
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._client = client  # an httpx.AsyncClient, owned by the caller
+        self.cache_size = cache_size
+        self._cache: "OrderedDict[bytes, list[int]]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._tokenize({"model": self.model, "prompt": prompt, "add_special_tokens": add_special_tokens})
+
+    async def encode_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        return await self._tokenize({"model": self.model, "messages": messages,
+                                     "add_generation_prompt": add_generation_prompt})
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        import orjson
+
+        key = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return hit
+        self.misses += 1
+        r = await self._client.post(f"{self.base_url}/tokenize", content=key,
+                                    headers={"content-type": "application/json"})
+        if r.status_code // 100 != 2:
+            raise RemoteTokenizeError(f"/tokenize answered {r.status_code}: {r.text[:200]}")
+        try:
+            tokens = r.json().get("tokens")
+        except ValueError:
+            tokens = None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise RemoteTokenizeError("/tokenize answer has no 'tokens' list of ints")
+        self._cache[key] = tokens
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return tokens
+
+
+class RemoteTokenizeError(RuntimeError):
+    """A pod's /tokenize failed or answered something unusable."""
