@@ -457,6 +457,7 @@ def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
            (b"x-sim-prefill-compute-s", f"{req.prefill_compute_s:.6f}".encode())]
     if req.ttft is not None:
         out.append((b"x-sim-ttft-s", f"{req.ttft:.6f}".encode()))
+        out.append((b"x-sim-decode-s", f"{req.last_token_at - req.first_token_at:.6f}".encode()))
     if req.scheduled_at is not None:
         out.append((b"x-sim-queue-s", f"{max(0.0, req.scheduled_at - req.arrival):.6f}".encode()))
     return out

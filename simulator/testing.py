@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import httpx
 
 
 def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -25,3 +34,43 @@ def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200)
             for s in socks:
                 s.close()
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+@contextmanager
+def running_sims(count: int = 1, args: Sequence[str] = (), host: str = "127.0.0.1",
+                 timeout: float = 30.0) -> Iterator[list[str]]:
+    """Run ``kvroute sim --count N`` as a child process on free ports; yield the pods' base URLs.
+
+    The process is terminated (then killed) on exit. ``args`` are extra ``kvroute sim`` flags.
+    """
+    base = consecutive_free_ports(count, host)
+    cmd = [sys.executable, "-m", "router.cli", "sim", "--host", host, "--port", str(base), "--count", str(count),
+           *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    urls = [f"http://{host}:{base + i}" for i in range(count)]
+    try:
+        deadline = time.monotonic() + timeout
+        for url in urls:
+            while True:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise RuntimeError(f"kvroute sim exited with {proc.returncode}: {err[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} did not become healthy within {timeout}s")
+                time.sleep(0.05)
+        yield urls
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        if proc.stderr:
+            proc.stderr.close()
