@@ -11,7 +11,7 @@ import pytest
 from replay import cli
 from replay.settings import ReplaySettings
 
-from tests.helpers import ROOT, free_port, stop_process, wait_http
+from tests.helpers import ROOT, free_port, kvroute_process, stop_process, wait_http
 
 TRACE = ROOT / "data" / "conversation_trace.jsonl"
 
@@ -107,3 +107,21 @@ def test_help_lists_every_setting():
     for name in ReplaySettings.model_fields:
         assert "--" + name.replace("_", "-") in proc.stdout
     assert "KVROUTE_REPLAY_" in proc.stdout
+
+
+def test_mooncake_against_a_simulated_pod(tmp_path):
+    """20 requests of the Mooncake trace against `kvroute sim`; the hit rate comes from its metrics."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with kvroute_process(["sim", "--port", str(port)], ready_url=url + "/health", timeout=30):
+        out = tmp_path / "sim.json"
+        proc = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--target", url, f"mooncake:{TRACE}",
+                               "--max-requests", "20", "--time-scale", "0.02", "--max-input-len", "4096",
+                               "--max-output-len", "4", "--pod-metrics", url, "--result-file", str(out),
+                               "--no-plots", "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        s = json.loads(out.read_text())["summary"]
+        assert s["requests"] == 20 and s["completed"] == 20 and 20 <= s["total_output_tokens"] <= 80
+        # every request starts with trace block 0, so later requests hit the pod's prefix cache
+        assert s["hit_rate"] is not None and s["hit_rate"] > 0
+        assert s["usage_hit_rate"] is not None and s["usage_hit_rate"] > 0
