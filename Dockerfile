@@ -46,7 +46,7 @@ LABEL org.opencontainers.image.title="kvroute" \
 RUN groupadd --system --gid 10001 kvroute \
  && useradd --system --uid 10001 --gid kvroute --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvroute
 COPY --from=build /opt/kvroute /opt/kvroute
-COPY --chown=10001:10001 data /opt/kvroute/share/data
+COPY data /opt/kvroute/share/data
 ENV PATH=/opt/kvroute/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
