@@ -9,6 +9,7 @@ would: the prefill pod's lease on the prompt blocks, the decoder's NIXL read, ab
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -40,15 +41,28 @@ def wait_metric(base: str, name: str, want: float, timeout: float = 5.0, **label
         time.sleep(0.05)
 
 
+def two_adjacent_free_ports() -> int:
+    """A port P such that P and P+1 were both free a moment ago (``--count 2`` serves on both)."""
+    for _ in range(50):
+        base = free_port()
+        if base >= 65535:
+            continue
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two adjacent free ports")
+
+
 @pytest.fixture(scope="module")
 def fleet():
     """(prefill pod URL, decode pod URL, sidecar URL, the header value naming the prefill pod)."""
-    while True:
-        base = free_port()
-        if base < 65000 and free_port() != base + 1:
-            break
+    base = two_adjacent_free_ports()
     p_url, d_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
-    (side_port,) = free_ports(1)
+    side_port = next(p for p in free_ports(3) if p not in (base, base + 1))
     side_url = f"http://127.0.0.1:{side_port}"
     with kvroute_process(["sim", "--port", str(base), "--count", "2", "--host", "127.0.0.1",
                           "--max-num-batched-tokens", "64"],
