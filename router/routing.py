@@ -122,7 +122,7 @@ class Router:
 
     def candidates(self, pods: list[PodState], keys: list[int], tokens: list[int]) -> list[Candidate]:
         matches = self.index.match(keys, pods=[p.id for p in pods]) if keys and pods else {}
-        anchor = keys[0] if keys else hash(tuple(tokens[: self.block_size]))
+        anchor = keys[-1] if keys else hash(tuple(tokens))
         bs = self.block_size
         out = []
         for p in pods:

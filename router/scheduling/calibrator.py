@@ -30,7 +30,7 @@ class PodCalibration:
 
     def __post_init__(self) -> None:
         self._theta = [self.overhead_s, _KT / self.rate]
-        self._p = [0.05, 0.0, 0.0, 0.05]
+        self._p = [1.0, 0.0, 0.0, 1.0]  # a weak prior: a few observations outweigh it
 
     def observe(self, work_tokens: float, ttft_s: float) -> float:
         """Fold one observation in; returns the prediction error (observed - predicted) in seconds."""

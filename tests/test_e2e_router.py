@@ -1,0 +1,124 @@
+"""End to end: simulated pods publishing real KV events over ZeroMQ, the real router in front."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import orjson
+import yaml
+
+from router.config import RouterSettings, build_settings
+from simulator.testing import consecutive_free_ports, running_sims
+from tests.helpers import free_port, kvroute_process
+from tests.test_router_api import running_router
+
+
+def fleet(urls: list[str], events_base: int | None) -> list[dict]:
+    pods = []
+    for i, url in enumerate(urls):
+        pod = {"id": f"sim-{i}", "url": url, "model": "sim-model"}
+        if events_base is not None:
+            pod["kv_events"] = [{"endpoint": f"tcp://127.0.0.1:{events_base + 2 * i}",
+                                 "replay": f"tcp://127.0.0.1:{events_base + 2 * i + 1}"}]
+        pods.append(pod)
+    return pods
+
+
+def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
+    """A served `kvroute serve` (YAML fleet) keeps a conversation on the pod that cached it, from
+    the pods' own KV events, while other conversations spread over the fleet."""
+    events = consecutive_free_ports(8)
+    with running_sims(4, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+        port = free_port()
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.2,
+                                       "scrape_interval_s": 0.1}))
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"):
+            base = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=base, timeout=30) as c:
+                first_pods: dict[int, str] = {}
+                histories = {}
+
+                async def first_turn(s: int) -> None:
+                    messages = [{"role": "system", "content": f"You are assistant number {s}. " + "Be brief. " * 60},
+                                {"role": "user", "content": f"Question one of session {s}?"}]
+                    async with httpx.AsyncClient(base_url=base, timeout=30) as ac:
+                        r = await ac.post("/v1/chat/completions", json={"model": "sim-model", "messages": messages,
+                                                                        "max_tokens": 8, "stream": True})
+                    assert r.status_code == 200
+                    first_pods[s] = r.headers["x-kvroute-pod"]
+                    chunks = [orjson.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+                    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch.get("choices"))
+                    histories[s] = messages + [{"role": "assistant", "content": text}]
+
+                async def first_turns() -> None:
+                    await asyncio.gather(*(first_turn(s) for s in range(6)))
+
+                asyncio.run(first_turns())  # sent together, so booked work spreads them
+                assert len(set(first_pods.values())) >= 3  # new conversations spread out
+                time.sleep(0.5)  # speculative credit (0.2 s) expires: only real events remain
+                metrics = c.get("/metrics").text
+                for pod in set(first_pods.values()):
+                    line = next(ln for ln in metrics.splitlines()
+                                if ln.startswith(f'kvroute_pod_index_blocks{{pod="{pod}"}}'))
+                    assert float(line.split()[-1]) > 0
+                for s, history in histories.items():
+                    follow = history + [{"role": "user", "content": "And a follow-up?"}]
+                    body = {"model": "sim-model", "messages": follow, "max_tokens": 4}
+                    explained = c.post("/debug/route", json=body).json()
+                    row = next(p for p in explained["pods"] if p["pod"] == first_pods[s])
+                    assert row["cached_tokens_by_tier"].get("GPU", 0) >= 400
+                    r = c.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200
+                    assert r.headers["x-kvroute-pod"] == first_pods[s]
+                    # the pod agrees it served the prefix from cache
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400
+
+
+async def test_calibration_converges_on_a_pod_of_known_speed():
+    rate = 4000.0
+    with running_sims(1, ["--timing", "seed", "--prefill-tokens-per-s", str(rate), "--decode-s-per-token", "0.001"]) as urls:
+        settings = build_settings(RouterSettings, {"pods": fleet(urls, None), "port": free_port(),
+                                                   "prefill_tokens_per_s": 20000.0, "calibration_halflife": 20})
+        async with running_router(settings) as (base, services):
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                for i in range(24):
+                    n = 200 + (i % 6) * 250  # 200..1450 new tokens, each prompt unique
+                    prompt = f"{i:04d}" + "x" * n
+                    r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": prompt,
+                                                              "max_tokens": 1, "stream": True})
+                    assert r.status_code == 200
+        cal = services.router.calibrator.pod("sim-0")
+        assert cal.samples == 24
+        assert abs(cal.rate - rate) / rate < 0.25, cal.rate
+
+
+async def test_unhealthy_pod_leaves_the_candidate_set_and_its_entries_age_out():
+    with running_sims(1, ["--timing", "seed"]) as alive, contextlib.ExitStack() as stack:
+        doomed = stack.enter_context(running_sims(1, ["--timing", "seed"]))
+        settings = build_settings(RouterSettings, {"pods": fleet(alive + doomed, None), "port": free_port(),
+                                                   "health_interval_s": 0.1, "unhealthy_after": 1,
+                                                   "forget_after_s": 0.3, "policy": "round-robin"})
+        async with running_router(settings) as (base, services):
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                served = set()
+                for i in range(2):
+                    r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": f"{i}" * 64,
+                                                              "max_tokens": 1})
+                    assert r.status_code == 200
+                    served.add(r.headers["x-kvroute-pod"])
+                assert served == {"sim-0", "sim-1"}
+                assert services.index.pod_stats("sim-1")["predicted"] > 0
+                stack.close()  # sim-1's process goes away
+                deadline = time.monotonic() + 5
+                while not services.registry.pods["sim-1"].forgotten and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert not services.registry.pods["sim-1"].healthy
+                assert services.index.pod_stats("sim-1")["predicted"] == 0
+                for i in range(4):
+                    r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": f"{i} " * 40,
+                                                              "max_tokens": 1})
+                    assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-0"
