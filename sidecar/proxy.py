@@ -44,6 +44,7 @@ class PrefillResult:
     content_type: bytes = _JSON
     params: dict[str, Any] | None = None
     detail: str = ""
+    seconds: float = 0.0
 
 
 async def _send_bytes(send, status: int, body: bytes, content_type: bytes | None = _JSON,
@@ -228,14 +229,17 @@ class SidecarApp:
 
         result = await self._prefill_leg(scope, target, connect_host, request, rid)
         params: dict[str, Any] | None = None
+        how = "remote"
         if result.kind == "ok":
             params = result.params
             if not params:
+                how = "local"
                 self.metrics.no_params.inc()
         elif result.kind == "client_error":
             await _send_bytes(send, result.status, result.body, result.content_type, rid_header)
             return
         elif self.settings.fallback_on_prefill_error:
+            how = "fallback"
             self.metrics.fallbacks.labels(result.kind).inc()
             log.warning("prefill at %s failed (%s: %s); prefilling locally", target.host_port, result.kind,
                         result.detail)
@@ -250,7 +254,10 @@ class SidecarApp:
             await _send_error(send, 502, f"prefill at {target.host_port} failed: {result.detail}",
                               "BadGateway", rid_header)
             return
-        await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid)
+        told = [(b"x-kvroute-prefill", how.encode()),
+                (b"x-kvroute-prefill-ms", f"{result.seconds * 1000:.1f}".encode())]
+        await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid,
+                               extra_headers=told)
 
     def _strip_client_params(self, body: bytes) -> bytes:
         """Drop a client's own ``kv_transfer_params`` (cheap byte check first; unparsable bodies go as they are)."""
@@ -316,7 +323,8 @@ class SidecarApp:
         except aiohttp.ClientError as exc:
             result = PrefillResult("server_error", status=502, detail=str(exc) or type(exc).__name__,
                                    body=orjson.dumps(error_payload(f"prefill failed: {exc}", "BadGateway", 502)))
-        self.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
+        result.seconds = time.perf_counter() - started
+        self.metrics.leg_seconds.labels("prefill").observe(result.seconds)
         self.metrics.legs.labels("prefill", result.kind).inc()
         return result
 
@@ -339,8 +347,9 @@ class SidecarApp:
         return PrefillResult("ok", status, params=params)
 
     # ---- the decoder: decode leg and pass-through ------------------------------------------
-    async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None) -> None:
-        """Send ``body`` to the local decoder and relay its answer chunk by chunk."""
+    async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None,
+                          extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Send ``body`` to the local decoder and relay its answer chunk by chunk (plus ``extra_headers``)."""
         assert self.session is not None
         target = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
@@ -379,6 +388,7 @@ class SidecarApp:
             out_headers = response_headers(resp.raw_headers)
             if rid is not None and not any(k == b"x-request-id" for k, _ in out_headers):
                 out_headers.append((b"x-request-id", rid.encode("latin-1")))
+            out_headers.extend(extra_headers or ())
             await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
             try:
                 async for chunk in resp.content.iter_any():

@@ -210,6 +210,8 @@ def test_both_legs_carry_the_exact_bodies_and_one_request_id(pods, sidecar):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "decoded"
     assert r.headers["x-request-id"] == "req-abc"
+    assert r.headers["x-kvroute-prefill"] == "remote"
+    assert float(r.headers["x-kvroute-prefill-ms"]) > 0
 
     (p_rec,) = prefill.received
     assert p_rec["path"] == "/v1/chat/completions"
@@ -286,6 +288,7 @@ def test_eos_on_the_first_token_decodes_without_params(pods, sidecar):
         r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p", "max_tokens": 5},
                        headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10)
         assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-prefill"] == "local"
         assert "kv_transfer_params" not in decode.received[-1]["json"]
     assert metric(sidecar, "kvroute_sidecar_prefill_without_kv_transfer_params_total") == before + 2
 
@@ -316,6 +319,7 @@ def test_prefill_failure_falls_back_to_local_prefill(pods, sidecar, fault):
     r = httpx.post(sidecar + "/v1/completions", json=body, headers={"x-prefiller-host-port": target}, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "decoded"
+    assert r.headers["x-kvroute-prefill"] == "fallback"
     (d_rec,) = decode.received
     assert d_rec["json"] == {"model": "fake-model", "prompt": "p", "max_tokens": 5}
     assert metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason=reason) == before + 1
