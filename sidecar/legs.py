@@ -70,10 +70,16 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return uuid.uuid4().hex
 
 
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names a ``Connection`` header lists: hop-by-hop for this message only (RFC 9110 7.6.1)."""
+    return {t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")}
+
+
 def forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """Client headers worth passing upstream (auth, content type, tracing), minus hop-by-hop and ours."""
+    listed = _connection_tokens(headers)
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
-            if k.lower() not in _DROPPED_REQUEST_HEADERS]
+            if k.lower() not in _DROPPED_REQUEST_HEADERS and k.lower() not in listed]
 
 
 def response_headers(raw: Any) -> list[tuple[bytes, bytes]]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from sidecar.allowlist import Allowlist, Snapshot, TargetResolver, parse_published_list
 from sidecar.config import SidecarSettings
-from sidecar.legs import decode_body, pick_prefill_target, prefill_body
+from sidecar.legs import decode_body, forward_headers, pick_prefill_target, prefill_body
 from sidecar.proxy import SidecarApp
 from sidecar.targets import TargetError, parse_allow_entry, parse_ipv4_loose, parse_target
 
@@ -143,3 +143,11 @@ async def test_target_names_are_cached_briefly():
 def test_bad_allowlist_entries_fail_at_start():
     with pytest.raises(ValueError, match="bad allowlist entries"):
         SidecarApp(SidecarSettings(prefill_allowlist=["10.0.0.0/33", "not a host"]))
+
+
+def test_forwarded_headers_drop_hop_by_hop_ours_and_connection_listed_ones():
+    headers = [(b"authorization", b"Bearer k"), (b"connection", b"keep-alive, X-Hop"), (b"x-hop", b"1"),
+               (b"host", b"sidecar:8000"), (b"content-length", b"9"), (b"x-prefiller-host-port", b"a:1"),
+               (b"x-prefiller-url", b"http://a:1"), (b"x-request-id", b"r"), (b"traceparent", b"00-ab-cd-01"),
+               (b"transfer-encoding", b"chunked")]
+    assert forward_headers(headers) == [("authorization", "Bearer k"), ("traceparent", "00-ab-cd-01")]
