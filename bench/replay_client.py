@@ -86,7 +86,8 @@ def main() -> int:
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     body_kb = len(specs[0].prompt_json()) / 1024
     print(f"workload: {n} requests of {args.prompt_len} tokens (~{body_kb:.0f} KiB bodies), "
-          f"{args.arrival} at {args.rate:g} req/s, built in {build_s:.2f} s")
+          f"{args.arrival} at {args.rate:g} req/s; specs built in {build_s:.2f} s, bodies encoded before the "
+          f"run in {result.config['encode_s']:.2f} s ({result.config['body_bytes'] / 2**20:.0f} MiB)")
     print(f"completed {s['completed']}/{s['requests']}, errors {s['errors']}, rejected {s['rejected']}")
     print(f"send rate achieved: {achieved:.1f} req/s over {span:.2f} s; run wall {wall:.2f} s; "
           f"client CPU {cpu:.2f} s ({100 * cpu / wall:.0f}% of one core)")

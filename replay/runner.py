@@ -213,8 +213,10 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
             model = await discover_model(session, base)
         else:
             await _warm_up(session, base)
+        t_prep = time.perf_counter()
         bodies = [encode_body(s, endpoint=endpoint, model=model, ignore_eos=ignore_eos, extra_body=extra_body)
                   for s in specs]
+        prepare_s = time.perf_counter() - t_prep
         hdrs = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {})}
         if send_slo_header and slo_ttft is not None:
             hdrs[SLO_HEADER] = str(int(round(slo_ttft * 1000)))
@@ -316,6 +318,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
     cfg = {"target": base, "endpoint": endpoint, "model": model, "num_requests": n,
            "max_concurrency": max_concurrency, "duration_limit": duration, "slo_ttft": slo_ttft,
            "slo_tpot": slo_tpot, "send_slo_header": send_slo_header, "pod_metrics": list(pod_metrics),
+           "encode_s": prepare_s, "body_bytes": sum(len(b) for b in bodies),
            **(config or {})}
     return RunResult(records, summary, cfg)
 
