@@ -183,6 +183,9 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
                              param="max_tokens")
     if body.get("ignore_eos"):
         capped = True
+    if n_prompt + max_tokens > max_prompt_tokens:
+        raise ShapeError(f"The prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV blocks "
+                         f"than this pod has ({max_prompt_tokens} tokens).", param="max_tokens")
     include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
     continuous = include_usage and bool(stream_options.get("continuous_usage_stats", False)) if stream_options else False
     return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id)
