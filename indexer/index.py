@@ -309,19 +309,21 @@ class PrefixIndex:
     def _add(self, src: _Source, hashes: Sequence[int], keys: Sequence[int], tier: str) -> None:
         d = self._tier_dict(tier)
         anyd = self._any
-        multi = anyd is not d
         bit = src.bit
         blocks = src.blocks
-        pop = blocks.pop
-        get = d.get
-        for h, k in zip(hashes, keys):
-            old = pop(h, None)
-            if old is not None and old != k:
-                self._drop_key(src, old)
-            blocks[h] = k
-            d[k] = get(k, 0) | bit
-            if multi:
-                anyd[k] = anyd.get(k, 0) | bit
+        if blocks.keys().isdisjoint(hashes):
+            blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
+        else:
+            pop = blocks.pop
+            for h, k in zip(hashes, keys):     # re-announced: refresh the LRU position
+                old = pop(h, None)
+                if old is not None and old != k:
+                    self._drop_key(src, old)
+                blocks[h] = k
+        # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
+        d.update(zip(keys, map(or_, map(d.get, keys, repeat(0)), repeat(bit))))
+        if anyd is not d:
+            anyd.update(zip(keys, map(or_, map(anyd.get, keys, repeat(0)), repeat(bit))))
         n = len(keys)
         src.stored += n
         self.counters["blocks_stored"] += n

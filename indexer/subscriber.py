@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from indexer.events import END_SEQ, DecodeError, EventBatch, decode_frame, decode_payload, decode_seq, encode_seq
 from indexer.index import PrefixIndex
@@ -67,6 +68,8 @@ class StreamState:
     decode_errors: int = 0
     apply_errors: int = 0
     reconnects: int = 0
+    disconnects: int = 0
+    suspect: bool = False               # the connection dropped since the last batch
     last_event_mono: float | None = None
     lag_s: float | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
@@ -78,7 +81,7 @@ class StreamState:
             "gaps": self.gaps, "lost_batches": self.lost_batches, "replays": self.replays,
             "replay_failures": self.replay_failures, "replayed_batches": self.replayed_batches,
             "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates, "decode_errors": self.decode_errors,
-            "apply_errors": self.apply_errors, "reconnects": self.reconnects,
+            "apply_errors": self.apply_errors, "reconnects": self.reconnects, "disconnects": self.disconnects,
             "last_event_age_s": None if self.last_event_mono is None else max(0.0, now_mono - self.last_event_mono),
             "lag_s": self.lag_s,
         }
@@ -108,8 +111,11 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
                 await _catch_up(st, 0, seq, apply, replay)
             expected = 0 if st.applied is None else st.applied + 1
             st.lost_batches += max(0, seq - expected)
-    elif seq > st.applied + 1:
-        st.gaps += 1
+    elif seq > st.applied + 1 or (st.suspect and replay is not None):
+        # a gap; or the connection dropped since our last batch, so even the next sequence
+        # number may come from a restarted engine: verify against the replay buffer
+        if seq > st.applied + 1:
+            st.gaps += 1
         if replay is None:
             st.lost_batches += seq - st.applied - 1
         else:
@@ -139,6 +145,7 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
             expected = 0 if st.applied is None else st.applied + 1
             if seq > expected and st.applied is not None:
                 st.lost_batches += seq - expected
+    st.suspect = False
     _apply(st, seq, batch, apply)
 
 
@@ -253,6 +260,7 @@ class KVEventSubscriber:
         first = True
         while True:
             sock = self._ctx.socket(zmq.SUB)
+            monitor = None
             try:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
@@ -263,12 +271,16 @@ class KVEventSubscriber:
                     sock.bind(st.endpoint)
                 else:
                     sock.connect(st.endpoint)
+                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 if not first:
                     st.reconnects += 1
+                    st.suspect = True
                 first = False
                 while True:
                     frames = await sock.recv_multipart()
                     backoff = self.reconnect_min_s
+                    if monitor is not None:
+                        _drain_monitor(st, monitor)
                     await self._on_frames(st, frames)
             except asyncio.CancelledError:
                 raise
@@ -278,6 +290,12 @@ class KVEventSubscriber:
             except Exception:
                 log.exception("pod %s: KV event stream %s failed; retrying in %.1fs", st.pod_id, st.endpoint, backoff)
             finally:
+                if monitor is not None:
+                    try:
+                        sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+                    monitor.close(linger=0)
                 sock.close(linger=0)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)
@@ -311,6 +329,21 @@ class KVEventSubscriber:
 
     def _clear(self, st: StreamState, batch: EventBatch) -> None:
         self.index.clear_pod(st.pod_id, self._rank(st, batch))
+
+
+def _drain_monitor(st: StreamState, monitor: zmq.Socket) -> None:
+    """Note (without blocking) whether the SUB lost its connection since the last batch: libzmq
+    reconnects by itself, and the publisher on the other side may be a restarted engine."""
+    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        try:
+            msg = parse_monitor_message(monitor.recv_multipart(flags=zmq.NOBLOCK).result()
+                                        if isinstance(monitor, zmq.asyncio.Socket)
+                                        else monitor.recv_multipart(flags=zmq.NOBLOCK))
+        except (zmq.Again, zmq.ZMQError, ValueError):
+            return
+        if msg.get("event") == zmq.EVENT_DISCONNECTED:
+            st.disconnects += 1
+            st.suspect = True
 
 
 def _count_decode_error(st: StreamState) -> None:

@@ -249,6 +249,30 @@ async def test_restart_hidden_behind_a_forward_jump_is_detected_by_replay():
         await teardown(ctx, pub, sub)
 
 
+async def test_restart_landing_exactly_on_the_next_sequence_is_detected():
+    ctx, pub, ix, sub = await setup()
+    try:
+        await connected(pub, sub, ix)
+        old = toks(2)
+        await pub.publish([wire.stored([1, 2], None, old, BS)])
+        await until(lambda: blocks(ix, old) == 2)
+        last = stats(sub)["last_seq"]
+        await pub.stop()
+        pub._start()
+        for i in range(last + 1):  # the new engine's next live batch will carry last + 1
+            await pub.publish([wire.stored([50 + i], None, toks(1, base=3000 + 10 * i), BS)], drop=True)
+        new = toks(2, base=100)
+        deadline = time.monotonic() + 10
+        while blocks(ix, new) != 2:
+            await pub.publish([wire.stored([7, 8], None, new, BS)])
+            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, stats(sub)
+        assert stats(sub)["disconnects"] >= 1 and stats(sub)["restarts"] == 1
+        assert blocks(ix, old) == 0
+    finally:
+        await teardown(ctx, pub, sub)
+
+
 async def test_unanswered_replay_times_out_and_counts_lost_batches():
     ctx, pub, ix, sub = await setup()
     try:

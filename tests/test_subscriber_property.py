@@ -78,6 +78,7 @@ ops = st.lists(st.one_of(
 @given(ops, st.integers(2, 40), st.booleans())
 @example([("store", 0, 0, 4, False)] + [("store", 1, i, 1, True) for i in range(4)], 2, True)  # buffer overflow
 @example([("store", 0, 0, 4, False), ("restart",), ("store", 1, 0, 2, True), ("store", 1, 2, 1, True)], 2, True)
+@example([("store", 0, 0, 2, False), ("restart",), ("clear", True)], 2, True)  # restart at exactly applied + 1
 def test_index_follows_the_engine_through_gaps_and_restarts(ops, buffer_steps, has_replay):
     asyncio.run(_run(ops, buffer_steps, has_replay))
 
@@ -89,13 +90,18 @@ async def _run(ops, buffer_steps, has_replay):
     stream = StreamState("p", "tcp://x")
     lossy = False  # whether the model allows the index to know less than the engine
 
+    disconnected = [False]  # an engine restart drops the TCP connection; the SUB's monitor sees it
+
     async def deliver(seq, batch):
+        if disconnected[0]:
+            stream.suspect, disconnected[0] = True, False
         await handle_live(stream, seq, batch, lambda s, b: ix.apply_batch("p", b.events), lambda: ix.clear_pod("p"),
                           eng.replay if has_replay else None)
 
     for o in ops:
         if o[0] == "restart":
             eng.restart()
+            disconnected[0] = True
             continue
         if o[0] == "store":
             ev = eng.store(o[1], o[2], o[3])
