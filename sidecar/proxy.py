@@ -106,7 +106,7 @@ class SidecarApp:
     # ---- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, ttl_dns_cache=10,
-                                         keepalive_timeout=60)
+                                         keepalive_timeout=4.0)  # below vLLM/uvicorn's 5 s, so a pooled connection is never one the server is closing
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
         await self.allowlist.start(self.session)
@@ -370,8 +370,9 @@ class SidecarApp:
         except asyncio.CancelledError:
             self.metrics.legs.labels(leg, "cancelled").inc()
             raise
-        except (aiohttp.ClientConnectorError, aiohttp.ClientOSError):
+        except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
             self.metrics.legs.labels(leg, "connect_error").inc()
+            log.warning("decoder at %s unreachable: %r", self.settings.vllm_url, exc)
             await _send_error(send, 503, "The decode node is not ready to accept requests", "ServiceUnavailable")
             return
         except asyncio.TimeoutError:
