@@ -19,7 +19,7 @@ def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200)
     """A base port P such that P..P+n-1 were all free a moment ago (for ``--count`` and event ports)."""
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(20000, 32000 - n)  # below the usual ephemeral range (32768+)
         socks = []
         try:
             for i in range(n):
