@@ -25,6 +25,10 @@ class SidecarSettings(BaseSettings):
         "On a prefill connection error, timeout or 5xx, prefill locally on the decode pod instead of failing"))
     prefill_scheme: Literal["http", "https"] = Field("http", description=(
         "Scheme for the prefill leg when the target names none"))
+    prefill_ca_file: str | None = Field(None, description=(
+        "CA bundle (PEM) that signs the prefill pods' HTTPS certificates (default: the system's CAs)"))
+    prefill_tls_verify: bool = Field(True, description=(
+        "Verify prefill pods' HTTPS certificates; --no-prefill-tls-verify accepts any certificate"))
 
     ssrf_protection: bool = Field(True, description=(
         "Only send prefill legs to allowlisted hosts; --no-ssrf-protection lets any target through"))

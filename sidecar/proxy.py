@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,18 @@ async def _wait_disconnect(receive) -> None:
         pass
 
 
+def prefill_ssl_context(settings: SidecarSettings) -> ssl.SSLContext | bool:
+    """How HTTPS prefill legs check certificates: a CA bundle, the system's CAs (True), or not at all (False)."""
+    if not settings.prefill_tls_verify:
+        return False
+    if settings.prefill_ca_file:
+        try:
+            return ssl.create_default_context(cafile=settings.prefill_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load --prefill-ca-file {settings.prefill_ca_file}: {exc}") from exc
+    return True
+
+
 def _outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
 
@@ -101,6 +114,7 @@ class SidecarApp:
             on_refresh_error=lambda source: self.metrics.allowlist_refresh_errors.labels(source).inc())
         self.targets = TargetResolver(resolver, ttl_s=settings.target_dns_cache_s)
         self.session: aiohttp.ClientSession | None = None
+        self.prefill_ssl = prefill_ssl_context(settings)
         self.metrics.allowlist_entries.set_function(lambda: len(self.allowlist.snapshot))
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -303,8 +317,10 @@ class SidecarApp:
         headers += [("Host", target.host_port), ("X-Request-Id", rid), ("Content-Type", "application/json"),
                     ("Accept-Encoding", "identity")]
         extra: dict[str, Any] = {}
-        if scheme == "https" and target.ip is None:
-            extra["server_hostname"] = target.host
+        if scheme == "https":
+            extra["ssl"] = self.prefill_ssl
+            if target.ip is None:  # connecting to the checked address: verify the certificate against the name
+                extra["server_hostname"] = target.host
         timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, sock_connect=self.settings.connect_timeout)
         started = time.perf_counter()
         result = PrefillResult("bad_response")

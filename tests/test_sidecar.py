@@ -29,8 +29,9 @@ P_PARAMS_EXTRA = {"remote_request_id": "p-internal-7", "tp_size": 1, "future_fie
 class FakePod:
     """A recording vLLM stand-in: prefill role when asked ``do_remote_decode``, decode role otherwise."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, ssl_context: ssl.SSLContext | None = None) -> None:
         self.name = name
+        self.ssl_context = ssl_context
         self.port = free_port()
         self.received: list[dict] = []
         self.events: list[str] = []
@@ -52,7 +53,8 @@ class FakePod:
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port,
+                                                     ssl_context=self.ssl_context).start())
         self._ready.set()
         self.loop.run_forever()
 
@@ -568,12 +570,18 @@ def test_an_oversized_body_is_a_413(pods, published_sidecar):
     assert decode.received == []
 
 
+def make_certificate(folder) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and localhost: (cert path, key path)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
 def test_tls_on_the_listener(pods, tmp_path):
     prefill, decode = pods
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    cert, key = make_certificate(tmp_path)
     port = free_port()
     args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
             "--prefill-allowlist", '["127.0.0.1"]', "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
@@ -593,3 +601,33 @@ def test_tls_on_the_listener(pods, tmp_path):
         assert len(prefill.received) == 1 and len(decode.received) == 1
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_https_prefill_legs_verify_the_certificate(pods, tmp_path):
+    _, decode = pods
+    cert, key = make_certificate(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    secure = FakePod("tls", ssl_context=context).start()
+    ports = free_ports(2)
+    common = ["sidecar", "--host", "127.0.0.1", "--vllm-url", decode.url, "--prefill-allowlist", '["127.0.0.1"]',
+              "--prefill-scheme", "https"]
+    try:
+        with kvroute_process([*common, "--port", str(ports[0]), "--prefill-ca-file", cert],
+                             ready_url=f"http://127.0.0.1:{ports[0]}/health"), \
+                kvroute_process([*common, "--port", str(ports[1])], ready_url=f"http://127.0.0.1:{ports[1]}/health"):
+            trusting, untrusting = (f"http://127.0.0.1:{p}" for p in ports)
+            for target in (f"127.0.0.1:{secure.port}", f"localhost:{secure.port}"):
+                r = httpx.post(trusting + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                               headers={"x-prefiller-host-port": target}, timeout=10)
+                assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.text
+                assert header(secure.received[-1], "host") == [target]
+            assert decode.received[-1]["json"]["kv_transfer_params"]["remote_engine_id"] == "engine-tls"
+            # the system CAs do not know this certificate: the prefill leg fails and the decoder prefills
+            r = httpx.post(untrusting + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                           headers={"x-prefiller-host-port": f"localhost:{secure.port}"}, timeout=10)
+            assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "fallback"
+            assert metric(untrusting, "kvroute_sidecar_prefill_fallbacks_total", reason="connect_error") == 1
+            assert len(secure.received) == 2
+    finally:
+        secure.stop()
