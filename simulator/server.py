@@ -604,7 +604,7 @@ class SimFleet:
 
         logging.getLogger("uvicorn.error").addFilter(_DropFilter())
         config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level=self.settings.log_level,
-                                timeout_keep_alive=30, backlog=2048)
+                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)
         self.start()
         watcher = None

@@ -80,3 +80,22 @@ def test_kv_events_config_parsing_and_offsets():
     for bad in ({"publisher": "kafka"}, {"hwm": "many"}, {"extra": 1}, {"enable_kv_cache_events": 1}):
         with pytest.raises(KVEventsConfigError):
             KVEventsConfig.from_json(bad)
+
+
+def test_every_setting_is_a_documented_flag_and_env_and_yaml_work(tmp_path, monkeypatch, capsys):
+    from router.config import load_settings
+    from simulator.settings import SimSettings
+
+    with pytest.raises(SystemExit):
+        load_settings(SimSettings, ["--help"], prog="kvroute sim", description="")
+    text = capsys.readouterr().out
+    for name in SimSettings.model_fields:
+        assert "--" + name.replace("_", "-") in text, name
+        assert "KVROUTE_SIM_" + name.upper() in text.replace("\n", "").replace(" ", ""), name
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text("block_size: 64\nnum_gpu_blocks: 3000\ntiming: seed\n")
+    monkeypatch.setenv("KVROUTE_SIM_NUM_GPU_BLOCKS", "100")
+    s = load_settings(SimSettings, ["--config", str(cfg), "--timing", "cost"], prog="x", description="")
+    assert (s.block_size, s.num_gpu_blocks, s.timing) == (64, 100, "cost")  # yaml < env < flags
+    with pytest.raises(SystemExit):
+        load_settings(SimSettings, ["--kv-events-port", "5557", "--kv-events-config", "{}"], prog="x", description="")
