@@ -9,7 +9,6 @@ would: the prefill pod's lease on the prompt blocks, the decoder's NIXL read, ab
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
@@ -17,7 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, free_ports, kvroute_process
+from simulator.testing import consecutive_free_ports
+from tests.helpers import free_ports, kvroute_process
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 byte tokens, 33 blocks
 
@@ -41,26 +41,10 @@ def wait_metric(base: str, name: str, want: float, timeout: float = 5.0, **label
         time.sleep(0.05)
 
 
-def two_adjacent_free_ports() -> int:
-    """A port P such that P and P+1 were both free a moment ago (``--count 2`` serves on both)."""
-    for _ in range(50):
-        base = free_port()
-        if base >= 65535:
-            continue
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
-
-
 @pytest.fixture(scope="module")
 def fleet():
     """(prefill pod URL, decode pod URL, sidecar URL, the header value naming the prefill pod)."""
-    base = two_adjacent_free_ports()
+    base = consecutive_free_ports(2)
     p_url, d_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
     side_port = next(p for p in free_ports(3) if p not in (base, base + 1))
     side_url = f"http://127.0.0.1:{side_port}"
