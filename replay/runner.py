@@ -232,7 +232,12 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
             waited = 0.0
             if sem is not None:
                 t = perf()
-                await sem.acquire()
+                try:
+                    await sem.acquire()
+                except asyncio.CancelledError:  # still queued at the drain deadline: a miss
+                    rec.error = "cancelled"
+                    rec.queue_time = perf() - t
+                    raise
                 waited = perf() - t
             start = perf()
             rec.queue_time = waited

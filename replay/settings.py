@@ -57,8 +57,9 @@ class ReplaySettings(BaseSettings):
     slo_ttft: float | None = Field(None, description="TTFT objective in seconds (for SLO attainment and goodput)")
     slo_tpot: float | None = Field(None, description="TPOT objective in seconds (optional)")
     send_slo_header: bool = Field(False, description="Send --slo-ttft to the router as header x-slo-ttft-ms")
-    pod_metrics: list[str] = Field(default_factory=list,
-                                   description="Pod URLs whose prefix-cache counters give the hit rate (JSON list)")
+    pod_metrics: list[str] = Field(
+        default_factory=list,
+        description="Pod URLs whose prefix-cache counters give the hit rate (several URLs or a JSON list)")
     lateness_warn_ms: float = Field(10.0, description="Warn when send lateness p99 exceeds this")
 
     # Outputs

@@ -152,3 +152,13 @@ def test_summarize_and_peak_concurrency_pure():
     assert s["max_concurrent_requests"] == 2
     assert summarize(recs, duration=1.0, slo_ttft=0.2, slo_tpot=0.05)["slo_attainment"] == 0.0
     assert peak_concurrency([(0, 1), (1, 2), (0.5, 1.5)]) == 2
+
+
+async def test_drain_timeout_cancels_and_counts_unfinished_requests(backend):
+    url, _ = await backend(ttft=2.0)
+    specs = _specs(n=3, groups=1)
+    res = await runner.run(url, specs, [0.0, 0.0, 0.0], model="fake-model", max_concurrency=1, drain_timeout=0.2,
+                           slo_ttft=5.0)
+    s = res.summary
+    assert s["requests"] == 3 and s["completed"] == 0
+    assert s["errors_by_status"] == {"cancelled": 3} and s["slo_attainment"] == 0.0
