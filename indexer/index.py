@@ -105,7 +105,7 @@ class PrefixIndex:
 
     def __init__(self, block_size: int | None = 16, max_blocks_per_pod: int = 1_000_000,
                  tier_weights: Mapping[str, float] | None = None, speculative_ttl_s: float = 2.0,
-                 approximate_ttl_s: float = 120.0, default_tier_weight: float = 0.5,
+                 approximate_ttl_s: float = 120.0, default_tier_weight: float = 0.5, max_dp_ranks: int = 64,
                  clock: Callable[[], float] = time.monotonic):
         if max_blocks_per_pod < 1:
             raise ValueError("max_blocks_per_pod must be at least 1")
@@ -114,6 +114,7 @@ class PrefixIndex:
         self.max_blocks_per_pod = max_blocks_per_pod
         self.tier_weights = {**DEFAULT_TIER_WEIGHTS, **{k.upper(): float(v) for k, v in (tier_weights or {}).items()}}
         self.default_tier_weight = default_tier_weight
+        self.max_dp_ranks = max_dp_ranks
         self.speculative_ttl_s = speculative_ttl_s
         self.approximate_ttl_s = approximate_ttl_s
         self.clock = clock
@@ -225,7 +226,15 @@ class PrefixIndex:
         if pod is None:
             self.counters["unknown_pod_events"] += 1
             return False
-        src = pod.sources.get(dp_rank or 0) or self._source(pod, dp_rank or 0)
+        rank = dp_rank or 0
+        src = pod.sources.get(rank)
+        if src is None:
+            if not 0 <= rank < self.max_dp_ranks:  # a bogus rank must not mint bits without end
+                self.counters["malformed_events"] += 1
+                pod.refused += 1
+                self.counters["refused_events"] += 1
+                return False
+            src = self._source(pod, rank)
         self.counters["events"] += 1
         t = type(event)
         if t is BlockStored:
@@ -265,7 +274,8 @@ class PrefixIndex:
             return True
         hashes = ev.block_hashes
         tokens = ev.token_ids
-        tier = ev.medium.upper() if ev.medium else DEFAULT_TIER
+        medium = ev.medium
+        tier = DEFAULT_TIER if not medium or medium == DEFAULT_TIER else medium.upper()
         if not tokens:
             return self._join_hash_only(src, hashes, tier)
         if len(tokens) != len(hashes) * bs:
@@ -307,11 +317,23 @@ class PrefixIndex:
         return d
 
     def _add(self, src: _Source, hashes: Sequence[int], keys: Sequence[int], tier: str) -> None:
-        d = self._tier_dict(tier)
+        d = self._tiers.get(tier)
+        if d is None:
+            d = self._tier_dict(tier)
         anyd = self._any
         bit = src.bit
         blocks = src.blocks
-        if blocks.keys().isdisjoint(hashes):
+        n = len(keys)
+        if n == 1:  # blocks filled while decoding come one per event: skip the iterator set-up
+            h, k = hashes[0], keys[0]
+            old = blocks.pop(h, None)
+            if old is not None and old != k:
+                self._drop_key(src, old)
+            blocks[h] = k
+            d[k] = d.get(k, 0) | bit
+            if anyd is not d:
+                anyd[k] = anyd.get(k, 0) | bit
+        elif blocks.keys().isdisjoint(hashes):
             blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
         else:
             pop = blocks.pop
@@ -320,11 +342,11 @@ class PrefixIndex:
                 if old is not None and old != k:
                     self._drop_key(src, old)
                 blocks[h] = k
-        # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
-        d.update(zip(keys, map(or_, map(d.get, keys, repeat(0)), repeat(bit))))
-        if anyd is not d:
-            anyd.update(zip(keys, map(or_, map(anyd.get, keys, repeat(0)), repeat(bit))))
-        n = len(keys)
+        if n > 1:
+            # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
+            d.update(zip(keys, map(or_, map(d.get, keys, repeat(0)), repeat(bit))))
+            if anyd is not d:
+                anyd.update(zip(keys, map(or_, map(anyd.get, keys, repeat(0)), repeat(bit))))
         src.stored += n
         self.counters["blocks_stored"] += n
         primary = src.pod.primary

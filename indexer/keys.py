@@ -46,7 +46,7 @@ def _extra_digest(extra: Any) -> int:
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, seed: int,
-               extra_keys: Sequence[Any] | None = None) -> list[int]:
+               extra_keys: list[Any] | None = None) -> list[int]:
     """Keys of every full ``block_size`` block of ``token_ids``, chained from ``seed``.
 
     ``seed`` is :func:`key_seed` for a prompt, or the parent block's key when continuing a chain
@@ -60,7 +60,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, seed: int,
     append = out.append
     k = seed
     mask = KEY_MASK
-    if extra_keys is None or not any(x is not None for x in extra_keys):
+    if extra_keys is None or extra_keys.count(None) == len(extra_keys):  # vLLM sends [None] * n
         for chunk in zip(*[iter(token_ids)] * block_size):
             k = hash((k, chunk)) & mask
             append(k)

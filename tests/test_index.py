@@ -110,6 +110,15 @@ def test_dp_ranks_are_separate_sources_and_the_best_rank_wins():
     assert m.blocks == 1 and m.dp_rank == 0
 
 
+def test_bogus_dp_ranks_are_refused():
+    ix = new_index(max_dp_ranks=4)
+    t = toks(1)
+    assert ix.apply_event("a", stored([1], None, t), dp_rank=3)
+    assert ix.apply_event("a", stored([1], None, t), dp_rank=4) is False
+    assert ix.apply_event("a", stored([1], None, t), dp_rank=-1) is False
+    assert ix.pod_stats("a")["dp_ranks"] == [0, 3] and ix.stats()["malformed_events"] == 2
+
+
 def test_remove_pod_leaves_at_once_and_its_bit_is_reused_cleanly():
     ix = new_index()
     t = toks(2)
