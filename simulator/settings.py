@@ -31,7 +31,6 @@ class SimSettings(BaseSettings):
     max_model_len: int = Field(32768, ge=16, description="longest prompt + completion in tokens")
     default_max_tokens: int = Field(16, ge=1, description="completion length when a request sets no "
                                                           "max_tokens (the sim then finishes with 'stop')")
-    seed: int = Field(0, description="seed for request-id suffixes and jitter (none by default)")
 
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
