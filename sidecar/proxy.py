@@ -174,12 +174,24 @@ class SidecarApp:
                 return
             if body is None:
                 return
+            started = False
+
+            async def tracked_send(message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
             if method == "POST" and path in GENERATION_PATHS:
-                work = self._generate(scope, body, send)
+                work = self._generate(scope, body, tracked_send)
             else:
                 self.metrics.requests.labels("proxy").inc()
-                work = self._decode_leg(scope, body, send, leg="direct")
-            await self._until_disconnect(work, receive)
+                work = self._decode_leg(scope, body, tracked_send, leg="direct")
+            try:
+                await self._until_disconnect(work, receive)
+            except Exception:  # a bug must cost one request an error answer, never the client a stack trace
+                log.exception("request to %s failed", path)
+                if not started:
+                    await _send_error(send, 500, "internal error in the sidecar", "InternalServerError")
         finally:
             self.metrics.in_flight.dec()
 

@@ -1,0 +1,64 @@
+"""The sidecar's ASGI app called in-process, for paths a healthy upstream never takes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from sidecar.config import SidecarSettings
+from sidecar.proxy import SidecarApp
+
+
+class _Exploding:
+    """Stands in for the aiohttp session and fails the way a bug would."""
+
+    def request(self, *args, **kwargs):
+        raise RuntimeError("bug")
+
+    post = request
+
+
+async def _call(app: SidecarApp, path: str, body: bytes, headers: list[tuple[bytes, bytes]] | None = None):
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    never = asyncio.Event()
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": headers or [(b"content-type", b"application/json")]}
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    return sent
+
+
+async def test_an_internal_error_is_an_openai_style_500_not_a_trace():
+    app = SidecarApp(SidecarSettings(prefill_allowlist=["127.0.0.1"]))
+    app.session = _Exploding()
+    for headers in (None, [(b"x-prefiller-host-port", b"127.0.0.1:9")]):
+        sent = await _call(app, "/v1/completions", b'{"model": "m", "prompt": "p"}', headers)
+        assert sent[0]["status"] == 500
+        err = orjson.loads(sent[1]["body"])["error"]
+        assert err == {"message": "internal error in the sidecar", "type": "InternalServerError", "param": None,
+                       "code": 500}
+    assert app.metrics.in_flight._value.get() == 0
+
+
+async def test_health_and_metrics_need_no_upstream():
+    app = SidecarApp(SidecarSettings())
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    for path in ("/health", "/metrics"):
+        await app({"type": "http", "method": "GET", "path": path, "headers": []}, None, send)
+    assert sent[0]["status"] == 200 and sent[2]["status"] == 200
+    assert b"kvroute_sidecar_requests_in_flight" in sent[3]["body"]
