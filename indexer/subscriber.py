@@ -334,12 +334,11 @@ class KVEventSubscriber:
 def _drain_monitor(st: StreamState, monitor: zmq.Socket) -> None:
     """Note (without blocking) whether the SUB lost its connection since the last batch: libzmq
     reconnects by itself, and the publisher on the other side may be a restarted engine."""
-    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    sync = zmq.Socket.shadow(monitor.underlying)  # a plain view of the same socket: no futures
+    while True:
         try:
-            msg = parse_monitor_message(monitor.recv_multipart(flags=zmq.NOBLOCK).result()
-                                        if isinstance(monitor, zmq.asyncio.Socket)
-                                        else monitor.recv_multipart(flags=zmq.NOBLOCK))
-        except (zmq.Again, zmq.ZMQError, ValueError):
+            msg = parse_monitor_message(sync.recv_multipart(flags=zmq.NOBLOCK))
+        except (zmq.ZMQError, ValueError):  # zmq.Again: nothing more to read
             return
         if msg.get("event") == zmq.EVENT_DISCONNECTED:
             st.disconnects += 1
