@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import orjson
 
 from sidecar.config import SidecarSettings
 from sidecar.proxy import SidecarApp
+from tests.helpers import ROOT
 
 
 class _Exploding:
@@ -62,3 +65,20 @@ async def test_health_and_metrics_need_no_upstream():
         await app({"type": "http", "method": "GET", "path": path, "headers": []}, None, send)
     assert sent[0]["status"] == 200 and sent[2]["status"] == 200
     assert b"kvroute_sidecar_requests_in_flight" in sent[3]["body"]
+
+
+def test_help_lists_every_setting_and_bad_settings_exit_cleanly():
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "router.cli", "sidecar", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30)
+
+    out = run("--help")
+    assert out.returncode == 0
+    for name in SidecarSettings.model_fields:
+        assert "--" + name.replace("_", "-") in out.stdout, name
+    bad = run("--prefill-allowlist", '["10.0.0.0/33"]', "--port", "1")
+    assert bad.returncode == 2 and "bad allowlist entries" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run("--ssl-certfile", "x.pem")
+    assert bad.returncode == 2 and "go together" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run("--prefill-ca-file", "/nonexistent.pem", "--port", "1")
+    assert bad.returncode == 2 and "prefill-ca-file" in bad.stderr and "Traceback" not in bad.stderr
