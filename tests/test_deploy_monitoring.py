@@ -251,6 +251,18 @@ def test_dashboard_is_importable_grafana_json():
             assert p["targets"] and all(t["refId"] for t in p["targets"])
 
 
+def test_dashboard_configmap_renders_validates_and_carries_the_dashboard(tmp_path):
+    docs = render(ROOT / "deploy" / "grafana")
+    assert [d["kind"] for d in docs] == ["ConfigMap"]
+    cm = docs[0]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["kvroute-dashboard.json"]) == json.loads(DASHBOARD.read_text())
+    path = tmp_path / "grafana.yaml"
+    path.write_text(yaml.safe_dump(cm))
+    out = run([binary("kubernetes-validate"), "--strict", str(path)])
+    assert out.returncode == 0 and "passed for resource" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # The Operator objects against the manifests
 # ---------------------------------------------------------------------------------------------
