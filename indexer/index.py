@@ -27,7 +27,7 @@ import heapq
 import logging
 import time
 import types
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate, repeat, takewhile
 from operator import and_, neg, or_
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -553,10 +553,7 @@ class PrefixIndex:
         if len(tiers) <= 1 and (not pred or not tiers or DEFAULT_TIER in tiers):
             # one tier (the common case): one pass
             tier = next(iter(tiers)) if tiers else DEFAULT_TIER
-            masks = map(self._any.get, keys, repeat(0))
-            if pred:
-                masks = map(or_, masks, map(pred.get, keys, repeat(0)))
-            depth = _depths(masks, alive)
+            depth = _depths_of_keys(keys, self._any.get, pred.get if pred else None, alive)
             weight = self.tier_weights.get(tier, self.default_tier_weight)
             result.update(dict.fromkeys(chosen, NO_MATCH))
             bits = self._bits
@@ -650,13 +647,36 @@ class PrefixIndex:
         return {k for r, s in pod.sources.items() if dp_rank is None or r == dp_rank for k in s.blocks.values()}
 
 
-def _depths(masks: Iterable[int], alive: int) -> dict[int, int]:
-    """``bit -> leading depth`` for every source bit in ``alive`` with depth > 0.
+def _depths_of_keys(keys: Sequence[int], get: Callable, pred_get: Callable | None, alive: int) -> dict[int, int]:
+    """``_depths`` for one mask dict (plus predicted entries), walking the keys in growing chunks:
+    a miss stops after a few keys, a long match runs without a per-key ``takewhile`` test."""
+    acc = [alive]
+    i, n, step = 0, len(keys), 16
+    while i < n:
+        part = keys[i:i + step]
+        masks = map(get, part, repeat(0))
+        if pred_get is not None:
+            masks = map(or_, masks, map(pred_get, part, repeat(0)))
+        it = accumulate(masks, and_, initial=acc[-1])
+        next(it)
+        acc.extend(it)
+        if not acc[-1]:
+            del acc[bisect_left(acc, 0, key=neg):]  # the running mask never grows: zeros are a tail
+            break
+        i += step
+        step *= 4
+    return _depths_of_prefix_ands(acc)
 
-    The running ``&`` of the masks only loses bits, so as ints its values never increase; the few
-    positions where it changes are found by bisection instead of a Python loop over blocks.
-    """
-    acc = list(takewhile(bool, accumulate(masks, and_, initial=alive)))
+
+def _depths(masks: Iterable[int], alive: int) -> dict[int, int]:
+    """``bit -> leading depth`` for every source bit in ``alive`` with depth > 0."""
+    return _depths_of_prefix_ands(list(takewhile(bool, accumulate(masks, and_, initial=alive))))
+
+
+def _depths_of_prefix_ands(acc: list[int]) -> dict[int, int]:
+    """From the running ``&`` of the masks (``acc[0]`` = the pods asked about, no zeros), each
+    bit's depth. The running mask only loses bits, so as ints its values never increase; the few
+    positions where it changes are found by bisection instead of a Python loop over blocks."""
     n = len(acc)
     out: dict[int, int] = {}
     if n <= 1:

@@ -352,3 +352,25 @@ def test_index_agrees_with_a_brute_force_model(ops, query_doc):
     for (p, r), held in model.items():
         expect = {prompt_keys(DOCS[d][: (i + 1) * BS], BS, MODEL)[-1] for (d, i) in held}
         assert ix.blocks_of(p, r) == expect
+
+
+def test_long_prompts_across_walk_chunk_boundaries_match_brute_force():
+    n = 400
+    t = toks(n)
+    k = keys_of(t)
+    depths = [0, 1, 15, 16, 17, 79, 80, 81, 335, 336, 337, 399, 400]
+    ix = PrefixIndex(block_size=BS)
+    for i, depth in enumerate(depths):
+        ix.add_pod(f"p{i}", MODEL)
+        if depth:
+            ix.apply_event(f"p{i}", stored(range(1, depth + 1), None, t[: depth * BS]))
+    # a pod with a hole at block 200 and everything else
+    ix.add_pod("holey", MODEL)
+    ix.apply_event("holey", stored(range(1, n + 1), None, t))
+    ix.apply_event("holey", BlockRemoved(block_hashes=[201], medium="GPU"))
+    m = ix.match(k)
+    assert [m[f"p{i}"].blocks for i in range(len(depths))] == depths
+    assert m["holey"].blocks == 200
+    assert ix.match(k[:16])["p3"].blocks == 16 and ix.match(k[:17])["p4"].blocks == 17
+    ix.speculate("p0", k[:90])
+    assert ix.match(k)["p0"].blocks == 90
