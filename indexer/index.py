@@ -23,12 +23,11 @@ leading blocks that tier adds.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 import types
 from bisect import bisect_left, bisect_right
-from itertools import accumulate, repeat, takewhile
+from itertools import accumulate, islice, repeat, takewhile
 from operator import and_, neg, or_
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -122,8 +121,8 @@ class PrefixIndex:
         self._tiers: dict[str, dict[int, int]] = {}
         self._any: dict[int, int] = {}          # is the only tier's dict while there is one tier
         self._pred: dict[int, int] = {}
-        self._pred_heap: list[tuple[float, int, _Source, Sequence[int]]] = []
-        self._pred_counter = 0
+        self._pred_sources: set[_Source] = set()   # sources holding predicted entries
+        self._next_expiry = float("inf")           # no predicted entry expires before this
         self._bits: dict[int, _Source] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
@@ -473,23 +472,23 @@ class PrefixIndex:
 
     def _add_predicted(self, src: _Source, keys: Sequence[int], ttl: float) -> None:
         now = self.clock()
-        self._expire(now)
+        if now >= self._next_expiry:
+            self._expire(now)
         expiry = now + ttl
         bit = src.bit
         pred = self._pred
         mine = src.pred
-        keys = tuple(keys)
         for k in keys:
-            if mine.pop(k, None) is None:
+            if mine.pop(k, None) is None:   # new: set the bit; known: just move it to the back
                 pred[k] = pred.get(k, 0) | bit
                 self.counters["predicted_added"] += 1
             mine[k] = expiry
-        self._pred_counter += 1
-        heapq.heappush(self._pred_heap, (expiry, self._pred_counter, src, keys))
+        self._pred_sources.add(src)
+        if expiry < self._next_expiry:
+            self._next_expiry = expiry
         if len(mine) > self.max_blocks_per_pod:
             target = self.max_blocks_per_pod - self.max_blocks_per_pod // 16
-            it = iter(list(mine)[: len(mine) - target])
-            for k in it:
+            for k in list(islice(mine, len(mine) - target)):
                 del mine[k]
                 self._unpredict(bit, k)
                 self.counters["blocks_evicted"] += 1
@@ -509,24 +508,36 @@ class PrefixIndex:
                 self.counters["predicted_confirmed"] += 1
 
     def _expire(self, now: float) -> None:
-        heap = self._pred_heap
-        while heap and heap[0][0] <= now:
-            expiry, _, src, keys = heapq.heappop(heap)
-            if src.dead:
-                continue
+        """Drop predicted entries whose time is up. Each source's entries are in refresh order,
+        so its expired ones are a prefix (with mixed TTLs, a short one waits behind a longer one)."""
+        nxt = float("inf")
+        for src in list(self._pred_sources):
             mine = src.pred
-            for k in keys:
-                if mine.get(k) == expiry:
-                    del mine[k]
-                    self._unpredict(src.bit, k)
-                    self.counters["predicted_expired"] += 1
+            if src.dead or not mine:
+                self._pred_sources.discard(src)
+                continue
+            expired = []
+            for k, e in mine.items():
+                if e > now:
+                    nxt = min(nxt, e)
+                    break
+                expired.append(k)
+            for k in expired:
+                del mine[k]
+                self._unpredict(src.bit, k)
+            self.counters["predicted_expired"] += len(expired)
+            if not mine:
+                self._pred_sources.discard(src)
+        self._next_expiry = nxt
 
     # --- lookup -------------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
         """For every pod (or those in ``pods``), how many of the prompt's leading blocks it holds."""
         self.counters["lookups"] += 1
-        if self._pred_heap and self._pred_heap[0][0] <= self.clock():
-            self._expire(self.clock())
+        if self._pred_sources:
+            now = self.clock()
+            if now >= self._next_expiry:
+                self._expire(now)
         if pods is None:
             chosen = self._pods
             alive = self._alive

@@ -245,7 +245,9 @@ def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
     assert ix.match(k)["n"].blocks == 0
     for i in range(10):
         ix.record_route("n", keys_of(toks(5, base=1000 * (i + 1))))
-    assert ix.pod_stats("n")["predicted"] <= 32
+    assert ix.pod_stats("n")["predicted"] <= 32 and ix.stats()["predicted_keys"] <= 32
+    clock.t += 101
+    assert ix.match(k)["n"].blocks == 0 and ix.stats()["predicted_keys"] == 0
 
 
 def test_match_restricted_to_some_pods_includes_unknown_ones_as_zero():
