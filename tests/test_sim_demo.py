@@ -1,8 +1,8 @@
-"""The first ``kvroute demo``: simulated pods, a cold prompt and a follow-up sharing its prefix."""
+"""The prefix-cache part of ``kvroute demo``: simulated pods, a cold prompt and a follow-up sharing its prefix."""
 
 from __future__ import annotations
 
-from router.demo import main, prefix_cache_demo
+from router.demo import prefix_cache_demo
 from simulator.testing import running_sims
 
 
@@ -15,7 +15,3 @@ def test_demo_shows_a_prefix_hit_on_the_same_pod_only():
     assert warm.ttft_s < cold.ttft_s  # the simulated gap is ~100 ms against ~5 ms
     assert lines[-1].startswith("prefix-cache hit:")
 
-
-def test_demo_command_runs(capsys):
-    assert main(["--pods", "2", "--sections", "5"]) == 0
-    assert "prefix-cache hit" in capsys.readouterr().out
