@@ -12,7 +12,7 @@ comes from the model and LoRA adapter name, so two models or two adapters never 
 
 H is CPython's ``hash()`` of a small tuple (an xxHash-style mix of the element hashes, done in C),
 masked to 60 bits so every key is a compact one-word int object. Measured on this project's build
-machine (``bench/index_lookup.py``, 32k tokens, block 16): tuple ``hash()`` ~270-360 ns/block,
+machine (32k tokens, block 16; see docs/indexer.md): tuple ``hash()`` ~200-360 ns/block,
 xxhash ``xxh3_64`` over the packed block ~450 ns/block (the per-block Python call and buffer
 slicing dominate), ``hashlib.blake2b`` ~1,240 ns/block. Tuple hashing of ints is deterministic
 across processes (only str/bytes hashing is salted), but it is not a wire format: keys are
