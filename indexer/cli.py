@@ -23,7 +23,7 @@ from indexer.events import END_SEQ, DecodeError, EventBatch, decode_frame, decod
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute events", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="kvroute events", description="Print a pod's decoded KV-cache event stream, one JSON line per batch.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("endpoint", help="the pod's KV event PUB endpoint, e.g. tcp://10.0.0.5:5557 "
                                     "(an endpoint with '*' binds, for a publisher that connects in)")
