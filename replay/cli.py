@@ -24,6 +24,9 @@ DESCRIPTION = ("Replay a trace (mooncake:PATH, azure:PATH) or a synthetic worklo
                "'kvroute replay compare A.json B.json ...' prints saved runs side by side.")
 
 
+WORKLOAD_KINDS = ("mooncake", "azure", "multiturn", "shared-prefix", "shared_prefix")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute replay", description=DESCRIPTION)
     parser.add_argument("workload_arg", nargs="?", metavar="WORKLOAD", default=None,
@@ -150,10 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         return compare_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "pod_metrics"):
+        urls = _normalise_pod_metrics(args.pod_metrics)
+        # `--pod-metrics URL ... WORKLOAD`: argparse hands the workload to the list; take it back.
+        stray = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if len(stray) == 1 and args.workload_arg is None and stray[0].split(":", 1)[0] in WORKLOAD_KINDS:
+            args.workload_arg = stray[0]
+            urls.remove(stray[0])
+            stray = []
+        if stray:
+            parser.error(f"--pod-metrics takes http(s) URLs, got {', '.join(map(repr, stray))}")
+        args.pod_metrics = urls
     if args.workload_arg is not None:
         args.workload = args.workload_arg
-    if hasattr(args, "pod_metrics"):
-        args.pod_metrics = _normalise_pod_metrics(args.pod_metrics)
     try:
         settings = settings_from_args(ReplaySettings, args)
     except (ConfigError, ValueError) as exc:

@@ -100,6 +100,20 @@ def test_settings_layering(tmp_path, monkeypatch):
     assert s.pod_metrics == ["http://a:1", "http://b:2"]
 
 
+def test_workload_after_pod_metrics_is_not_taken_for_a_url(backend_url, tmp_path, capsys):
+    rc = cli.main(["--target", backend_url, "--max-requests", "2", "--rate", "50", "--no-plots", "--no-progress",
+                   "--result-dir", str(tmp_path), "--result-file", "p.json", "--sessions", "2", "--turns", "1",
+                   "--system-prompt-len", "32", "--turn-tokens", "8", "--output-len", "2",
+                   "--pod-metrics", backend_url, "multiturn"])
+    assert rc == 0
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["config"]["workload"] == "multiturn" and data["config"]["pod_metrics"] == [backend_url]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["--pod-metrics", "not-a-url", "multiturn"])
+    assert "--pod-metrics takes http(s) URLs" in capsys.readouterr().err
+
+
 def test_help_lists_every_setting():
     proc = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
