@@ -138,6 +138,18 @@ async def _run(settings: ReplaySettings) -> int:
     return 0
 
 
+def _raise_open_file_limit() -> None:
+    """Every stream in flight holds a socket; lift the soft descriptor limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _loop_factory():
     """uvloop when installed: measured lower send lateness than the default loop (docs/replay.md)."""
     try:
@@ -174,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from replay.runner import RunError
     from replay.workloads import TraceError
 
+    _raise_open_file_limit()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as loop_runner:
             return loop_runner.run(_run(settings))
