@@ -2,7 +2,8 @@
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens`` SSE chunks: the
 first after ``ttft`` seconds, the next ones ``itl`` seconds apart, then a usage chunk and
-``[DONE]``; a request carrying ``x-fake-drop: K`` has its connection cut after K chunks. Every ``reject_every``-th request (or one carrying ``x-fake-status``) gets that error
+``[DONE]``; a request carrying ``x-fake-drop: K`` has its connection cut after K chunks. Every
+``reject_every``-th request (or one carrying ``x-fake-status``) gets that error
 status instead. Responses name a pod in ``x-kvroute-pod`` (round-robin over ``pods``), and
 ``/metrics`` exposes ``vllm:prefix_cache_queries_total``/``_hits_total`` counted with an
 unbounded 16-token-block prefix cache, so hit rates are exactly predictable. Run it alone with

@@ -43,7 +43,8 @@ def parse_prefix_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape(session: aiohttp.ClientSession, urls: Sequence[str], timeout: float = 5.0) -> dict[str, dict[str, float]]:
+async def scrape(session: aiohttp.ClientSession, urls: Sequence[str],
+                 timeout: float = 5.0) -> dict[str, dict[str, float]]:
     """{url: {"queries", "hits"}} for every pod that answered; unreachable pods are left out."""
 
     async def one(url: str) -> tuple[str, dict[str, float] | None]:

@@ -14,7 +14,8 @@ class ReplaySettings(BaseSettings):
     # Target
     target: str = Field("http://127.0.0.1:8000", description="Base URL of the router or pod to load")
     endpoint: Literal["completions", "chat"] = Field(
-        "completions", description="completions: token-id prompts to /v1/completions; chat: text to /v1/chat/completions")
+        "completions",
+        description="completions: token-id prompts to /v1/completions; chat: text to /v1/chat/completions")
     model: str | None = Field(None, description="Model name to send; by default the first one /v1/models lists")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers as a JSON object")
     extra_body: dict = Field(default_factory=dict, description="Extra fields merged into every request body (JSON)")

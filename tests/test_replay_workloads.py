@@ -77,7 +77,8 @@ def test_mooncake_block_size_flag(tmp_path):
     ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "missing field 'hash_ids'"),
     ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
     ('{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": [1]}', "input_length must be an integer"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "hash_ids must be a list of integers"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}',
+     "hash_ids must be a list of integers"),
     ("[1, 2]", "expected a JSON object"),
 ])
 def test_bad_trace_line_names_the_line(tmp_path, bad, message):
