@@ -59,6 +59,12 @@ def format_table(summary: dict[str, Any], config: dict[str, Any] | None = None, 
     ]
     for cls, count in (s.get("errors_by_status") or {}).items():
         lines.append(_row(f"  by status {cls}:", count))
+    arrival = config.get("arrival")
+    if arrival == "trace":
+        lines.append(_row("Arrivals:", f"trace x{config.get('time_scale', 1.0):g}"))
+    elif arrival:
+        extra = f" b={config['burstiness']:g}" if arrival == "gamma" and config.get("burstiness") else ""
+        lines.append(_row("Arrivals:", f"{arrival} {config.get('rate')} req/s{extra}"))
     lines += [
         _row("Maximum request concurrency:", config.get("max_concurrency")),
         _row("Benchmark duration (s):", s["duration"]),
