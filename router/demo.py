@@ -1,8 +1,12 @@
-"""``kvroute demo``: a few simulated pods and a prompt whose follow-up reuses its prefix.
+"""``kvroute demo``: a local simulated fleet, the router under each policy in turn, one report.
 
-It shows the effect the router is built on: a pod that already holds a prompt's prefix in its KV
-cache answers a follow-up sharing that prefix much sooner (time to first token, TTFT), while another
-pod, which has never seen it, pays the full prefill again.
+It starts simulated vLLM pods in ``seed`` timing mode (one FIFO prefill server per pod, computing
+only the uncached part of each prompt), puts ``kvroute serve`` in front of them under each routing
+policy in turn (a fresh fleet each time, so every policy starts with cold caches), replays the same
+multi-turn chat workload at the same Poisson arrival times against each, and prints a table of
+cluster hit rate, TTFT percentiles and the share of requests that met the TTFT objective, with a
+TTFT plot saved beside it. ``--prefix-cache`` instead shows the effect everything rests on: one
+follow-up prompt answered from a pod's cache versus from a pod that never saw its prefix.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import httpx
@@ -79,18 +84,82 @@ def prefix_cache_demo(urls: list[str], document_sections: int = 40,
     return shots
 
 
+DEMO_POLICIES = [
+    ("random", "random", False),
+    ("least load", "least-load", False),
+    ("cache only", "cache-only", False),
+    ("min predicted TTFT", "predicted-ttft", False),
+    ("min predicted TTFT + early rejection", "predicted-ttft", True),
+]
+
+
+def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    from replay.arrivals import poisson
+    from replay.workloads import multiturn
+    from router.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
+
+    n = int(args.rate * args.seconds)
+    turns = max(2, -(-n // args.sessions))
+    specs = multiturn(system_prompts=args.system_prompts, system_prompt_len=2048, sessions=args.sessions,
+                      turns=turns, turn_tokens=args.turn_tokens, output_len=4, seed=args.seed)
+    arrivals = poisson(len(specs), args.rate, seed=args.seed)
+    fleet = FleetSpec(pods=args.pods, prefill_tokens_per_s=args.prefill_tokens_per_s)
+    out(f"fleet: {fleet.pods} simulated pods (seed timing: FIFO prefill at {fleet.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"{fleet.num_gpu_blocks} cached blocks of {fleet.block_size} tokens, KV events over ZeroMQ)")
+    out(f"workload: {args.sessions} chat sessions on {args.system_prompts} shared 2,048-token system prompts, "
+        f"{args.turn_tokens} new tokens a turn, Poisson {args.rate:g} req/s for {args.seconds:g} s; "
+        f"TTFT objective {args.objective:g} s")
+    results = []
+    policies = [p for p in DEMO_POLICIES if not args.policies or p[1] in args.policies]
+    workdir = Path(args.out)
+    for label, policy, admission in policies:
+        started = time.monotonic()
+        res = run_trial(Target(label, policy=policy, admission=admission), specs, arrivals, fleet=fleet,
+                        objective_s=args.objective, duration=args.seconds, workdir=workdir / "logs",
+                        drain_timeout=args.drain)
+        results.append(res)
+        r = row(res)
+        if r.get("error"):
+            out(f"  {label:<38} failed: {r['error']}")
+        else:
+            out(f"  {label:<38} met objective {r['slo_attainment'] * 100:5.1f} %  rejected {r['rejected'] * 100:4.1f} %  "
+                f"hit {100 * (r['hit_rate'] or 0):5.1f} %  p99 {r['ttft_p99'] or 0:6.2f} s   "
+                f"({time.monotonic() - started:.0f} s)", )
+    out("")
+    out(format_rows([row(r) for r in results], args.objective))
+    plot = save_plot(results, workdir / "demo-ttft-cdf.png", args.objective,
+                     f"TTFT, {args.pods} simulated pods, {args.rate:g} req/s")
+    out(f"\nplot: {plot}")
+    return 0 if all(not r["error"] for r in results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
-    p.add_argument("--pods", type=int, default=3, help="simulated pods to start (default: 3)")
+    p.add_argument("--pods", type=int, default=4, help="simulated pods (default: 4)")
+    p.add_argument("--rate", type=float, default=40.0, help="requests per second (default: 40)")
+    p.add_argument("--seconds", type=float, default=12.0, help="seconds of load per policy (default: 12)")
+    p.add_argument("--sessions", type=int, default=60, help="chat sessions (default: 60)")
+    p.add_argument("--system-prompts", type=int, default=8, help="shared system prompts (default: 8)")
+    p.add_argument("--turn-tokens", type=int, default=600, help="new tokens per turn (default: 600)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="pod prefill speed (default: 20000)")
+    p.add_argument("--objective", type=float, default=2.0, help="TTFT objective in seconds (default: 2)")
+    p.add_argument("--drain", type=float, default=15.0, help="seconds to wait for stragglers (default: 15)")
+    p.add_argument("--policies", nargs="*", default=None, help="only these policies")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--out", default="results/demo", help="folder for the plot and logs (default: results/demo)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="show one prefix-cache hit on bare simulated pods instead of the policy comparison")
     p.add_argument("--sections", type=int, default=40,
-                   help="length of the shared document, in ~180-token sections (default: 40)")
+                   help="--prefix-cache: length of the shared document, in ~180-token sections (default: 40)")
     args = p.parse_args(argv)
-    if args.pods < 1 or args.sections < 1:
-        p.error("--pods and --sections must be at least 1")
-    print(f"starting {args.pods} simulated vLLM pods (kvroute sim --count {args.pods}) ...", flush=True)
-    with running_sims(args.pods) as urls:
-        prefix_cache_demo(urls, args.sections)
-    return 0
+    if args.pods < 1 or args.sections < 1 or args.rate <= 0 or args.seconds <= 0 or args.sessions < 1:
+        p.error("--pods, --sections, --sessions must be at least 1; --rate and --seconds positive")
+    if args.prefix_cache:
+        print(f"starting {args.pods} simulated vLLM pods (kvroute sim --count {args.pods}) ...", flush=True)
+        with running_sims(args.pods) as urls:
+            prefix_cache_demo(urls, args.sections)
+        return 0
+    return fleet_demo(args)
 
 
 if __name__ == "__main__":

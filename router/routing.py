@@ -70,7 +70,7 @@ class Router:
                                                    settings.calibration_halflife, settings.calibrate)
         self.block_size = block_size
         self.subscriber = subscriber
-        self.state = PolicyState(affinity_bonus_s=settings.affinity_bonus_ms / 1000.0)
+        self.state = PolicyState(affinity_bonus_s=settings.affinity_bonus_ms / 1000.0, work_weight=settings.work_weight)
         self.state.rng.seed(settings.seed)
         self._clock = clock
         self._seeds: dict[str, int] = {}

@@ -172,3 +172,18 @@ def test_ledger_books_and_releases_fifo_work():
     assert led.queued_tokens("a", rate=10000) == pytest.approx(5000)
     led.release("a", t2)
     assert led.inflight("a") == 0 and led.queued_tokens("a", rate=10000) == 0
+
+
+def test_work_weight_keeps_affinity_but_never_at_the_cost_of_the_objective():
+    req = RequestView(prompt_tokens=6000, objective_s=2.0)
+    # warm pod: 5,700 cached but a 4,000-token queue (0.43 s); cold pod idle (0.61 s): min TTFT picks warm
+    warm = cand("warm", cached_tokens=5700, effective_cached_tokens=5700.0, queue_tokens=4000)
+    cold = cand("cold")
+    # a warm pod with a longer queue (0.83 s) loses on TTFT alone, wins once its lighter work counts
+    busier = cand("warm", cached_tokens=5700, effective_cached_tokens=5700.0, queue_tokens=8000)
+    assert decide([cold, busier], req, "predicted-ttft", PolicyState()).chosen.pod_id == "cold"
+    assert decide([cold, busier], req, "predicted-ttft", PolicyState(work_weight=1.0)).chosen.pod_id == "warm"
+    assert decide([cold, warm], req, "predicted-ttft", PolicyState(work_weight=1.0)).chosen.pod_id == "warm"
+    # but a warm pod predicted to miss the objective never beats a cold one that meets it
+    swamped = cand("warm", cached_tokens=5700, effective_cached_tokens=5700.0, queue_tokens=21000)
+    assert decide([cold, swamped], req, "predicted-ttft", PolicyState(work_weight=100.0)).chosen.pod_id == "cold"

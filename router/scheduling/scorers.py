@@ -23,6 +23,7 @@ class PolicyState:
     rng: _random.Random = field(default_factory=lambda: _random.Random(0))
     rr_next: int = 0
     affinity_bonus_s: float = 0.0
+    work_weight: float = 0.0
 
 
 Ranked = list[Candidate]
@@ -57,13 +58,25 @@ def score_cache_only(cands, request, predictions, state) -> Ranked:
 
 
 def score_predicted_ttft(cands, request, predictions, state: PolicyState) -> Ranked:
+    """Lowest predicted TTFT first.
+
+    With ``work_weight`` > 0 the cost also counts the prefill work a pod would have to add
+    (``work_weight`` x this request's own prefill time), which keeps sessions on the pod that
+    holds their context unless its queue really costs more; that spares the fleet's capacity
+    and cache space for later requests. Pods predicted to meet the request's objective always
+    rank before pods predicted to miss it, so the extra term never causes a miss by itself.
+    """
     best_cached = max((c.effective_cached_tokens for c in cands), default=0.0)
+    objective = request.objective_s
 
     def key(c: Candidate) -> tuple:
-        ttft = predictions[c.pod_id].ttft_s
+        p = predictions[c.pod_id]
+        ttft = p.ttft_s
+        cost = ttft + state.work_weight * p.prefill_s
         if state.affinity_bonus_s and best_cached > 0 and c.effective_cached_tokens >= best_cached:
-            ttft -= state.affinity_bonus_s
-        return (round(ttft, 6),) + _by_load(c)
+            cost -= state.affinity_bonus_s
+        misses = objective is not None and ttft > objective
+        return (misses, round(ttft if misses else cost, 6)) + _by_load(c)
 
     return sorted(cands, key=key)
 

@@ -1,0 +1,253 @@
+"""One routing trial: a fresh simulated fleet, one router in front of it, one replayed workload.
+
+Shared by ``kvroute demo`` and ``bench/routing_quality.py`` so both measure the same way: every
+trial starts new simulated pods (empty caches), starts the router under test (kvroute with a
+policy, or a peer router), replays the same request sequence at the same arrival times through it
+with the replay client, and returns the replay summary (SLO attainment over all requests sent,
+rejections, TTFT percentiles, cluster hit rate from the pods' own prefix-cache counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+import yaml
+
+from simulator.testing import consecutive_free_ports, running_sims
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The simulated fleet (defaults: the seed's model, see docs/router.md)."""
+
+    pods: int = 8
+    block_size: int = 64
+    num_gpu_blocks: int = 3000
+    prefill_tokens_per_s: float = 20000.0
+    decode_s_per_token: float = 0.01
+    model: str = "sim-model"
+
+    def sim_args(self, events_port: int) -> list[str]:
+        return ["--timing", "seed", "--block-size", str(self.block_size), "--num-gpu-blocks", str(self.num_gpu_blocks),
+                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-s-per-token",
+                str(self.decode_s_per_token), "--kv-events-port", str(events_port), "--model", self.model,
+                "--max-model-len", "131072", "--log-level", "error"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A router to put in front of the fleet: ``kind`` is kvroute, vllm-router or sglang-router."""
+
+    name: str
+    kind: str = "kvroute"
+    policy: str = "predicted-ttft"
+    admission: bool = False
+    endpoint: str = "completions"  # completions (token-id prompts) or chat (text)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+
+
+def _wait(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0, method: str = "GET",
+          body: dict | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: {log_path.read_text(errors='replace')[-1500:]}")
+        try:
+            r = httpx.request(method, url, json=body, timeout=5.0, trust_env=False)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f}s: {last}")
+
+
+def start_router(target: Target, urls: list[str], events_port: int, fleet: FleetSpec, objective_ms: float,
+                 workdir: Path, peers_venv: Path) -> tuple[subprocess.Popen, str]:
+    """Start the router under test; return (process, base URL)."""
+    port = free_port()
+    log_path = workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
+    events = [(f"tcp://127.0.0.1:{events_port + 2 * i}", f"tcp://127.0.0.1:{events_port + 2 * i + 1}")
+              for i in range(len(urls))]
+    if target.kind == "kvroute":
+        pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model,
+                 "kv_events": [{"endpoint": e, "replay": r}]} for i, (u, (e, r)) in enumerate(zip(urls, events))]
+        cfg = {"port": port, "pods": pods, "policy": target.policy, "admission": target.admission,
+               "ttft_objective_ms": objective_ms if target.admission else None,
+               "block_size": fleet.block_size, "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
+               "log_level": "warning", **target.extra}
+        cfg_path = workdir / f"{target.name.replace(' ', '_')}.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        proc = _spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log_path)
+        base = f"http://127.0.0.1:{port}"
+        _wait(base + "/ready", proc, log_path)
+        return proc, base
+    exe = peers_venv / "bin" / target.kind
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found (install the peer into {peers_venv})")
+    if target.kind == "vllm-router":
+        cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", target.policy,
+               "--log-level", "warning", "--disable-retries"]
+        if target.policy == "kv_aware":
+            for u, (e, r) in zip(urls, events):
+                cmd += ["--kv-event-source", f"{u}={e}", "--kv-event-replay-source", f"{u}={r}"]
+            cmd += ["--kv-event-block-size", str(fleet.block_size), "--kv-event-model", fleet.model]
+    elif target.kind == "sglang-router":
+        cmd = [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+               "--policy", target.policy, "--log-level", "warn"]
+    else:
+        raise ValueError(f"unknown router kind {target.kind}")
+    cmd += [str(a) for a in target.extra.get("args", [])]
+    proc = _spawn(cmd, log_path)
+    base = f"http://127.0.0.1:{port}"
+    probe = {"model": fleet.model, "prompt": "probe", "max_tokens": 1}
+    if target.endpoint == "chat":
+        _wait(base + "/v1/chat/completions", proc, log_path, method="POST",
+              body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
+    else:
+        _wait(base + "/v1/completions", proc, log_path, method="POST", body=probe)
+    return proc, base
+
+
+def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *, fleet: FleetSpec = FleetSpec(),
+              objective_s: float = 2.0, duration: float | None = None, peers_venv: str | Path = "/tmp/peers-venv",
+              workdir: str | Path | None = None, drain_timeout: float = 30.0) -> dict[str, Any]:
+    """Run one trial and return ``{"target", "summary", "records", "error"}``."""
+    from replay.runner import run
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-trial-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = consecutive_free_ports(2 * fleet.pods)
+    with running_sims(fleet.pods, fleet.sim_args(events)) as urls:
+        try:
+            proc, base = start_router(target, urls, events, fleet, objective_s * 1000, workdir, Path(peers_venv))
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            return {"target": target, "summary": None, "records": [], "error": str(exc)[:300]}
+        try:
+            result = asyncio.run(run(base, specs, arrivals, endpoint=target.endpoint, model=fleet.model,
+                                     duration=duration, slo_ttft=objective_s, pod_metrics=urls,
+                                     drain_timeout=drain_timeout, request_timeout=120.0))
+        finally:
+            if target.kind == "kvroute":  # keep the router's own view of the run for analysis
+                try:
+                    text = httpx.get(base + "/metrics", timeout=5.0, trust_env=False).text
+                    (workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.metrics").write_text(text)
+                except httpx.HTTPError:
+                    pass
+            _stop(proc)
+    return {"target": target, "summary": result.summary, "records": result.records, "error": None}
+
+
+def row(result: dict[str, Any]) -> dict[str, Any]:
+    """The table row of a trial: policy, hit rate, TTFT p50/p99, met objective, rejected."""
+    s = result["summary"]
+    t: Target = result["target"]
+    if not s:
+        return {"router": t.name, "error": result["error"]}
+    n = max(s["requests"], 1)
+    hit = s.get("hit_rate")
+    if isinstance(hit, dict):
+        hit = hit.get("hit_rate")
+    return {"router": t.name, "requests": s["requests"], "hit_rate": hit, "ttft_p50": s.get("ttft_p50"),
+            "ttft_p99": s.get("ttft_p99"), "slo_attainment": s.get("slo_attainment"),
+            "rejected": s["rejected"] / n, "errors": s["errors"], "lateness_p99_ms": s.get("lateness_p99_ms")}
+
+
+def format_rows(rows: Sequence[dict[str, Any]], objective_s: float) -> str:
+    head = f"| router / policy | hit rate | TTFT p50 | TTFT p99 | met the {objective_s:g} s objective |"
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['router']} | — | — | — | not run: {r['error']} |")
+            continue
+        hit = f"{r['hit_rate'] * 100:.1f} %" if r.get("hit_rate") is not None else "—"
+        p50 = f"{r['ttft_p50']:.2f} s" if r.get("ttft_p50") is not None else "—"
+        p99 = f"{r['ttft_p99']:.2f} s" if r.get("ttft_p99") is not None else "—"
+        met = f"{r['slo_attainment'] * 100:.1f} %" if r.get("slo_attainment") is not None else "—"
+        if r.get("rejected"):
+            met += f" ({r['rejected'] * 100:.1f} % rejected)"
+        if r.get("errors"):
+            met += f" [{r['errors']} errors]"
+        lines.append(f"| {r['router']} | {hit} | {p50} | {p99} | {met} |")
+    return "\n".join(lines)
+
+
+def save_plot(results: Sequence[dict[str, Any]], path: str | Path, objective_s: float, title: str) -> Path:
+    """One TTFT CDF per trial (over all requests sent; rejected ones never reach the objective)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for res in results:
+        if not res["summary"]:
+            continue
+        recs = res["records"]
+        sent = [r for r in recs if r.sent is not None or r.status]
+        ttfts = np.sort([r.ttft for r in sent if r.ok and r.ttft is not None])
+        if len(ttfts) == 0:
+            continue
+        ax.step(ttfts, np.arange(1, len(ttfts) + 1) / max(len(sent), 1), where="post", label=res["target"].name)
+    ax.axvline(objective_s, color="red", linestyle="--", label=f"objective {objective_s:g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("fraction of all requests sent")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def dump(results: Sequence[dict[str, Any]], path: str | Path) -> None:
+    rows = [row(r) for r in results]
+    Path(path).write_text(json.dumps(rows, indent=2, default=str))
