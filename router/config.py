@@ -226,7 +226,7 @@ class RouterSettings(BaseSettings):
     unknown_request_tokens: int = Field(512, description="prefill tokens assumed per queued request the router "
                                         "did not send itself (seen only in vllm:num_requests_waiting)")
     affinity_bonus_ms: float = Field(0.0, description="predicted-ttft: credit for the pod holding the longest prefix")
-    work_weight: float = Field(0.0, description="predicted-ttft: also count this x the request's own prefill time "
+    work_weight: float = Field(3.0, description="predicted-ttft: also count this x the request's own prefill time "
                                "(the work it adds to a pod), favouring pods that hold its prefix")
     scrape_interval_s: float = Field(0.25, description="period of each pod's /metrics scrape")
     health_interval_s: float = Field(1.0, description="period of each pod's /health check")

@@ -88,8 +88,8 @@ DEMO_POLICIES = [
     ("random", "random", False),
     ("least load", "least-load", False),
     ("cache only", "cache-only", False),
-    ("min predicted TTFT", "predicted-ttft", False),
-    ("min predicted TTFT + early rejection", "predicted-ttft", True),
+    ("predicted TTFT", "predicted-ttft", False),
+    ("predicted TTFT + early rejection", "predicted-ttft", True),
 ]
 
 
@@ -136,7 +136,7 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
     p.add_argument("--pods", type=int, default=4, help="simulated pods (default: 4)")
-    p.add_argument("--rate", type=float, default=40.0, help="requests per second (default: 40)")
+    p.add_argument("--rate", type=float, default=60.0, help="requests per second (default: 60)")
     p.add_argument("--seconds", type=float, default=12.0, help="seconds of load per policy (default: 12)")
     p.add_argument("--sessions", type=int, default=60, help="chat sessions (default: 60)")
     p.add_argument("--system-prompts", type=int, default=8, help="shared system prompts (default: 8)")
