@@ -265,8 +265,20 @@ def create_app(services: Services) -> FastAPI:
         for cand in decision.ranked[: 1 + max(settings.retries, 0)]:
             booking = r.book(plan, cand)
             url = plan.pods[cand.pod_id].config.url + path
+            opening = asyncio.ensure_future(services.dispatcher.open(url, raw, fwd, on_first_byte=_first(r, booking)))
+            watch = asyncio.ensure_future(_until_disconnect(request))
             try:
-                opened = await services.dispatcher.open(url, raw, fwd, on_first_byte=_first(r, booking))
+                await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
+                if not opening.done():
+                    # the client left while the pod was still queueing or prefilling its request:
+                    # cancelling the open closes that connection, so the pod aborts it too
+                    opening.cancel()
+                    await asyncio.gather(opening, return_exceptions=True)
+                    r.finish(booking)
+                    metrics.client_disconnects.inc()
+                    metrics.requests.labels(cand.pod_id, policy, "499").inc()
+                    return Response(b"", status_code=499)
+                opened = opening.result()
                 break
             except UpstreamError as exc:
                 r.finish(booking)
@@ -276,8 +288,11 @@ def create_app(services: Services) -> FastAPI:
                 last = (cand.pod_id, exc)
                 opened = None
             except BaseException:
+                opening.cancel()
                 r.finish(booking)
                 raise
+            finally:
+                watch.cancel()
         if opened is None:
             pod_id, exc = last  # type: ignore[misc]
             metrics.requests.labels(pod_id, policy, str(exc.status or 502)).inc()
@@ -359,6 +374,14 @@ def create_app(services: Services) -> FastAPI:
 
 _RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date",
                             "x-kvroute-pod", "x-request-id", "trailer", "upgrade", "proxy-authenticate"})
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _first(r, booking: Booking) -> Callable[[], None]:

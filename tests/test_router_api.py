@@ -38,6 +38,7 @@ class Pod:
     chunk_delay: float = 0.0      # seconds between SSE chunks
     chunks: int = 3
     hang: bool = False            # stream one chunk, then keep writing slowly until the client leaves
+    first_delay: float = 0.0      # seconds before the answer starts (a queue), watching for the client leaving
     waiting: int = 0
     seen: list[dict] = field(default_factory=list)
     cancelled: int = 0
@@ -75,6 +76,13 @@ class Pod:
         raw = await request.read()
         body = orjson.loads(raw)
         self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw, "path": request.path})
+        waited = 0.0
+        while waited < self.first_delay:
+            if request.transport is None or request.transport.is_closing():
+                self.cancelled += 1
+                return web.Response(status=499)
+            await asyncio.sleep(0.02)
+            waited += 0.02
         if self.fail_times > 0:
             self.fail_times -= 1
             return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
@@ -229,6 +237,20 @@ async def test_client_disconnect_cancels_the_upstream_request():
         assert pods[0].cancelled == 1
         assert services.router.ledger.inflight("pod-0") == 0
         await asyncio.sleep(0.1)
+        assert services.metrics.client_disconnects._value.get() == 1
+
+
+async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream_request():
+    async with pods_running(1, first_delay=5.0) as pods, running_router(settings_for(pods)) as (base, services):
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(base + "/v1/completions", json=completion(stream=True),
+                             timeout=aiohttp.ClientTimeout(total=0.3))
+        deadline = time.monotonic() + 3
+        while pods[0].cancelled == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert pods[0].cancelled == 1
+        assert services.router.ledger.inflight("pod-0") == 0
         assert services.metrics.client_disconnects._value.get() == 1
 
 
