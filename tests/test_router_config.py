@@ -1,0 +1,103 @@
+"""The router's settings, its command line, and the pod-metrics parser."""
+
+import subprocess
+import sys
+
+import pytest
+
+from router.config import RouterSettings, build_settings, load_settings
+from router.dispatch import forwardable, upstream_headers
+from router.pods import PodRegistry, parse_vllm_metrics
+from tests.helpers import ROOT
+
+VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="2048",enable_prefix_caching="True"} 1.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
+"""
+
+
+def test_parse_vllm_metrics_sums_engines_and_reads_the_deprecated_kv_name():
+    m = parse_vllm_metrics(VLLM_METRICS)
+    assert (m.waiting, m.running) == (5, 7)
+    assert m.kv_usage == pytest.approx(0.375)
+    assert (m.block_size, m.num_gpu_blocks) == (32, 2048)
+    newer = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.9\nvllm:gpu_cache_usage_perc{engine="0"} 0.1\n')
+    assert newer.kv_usage == pytest.approx(0.9)
+    assert parse_vllm_metrics("garbage\nvllm:num_requests_waiting{x=\"1\"} notanumber\n").waiting == 0
+
+
+def test_registry_marks_pods_unhealthy_after_n_failures_and_forgets_later():
+    now = [0.0]
+    forgotten = []
+    s = build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://127.0.0.1:1"}]})
+    reg = PodRegistry(s.pods, unhealthy_after=2, forget_after_s=10, on_forget=forgotten.append, clock=lambda: now[0])
+    reg.mark("a", True)
+    assert [p.id for p in reg.healthy()] == ["a"]
+    reg.mark("a", False)
+    assert reg.healthy()  # one failure is not enough
+    reg.mark("a", False)
+    assert not reg.healthy() and forgotten == []
+    now[0] = 11.0
+    reg.mark("a", False)
+    assert forgotten == ["a"]
+    reg.mark("a", True)
+    assert reg.healthy() and not reg.pods["a"].forgotten
+
+
+def test_pod_config_validation_and_shorthands():
+    s = build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://h:1/", "kv_events": "tcp://h:5557"}]})
+    assert s.pods[0].url == "http://h:1" and s.pods[0].kv_events[0].endpoint == "tcp://h:5557"
+    assert s.pods[0].role == "both" and s.policy == "predicted-ttft"
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {"pods": [{"id": "a", "url": "h:1"}]})
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://h:1"}, {"id": "a", "url": "http://h:2"}]})
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://h:1", "role": "boss"}]})
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {"policy": "fastest"})
+
+
+def test_settings_layers_yaml_env_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("policy: cache-only\nport: 9100\npods:\n  - {id: a, url: 'http://127.0.0.1:9}'}\n")
+    s = load_settings(RouterSettings, ["--config", str(cfg)], "t", "d")
+    assert (s.policy, s.port, s.pods[0].id) == ("cache-only", 9100, "a")
+    monkeypatch.setenv("KVROUTE_POLICY", "least-load")
+    monkeypatch.setenv("KVROUTE_TTFT_OBJECTIVE_MS", "1500")
+    s = load_settings(RouterSettings, ["--config", str(cfg)], "t", "d")
+    assert s.policy == "least-load" and s.ttft_objective_ms == 1500
+    s = load_settings(RouterSettings, ["--config", str(cfg), "--policy", "random", "--no-admission",
+                                       "--api-keys", '["k"]'], "t", "d")
+    assert (s.policy, s.admission, s.api_keys) == ("random", False, ["k"])
+
+
+def test_serve_cli_documents_every_knob_and_refuses_an_empty_fleet():
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in RouterSettings.model_fields:
+        assert "--" + flag.replace("_", "-") in out.stdout
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "no pods configured" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--pods", '[{"id": "a", "url": "ftp://x"}]'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "http://" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_header_filter_drops_hop_by_hop_and_internal_headers():
+    for name in ("connection", "transfer-encoding", "x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod",
+                 "x-kvroute-anything", "host", "content-length", "te", "upgrade"):
+        assert not forwardable(name)
+    for name in ("content-type", "accept", "x-slo-ttft-ms", "user-agent", "x-custom"):
+        assert forwardable(name)
+    raw = [(b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"), (b"Accept", b"a"), (b"accept", b"b")]
+    assert upstream_headers(raw, "rid", drop_authorization=True) == {"accept": "a, b", "x-request-id": "rid"}
+    assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
