@@ -311,14 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, static backend on :{bport}")
         rows.append(measure("direct", bport, args))
 
-        kport = free_port()
-        pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
-        kv = spawn([sys.executable, "-m", "router.cli", "serve", "--port", str(kport), "--pods", pods,
-                    "--log-level", "error"])
-        procs.append(kv)
-        wait_ready(kport, "/ready", proc=kv)
-        rows.append(measure("kvroute (predicted-ttft)", kport, args))
-        stop(kv)
+        for workers in (1, 2):
+            kport = free_port()
+            pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
+            kv = spawn([sys.executable, "-m", "router.cli", "serve", "--port", str(kport), "--pods", pods,
+                        "--log-level", "error", "--workers", str(workers)])
+            procs.append(kv)
+            wait_ready(kport, "/ready", proc=kv)
+            if workers > 1:
+                time.sleep(2.0)  # let every worker finish starting
+            rows.append(measure(f"kvroute ({workers} worker{'s' if workers > 1 else ''})", kport, args))
+            stop(kv)
 
         peer = Path(args.peers_venv) / "bin" / "vllm-router"
         if "vllm-router" in skip:
@@ -355,13 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     direct = rows[0]
-    kvr = next(r for r in rows if r["target"].startswith("kvroute"))
+    kvr = next(r for r in rows if r["target"].startswith("kvroute (1"))
+    kv2 = next((r for r in rows if r["target"].startswith("kvroute (2")), None)
     vr = next((r for r in rows if r["target"].startswith("vllm-router") and "c1_p50_ms" in r), None)
     key = f"c{args.connections}_rps"
     added = kvr["c1_p50_ms"] - direct["c1_p50_ms"]
     ratio = f"{kvr[key] / vr[key]:.2f}x vllm-router's {vr[key]:.0f}" if vr else "vllm-router not measured"
+    two = f" (2 workers: {kv2[key]:.0f} req/s = {kv2[key] / vr[key]:.2f}x)" if kv2 and vr else ""
     print(f"kvroute added p50 latency {added:.3f} ms at 1 connection; {kvr[key]:.0f} req/s at "
-          f"{args.connections} connections = {ratio}")
+          f"{args.connections} connections = {ratio}{two}")
     return 0
 
 

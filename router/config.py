@@ -243,6 +243,8 @@ class RouterSettings(BaseSettings):
                                            description="how much a cached block in each tier is worth (1 = free)")
     speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
     seed: int = Field(0, description="seed of the random policy")
+    workers: int = Field(1, description="router processes sharing the port; each keeps its own index, event "
+                         "subscriber and bookings (see docs/router.md for what that costs)")
     log_level: str = Field("warning", description="log level")
     access_log: bool = Field(False, description="log every request (costs throughput)")
 

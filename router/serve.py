@@ -16,6 +16,19 @@ def build_app(settings: RouterSettings):
     return create_app(Services(settings))
 
 
+_SETTINGS_ENV = "KVROUTE_SERVE_WORKER_SETTINGS"
+
+
+def worker_app():
+    """App factory for ``workers > 1``: each worker process rebuilds the settings the parent parsed."""
+    import json
+    import os
+
+    from router.config import build_settings
+
+    return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])))
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(RouterSettings, argv, prog="kvroute serve",
                              description="Run the KV-cache-aware router in front of a fleet of vLLM pods.")
@@ -36,7 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         http = "httptools"
     except ImportError:
         http = "h11"
-    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, loop=loop, http=http,
-                log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
-                timeout_keep_alive=30)
+    common = dict(host=settings.host, port=settings.port, loop=loop, http=http, log_level=settings.log_level.lower(),
+                  access_log=settings.access_log, lifespan="on", timeout_keep_alive=30)
+    if settings.workers > 1:
+        import os
+
+        os.environ[_SETTINGS_ENV] = settings.model_dump_json()
+        uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)
+    else:
+        uvicorn.run(build_app(settings), **common)
     return 0
