@@ -122,3 +122,17 @@ async def test_unhealthy_pod_leaves_the_candidate_set_and_its_entries_age_out():
                     r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": f"{i} " * 40,
                                                               "max_tokens": 1})
                     assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-0"
+
+
+def test_several_worker_processes_serve_on_one_port():
+    with running_sims(2, ["--timing", "seed"]) as urls:
+        port = free_port()
+        pods = orjson.dumps(fleet(urls, None)).decode()
+        with kvroute_process(["serve", "--port", str(port), "--workers", "2", "--pods", pods],
+                             ready_url=f"http://127.0.0.1:{port}/ready", timeout=30):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+                for i in range(8):
+                    r = c.post("/v1/completions", json={"model": "sim-model", "prompt": f"q{i} " * 20, "max_tokens": 2},
+                               headers={"connection": "close"})  # new connections reach both workers
+                    assert r.status_code == 200 and r.headers["x-kvroute-pod"] in {"sim-0", "sim-1"}
+                    assert r.json()["choices"][0]["finish_reason"] == "length"
