@@ -1,0 +1,128 @@
+"""P/D scheduling on hand-built fleets: decode choice, the four deciders, the prefill choice, admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.scheduling.pd import DecodeView, PDParams, decide_pd, predicted_tpot, transfer_seconds
+from router.scheduling.snapshot import Candidate, RequestView
+
+
+def dec(pid, cached=0.0, running=0, kv_usage=0.0, capacity=100_000, booked=0.0, queue=0.0, active=0):
+    c = Candidate(pod_id=pid, role="decode", running=running, kv_usage=kv_usage, queue_tokens=queue,
+                  effective_cached_tokens=cached, cached_tokens=int(cached), overhead_s=0.005)
+    return DecodeView(candidate=c, kv_capacity_tokens=capacity, kv_booked_tokens=booked, active_requests=active)
+
+
+def pre(pid, cached=0.0, queue=0.0):
+    return Candidate(pod_id=pid, role="prefill", queue_tokens=queue, effective_cached_tokens=cached,
+                     cached_tokens=int(cached), overhead_s=0.005)
+
+
+def req(n, objective=None, exempt=False):
+    return RequestView(prompt_tokens=n, objective_s=objective, exempt=exempt)
+
+
+def test_transfer_time_is_bytes_over_bandwidth_plus_latency():
+    p = PDParams(kv_bytes_per_token=1000, link_bandwidth_bytes_per_s=1e6, link_latency_s=0.002)
+    assert transfer_seconds(500, p) == pytest.approx(0.502)
+    assert transfer_seconds(0, p) == 0.0
+
+
+def test_predicted_remote_when_the_decode_pod_is_busy_prefilling():
+    # the decode pod has 40k tokens of local prefill queued (2 s); a prefill pod is idle
+    d = decide_pd([dec("d0", queue=40_000)], [pre("p0")], req(4000), 100, PDParams(decider="predicted"))
+    o = d.chosen
+    assert o.mode == "remote" and o.prefill_pod == "p0"
+    assert o.ttft_s < o.local.ttft_s
+    assert "beats local" in o.reason
+
+
+def test_predicted_local_when_the_decode_pod_holds_the_context():
+    # the follow-up turn: 3,900 of 4,000 tokens cached on the decode pod, none on the prefill pod
+    d = decide_pd([dec("d0", cached=3900)], [pre("p0")], req(4000), 100, PDParams(decider="predicted"))
+    assert d.chosen.mode == "local" and d.chosen.prefill_pod is None
+    assert "beats remote" in d.chosen.reason
+
+
+def test_predicted_counts_the_transfer():
+    # a slow link makes the remote path lose even though the decode pod is somewhat busy
+    slow = PDParams(decider="predicted", link_bandwidth_bytes_per_s=1e8)  # 4000 x 128 KiB = 5.2 s
+    d = decide_pd([dec("d0", queue=10_000)], [pre("p0")], req(4000), 100, slow)
+    assert d.chosen.mode == "local"
+    assert d.chosen.remote.transfer_s > 5
+
+
+def test_always_never_and_prefix_deciders():
+    decodes, prefills = [dec("d0", cached=3900)], [pre("p0")]
+    assert decide_pd(decodes, prefills, req(4000), 10, PDParams(decider="always")).chosen.mode == "remote"
+    assert decide_pd(decodes, prefills, req(4000), 10, PDParams(decider="never")).chosen.mode == "local"
+    # prefix: 100 uncached < 256 -> local; a cold decode pod -> remote; a short prompt -> local
+    p = PDParams(decider="prefix", non_cached_tokens=256, prompt_tokens=1000)
+    assert decide_pd(decodes, prefills, req(4000), 10, p).chosen.mode == "local"
+    assert decide_pd([dec("d0")], prefills, req(4000), 10, p).chosen.mode == "remote"
+    assert decide_pd([dec("d0")], prefills, req(800), 10, p).chosen.mode == "local"
+
+
+def test_no_prefill_pod_means_local_even_for_always():
+    d = decide_pd([dec("d0")], [], req(4000), 10, PDParams(decider="always"))
+    assert d.chosen.mode == "local" and "no prefill pod" in d.chosen.reason
+
+
+def test_prefill_pod_by_predicted_ttft_including_its_cache_and_queue():
+    prefills = [pre("p-busy", queue=20_000), pre("p-cold"), pre("p-warm", cached=3000)]
+    d = decide_pd([dec("d0", queue=50_000)], prefills, req(4000), 10, PDParams(decider="always"))
+    ranking = [r.prefill_pod for r in d.chosen.remote_ranking]
+    assert ranking == ["p-warm", "p-cold", "p-busy"]
+
+
+def test_decode_pod_needs_kv_room_for_prompt_and_output():
+    full = dec("d-full", kv_usage=0.95, capacity=100_000)         # 5,000 free
+    booked = dec("d-booked", capacity=100_000, booked=97_000)     # 3,000 free after bookings
+    ok = dec("d-ok", kv_usage=0.5, capacity=100_000, running=30)  # 50,000 free, but busier
+    d = decide_pd([full, booked, ok], [pre("p0")], req(4000), 2000, PDParams())
+    assert d.chosen.decode_pod == "d-ok"
+    assert [o.has_room for o in d.ranked] == [True, False, False]
+
+
+def test_no_room_anywhere_is_rejected_unless_exempt():
+    decodes = [dec("d0", kv_usage=0.99), dec("d1", kv_usage=0.98)]
+    d = decide_pd(decodes, [pre("p0")], req(4000), 100, PDParams())
+    assert not d.verdict.admitted and d.verdict.reason == "kv" and d.chosen is None
+    d = decide_pd(decodes, [pre("p0")], req(4000, exempt=True), 100, PDParams())
+    assert d.verdict.admitted and d.chosen.decode_pod == "d1"  # the least short of room
+
+
+def test_decode_pods_within_tpot_tolerance_are_ranked_by_ttft():
+    # both lightly loaded (TPOTs within 10 %): the one holding the context wins on TTFT
+    a, b = dec("d-a", running=2), dec("d-b", running=1, cached=3900)
+    d = decide_pd([a, b], [pre("p0")], req(4000), 100, PDParams())
+    assert d.chosen.decode_pod == "d-b" and d.chosen.mode == "local"
+    # a pod far slower per output token loses even with the context
+    slow = dec("d-b", running=1, cached=3900, kv_usage=0.9, capacity=1_000_000)
+    d = decide_pd([a, slow], [pre("p0")], req(4000), 100, PDParams())
+    assert d.chosen.decode_pod == "d-a"
+    assert d.ranked[1].tpot_s > d.ranked[0].tpot_s * 1.1
+
+
+def test_tpot_grows_with_batch_and_kv():
+    p = PDParams()
+    idle = predicted_tpot(dec("d"), 1000, p)
+    assert predicted_tpot(dec("d", running=100), 1000, p) > idle
+    assert predicted_tpot(dec("d", kv_usage=0.8), 1000, p) > idle
+
+
+def test_admission_uses_the_best_ttft_over_both_paths():
+    # local 2 s, remote ~0.3 s: a 500 ms objective is met only through the prefill pod
+    decodes, prefills = [dec("d0", queue=40_000)], [pre("p0")]
+    d = decide_pd(decodes, prefills, req(4000, objective=0.5), 10, PDParams(decider="predicted"))
+    assert d.verdict.admitted and d.chosen.mode == "remote"
+    d = decide_pd(decodes, prefills, req(4000, objective=0.5), 10, PDParams(decider="never"))
+    assert not d.verdict.admitted and d.verdict.reason == "slo"
+    d = decide_pd(decodes, prefills, req(4000, objective=0.5, exempt=True), 10, PDParams(decider="never"))
+    assert d.verdict.admitted and d.verdict.reason == "exempt"
+
+
+def test_unknown_decider_is_an_error():
+    with pytest.raises(ValueError):
+        decide_pd([dec("d0")], [], req(10), 1, PDParams(decider="sometimes"))
