@@ -9,7 +9,6 @@ function calls in the handlers. Every failure answers with OpenAI-style error JS
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import itertools
 import os
@@ -24,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from router.auth import Gate, install_reload
 from router.dispatch import Opened, UpstreamError, relay, upstream_headers
 from router.errors import APIError, error_body, error_response, from_exc
+from router.openapi import openapi_body
 from router.routing import Booking, Plan
 from router.service import Services
 
@@ -66,7 +67,12 @@ class KVRouteApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    if timeout_s:
+        try:
+            return await asyncio.wait_for(_read_body(request, limit), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"request body not received within {timeout_s:g} s") from None
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -158,31 +164,26 @@ class RelayResponse(Response):
 def create_app(services: Services) -> FastAPI:
     settings = services.settings
     metrics = services.metrics
-    api_keys = [k.encode() for k in settings.api_keys]
+    gate = Gate(settings, on_limited=lambda kind: metrics.rejections.labels("rate-limit").inc())
     policy = settings.policy
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        reload_settings = getattr(app.state, "reload_settings", None)  # set by kvroute serve
+        if reload_settings is not None:
+            install_reload(gate, reload_settings, asyncio.get_running_loop())
         await services.start()
         try:
             yield
         finally:
             await services.stop()
 
-    app = KVRouteApp(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = KVRouteApp(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.services = services
+    app.state.gate = gate
 
     def authenticate(request: Request) -> None:
-        if not api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token:
-            given = token.strip().encode()
-            if any(hmac.compare_digest(given, k) for k in api_keys):
-                return
-        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>)",
-                       headers={"www-authenticate": "Bearer"})
+        gate.authenticate(request.headers)
 
     def router():
         r = services.router
@@ -233,7 +234,7 @@ def create_app(services: Services) -> FastAPI:
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     # ---- explain -------------------------------------------------------------------------------
-    @app.post("/debug/route")
+    @app.post("/debug/route", openapi_extra=openapi_body("completion"))
     async def debug_route(request: Request) -> Response:
         authenticate(request)
         body = _parse(await _read_body(request, settings.max_body_bytes))
@@ -245,21 +246,23 @@ def create_app(services: Services) -> FastAPI:
     async def proxy(request: Request, kind: str, path: str) -> Response:
         rid = _request_id(request)
         try:
-            authenticate(request)
-            raw = await _read_body(request, settings.max_body_bytes)
+            caller = gate.admit(request.headers)
+            raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
             body = _parse(raw)
             stream = body.get("stream")
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
             plan = r.plan(kind, body, request.headers)
+            if plan.decision.verdict.admitted:
+                gate.charge_prompt(caller, plan.request.prompt_tokens)
         except APIError as exc:
             metrics.requests.labels("", policy, str(exc.status)).inc()
             return from_exc(exc, {"x-request-id": rid})
         decision = plan.decision
         if not decision.verdict.admitted:
             return reject(plan, rid)
-        fwd = upstream_headers(request.headers.raw, rid, drop_authorization=bool(api_keys))
+        fwd = upstream_headers(request.headers.raw, rid, drop_authorization=not gate.open)
         last: tuple[str, UpstreamError] | None = None
         opened = booking = None
         for cand in decision.ranked[: 1 + max(settings.retries, 0)]:
@@ -360,11 +363,11 @@ def create_app(services: Services) -> FastAPI:
         out.raw_headers.append((b"content-length", str(len(payload)).encode()))
         return out
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(request: Request) -> Response:
         return await proxy(request, "completion", "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body("chat"))
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "chat", "/v1/chat/completions")
 

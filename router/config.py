@@ -196,6 +196,18 @@ class PodConfig(BaseModel):
         return [{"endpoint": e} if isinstance(e, str) else e for e in (v or [])]
 
 
+class ApiKey(BaseModel):
+    """One accepted API key, optionally named (the name, never the key, appears in logs and metrics)
+    and with its own rate limits (else the fleet-wide ``rate_limit_*`` settings apply)."""
+
+    key: str = Field(min_length=1, description="the secret the client sends as Authorization: Bearer <key>")
+    name: str | None = Field(None, description="a label for logs and metrics (default: key-<n>)")
+    requests_per_s: float | None = Field(None, gt=0, description="requests per second for this key")
+    request_burst: float | None = Field(None, gt=0, description="request bucket size for this key")
+    prompt_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second for this key")
+    prompt_token_burst: float | None = Field(None, gt=0, description="prompt-token bucket size for this key")
+
+
 class RouterSettings(BaseSettings):
     """Everything ``kvroute serve`` can be told: the fleet, the policy, the objective, the limits."""
 
@@ -214,8 +226,22 @@ class RouterSettings(BaseSettings):
     priority_exempt_values: list[str] = Field(default_factory=lambda: ["critical", "high"],
                                               description="values of the priority header that skip admission")
     retry_after_s: int = Field(1, description="Retry-After seconds on 429")
-    api_keys: list[str] = Field(default_factory=list, description="accepted API keys (Authorization: Bearer); empty = open")
+    api_keys: list[str | ApiKey] = Field(default_factory=list, description="accepted API keys (Authorization: Bearer): "
+                                         "strings, or {key, name, requests_per_s, ...} objects; empty = open; "
+                                         "re-read from the YAML on SIGHUP (docs/reliability.md)")
+    rate_limit_requests_per_s: float | None = Field(None, description="per API key: requests per second (token "
+                                                    "bucket; none = unlimited); 429 + Retry-After beyond it")
+    rate_limit_request_burst: float | None = Field(None, description="per API key: request bucket size (none = "
+                                                   "one second's worth)")
+    rate_limit_prompt_tokens_per_s: float | None = Field(None, description="per API key: prompt tokens per second "
+                                                         "(token bucket; none = unlimited)")
+    rate_limit_prompt_token_burst: float | None = Field(None, description="per API key: prompt-token bucket size "
+                                                        "(none = one second's worth)")
+    ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
+    ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest request body accepted")
+    body_timeout_s: float | None = Field(30.0, description="a request body must arrive within this many seconds "
+                                         "(408 after; bounds slow clients); none = no limit")
     tokenizer: str = Field("byte", description="'byte' or a path to a Hugging Face tokenizer.json (must match the pods)")
     block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
                                    "vllm:cache_config_info, else 16)")
@@ -247,6 +273,12 @@ class RouterSettings(BaseSettings):
                          "subscriber and bookings (see docs/router.md for what that costs)")
     log_level: str = Field("warning", description="log level")
     access_log: bool = Field(False, description="log every request (costs throughput)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "RouterSettings":
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> "RouterSettings":

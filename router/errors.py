@@ -6,7 +6,7 @@ import orjson
 from starlette.responses import Response
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLargeError",
+          404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
           415: "UnsupportedMediaType", 422: "UnprocessableEntityError", 429: "RateLimitError",
           500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
           504: "GatewayTimeoutError"}

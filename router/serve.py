@@ -29,6 +29,19 @@ def worker_app():
     return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])))
 
 
+def _reloader(argv: list[str] | None):
+    """Re-parse the same command line (so the YAML is read again); raises instead of printing,
+    since a bad file's values may be secrets."""
+    import argparse
+
+    from router.config import add_settings_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="kvroute serve")
+    add_settings_arguments(parser, RouterSettings)
+    args = parser.parse_args(argv)
+    return lambda: settings_from_args(RouterSettings, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(RouterSettings, argv, prog="kvroute serve",
                              description="Run the KV-cache-aware router in front of a fleet of vLLM pods.")
@@ -50,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         http = "h11"
     common = dict(host=settings.host, port=settings.port, loop=loop, http=http, log_level=settings.log_level.lower(),
-                  access_log=settings.access_log, lifespan="on", timeout_keep_alive=30)
+                  access_log=settings.access_log, lifespan="on", timeout_keep_alive=30,
+                  ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
     if settings.workers > 1:
         import os
 
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
         uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)
     else:
-        uvicorn.run(build_app(settings), **common)
+        app = build_app(settings)
+        app.state.reload_settings = _reloader(argv)  # SIGHUP re-reads API keys and rate limits
+        uvicorn.run(app, **common)
     return 0

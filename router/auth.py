@@ -1,0 +1,185 @@
+"""Who may call the router, and how fast: API keys and per-key token buckets.
+
+``Gate`` is built from the settings and can be re-configured at run time (``configure``): the
+router re-reads its YAML on SIGHUP (``install_reload``), so a key removed from the file stops
+working at once, without a restart, and the buckets of the keys that stay keep what they spent.
+
+Keys are looked up by their SHA-256 digest, so a guess costs one hash and one dict lookup whatever
+the number of keys, and no comparison leaks how much of a key was right. Only a key's *name*
+(``name:`` in the config, else ``key-<n>``) ever reaches logs, metrics or error messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from router.config import ApiKey, RouterSettings
+from router.errors import APIError
+from router.ratelimit import TokenBucket, retry_after_s
+
+log = logging.getLogger("kvroute.auth")
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-caller limits; ``None`` rates mean unlimited."""
+
+    requests_per_s: float | None = None
+    request_burst: float | None = None
+    prompt_tokens_per_s: float | None = None
+    prompt_token_burst: float | None = None
+
+
+@dataclass
+class Caller:
+    """An authenticated caller (or the anonymous one when the router is open) and its buckets."""
+
+    name: str
+    limits: Limits
+    requests: TokenBucket | None = field(default=None, repr=False)
+    prompt_tokens: TokenBucket | None = field(default=None, repr=False)
+
+    def retune(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.requests = _bucket(self.requests, limits.requests_per_s, limits.request_burst, now)
+        self.prompt_tokens = _bucket(self.prompt_tokens, limits.prompt_tokens_per_s, limits.prompt_token_burst, now)
+
+
+def _bucket(old: TokenBucket | None, rate: float | None, burst: float | None, now: float) -> TokenBucket | None:
+    if rate is None:
+        return None
+    size = burst if burst is not None else rate
+    if old is None:
+        return TokenBucket(rate, size, now)
+    old.retune(rate, size)
+    return old
+
+
+def _digest(secret: str | bytes) -> bytes:
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
+
+
+def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits]]:
+    """(digest, name, limits) of every configured key; per-key limits override the fleet's."""
+    out = []
+    for i, entry in enumerate(settings.api_keys):
+        spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
+        limits = Limits(
+            requests_per_s=spec.requests_per_s or settings.rate_limit_requests_per_s,
+            request_burst=spec.request_burst or settings.rate_limit_request_burst,
+            prompt_tokens_per_s=spec.prompt_tokens_per_s or settings.rate_limit_prompt_tokens_per_s,
+            prompt_token_burst=spec.prompt_token_burst or settings.rate_limit_prompt_token_burst)
+        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits))
+    return out
+
+
+class Gate:
+    """Authenticates a request's bearer key and charges its caller's buckets."""
+
+    def __init__(self, settings: RouterSettings, clock: Callable[[], float] = time.monotonic,
+                 on_limited: Callable[[str], None] | None = None) -> None:
+        self.clock = clock
+        self.on_limited = on_limited or (lambda kind: None)
+        self.callers: dict[bytes, Caller] = {}
+        self.anonymous: Caller | None = None
+        self.configure(settings)
+
+    @property
+    def open(self) -> bool:
+        """No keys configured: anyone may call (still subject to the fleet-wide limits)."""
+        return not self.callers
+
+    def configure(self, settings: RouterSettings) -> None:
+        """Adopt the keys and limits of ``settings``; buckets of keys that stay keep their level."""
+        now = self.clock()
+        fresh: dict[bytes, Caller] = {}
+        for digest, name, limits in _keys(settings):
+            caller = self.callers.get(digest) or Caller(name, limits)
+            caller.name = name
+            caller.retune(limits, now)
+            fresh[digest] = caller
+        self.callers = fresh
+        fleet = Limits(settings.rate_limit_requests_per_s, settings.rate_limit_request_burst,
+                       settings.rate_limit_prompt_tokens_per_s, settings.rate_limit_prompt_token_burst)
+        if self.anonymous is None:
+            self.anonymous = Caller(ANONYMOUS, fleet)
+        self.anonymous.retune(fleet, now)
+
+    def authenticate(self, headers: Mapping[str, str]) -> Caller:
+        """The caller a request's ``Authorization: Bearer`` key names; 401 when keys are required
+        and it names none."""
+        if not self.callers:
+            assert self.anonymous is not None
+            return self.anonymous
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            caller = self.callers.get(_digest(token.encode("utf-8", "surrogateescape")))
+            if caller is not None:
+                return caller
+        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>)",
+                       headers={"www-authenticate": "Bearer"})
+
+    def admit(self, headers: Mapping[str, str]) -> Caller:
+        """Authenticate, then charge one request to the caller's request bucket (429 when empty)."""
+        caller = self.authenticate(headers)
+        if caller.requests is not None:
+            wait = caller.requests.take(1.0, self.clock())
+            if wait:
+                self._limited("requests", caller, wait, "requests")
+        return caller
+
+    def charge_prompt(self, caller: Caller, prompt_tokens: int) -> None:
+        """Charge a routed request's prompt tokens (429 when the caller's token bucket is empty)."""
+        if caller.prompt_tokens is not None and prompt_tokens > 0:
+            wait = caller.prompt_tokens.take(float(prompt_tokens), self.clock())
+            if wait:
+                self._limited("prompt-tokens", caller, wait, "prompt tokens")
+
+    def _limited(self, kind: str, caller: Caller, wait: float, what: str) -> None:
+        self.on_limited(kind)
+        limits = caller.limits
+        rate = limits.requests_per_s if kind == "requests" else limits.prompt_tokens_per_s
+        raise APIError(429, f"rate limit exceeded for {caller.name}: {rate:g} {what} per second; "
+                            f"retry in {wait:.2f} s", headers={"retry-after": str(retry_after_s(wait))})
+
+
+def install_reload(gate: Gate, reload_settings: Callable[[], RouterSettings], loop: Any) -> bool:
+    """Re-read the settings on SIGHUP and hand their keys and limits to ``gate``. Other settings
+    need a restart. A bad file keeps the old keys and says why (never printing the values)."""
+    if not hasattr(signal, "SIGHUP"):
+        return False
+
+    def reload() -> None:
+        try:
+            settings = reload_settings()
+        except BaseException as exc:  # noqa: BLE001 - argparse exits with SystemExit on a bad file
+            log.error("config reload failed (%s); keeping the previous API keys and limits", _safe_reason(exc))
+            return
+        gate.configure(settings)
+        log.warning("config reloaded: %d API key(s) accepted", len(gate.callers))
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _safe_reason(exc: BaseException) -> str:
+    """Why a reload failed, without echoing any value from the file (it may hold keys)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            locs = [".".join(str(p) for p in e.get("loc", ())) for e in errors()]
+            return f"{type(exc).__name__} at {', '.join(locs) or '?'}"
+        except Exception:  # noqa: BLE001
+            pass
+    return type(exc).__name__
