@@ -26,6 +26,7 @@ from starlette.responses import Response
 from router.auth import Gate, install_reload
 from router.dispatch import Opened, UpstreamError, relay, upstream_headers
 from router.errors import APIError, error_body, error_response, from_exc
+from router.pd import explain_pd, prefill_targets
 from router.openapi import openapi_body
 from router.routing import Booking, Plan
 from router.service import Services
@@ -225,6 +226,12 @@ def create_app(services: Services) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/internal/prefill-pods")
+    async def prefill_pods() -> Response:
+        """The prefill pods' host:port the router may name in x-prefiller-host-port (sidecar allowlists)."""
+        return Response(orjson.dumps(prefill_targets(p.config for p in services.registry.pods.values())),
+                        media_type="application/json")
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request)
@@ -254,6 +261,7 @@ def create_app(services: Services) -> FastAPI:
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
             plan = r.plan(kind, body, request.headers)
+            raw = r.pd.sanitize_body(raw, body)
             if plan.decision.verdict.admitted:
                 gate.charge_prompt(caller, plan.request.prompt_tokens)
         except APIError as exc:
@@ -268,7 +276,8 @@ def create_app(services: Services) -> FastAPI:
         for cand in decision.ranked[: 1 + max(settings.retries, 0)]:
             booking = r.book(plan, cand)
             url = plan.pods[cand.pod_id].config.url + path
-            opening = asyncio.ensure_future(services.dispatcher.open(url, raw, fwd, on_first_byte=_first(r, booking)))
+            opening = asyncio.ensure_future(services.dispatcher.open(url, raw, r.pd.headers_for(plan, cand.pod_id, fwd),
+                                                                            on_first_byte=_first(r, booking)))
             watch = asyncio.ensure_future(_until_disconnect(request))
             try:
                 await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -310,6 +319,10 @@ def create_app(services: Services) -> FastAPI:
     def reject(plan: Plan, rid: str) -> Response:
         verdict = plan.decision.verdict
         metrics.rejections.labels(verdict.reason).inc()
+        if verdict.reason == "kv":
+            metrics.requests.labels("", policy, "429").inc()
+            return error_response(429, "overloaded: no decode pod has KV cache room for the prompt and the expected "
+                                  "output", headers={"retry-after": str(settings.retry_after_s), "x-request-id": rid})
         if verdict.reason == "no-pods":
             metrics.requests.labels("", policy, "503").inc()
             return error_response(503, f"no healthy pod serves model `{plan.model}`", headers={"x-request-id": rid})
@@ -325,6 +338,7 @@ def create_app(services: Services) -> FastAPI:
         resp = opened.resp
         headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP]
         headers += [(POD_HEADER, booking.pod_id), ("x-request-id", rid)]
+        r.pd.observe_answer(r, booking, resp.headers)
         pod_id, status = booking.pod_id, str(resp.status)
         if opened.streaming:
             headers += [("cache-control", "no-cache"), ("x-accel-buffering", "no")]
@@ -418,4 +432,5 @@ def explain(plan: Plan, block_size: int, policy: str) -> dict[str, Any]:
         "admitted": d.verdict.admitted, "reason": d.verdict.reason, "chosen": chosen,
         "best_predicted_ttft_ms": round(best.ttft_s * 1000, 3) if best else None,
         "pods": pods,
+        **({"pd": explain_pd(plan.pd)} if plan.pd is not None else {}),
     }

@@ -268,6 +268,24 @@ class RouterSettings(BaseSettings):
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
     speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    pd_decider: Literal["always", "never", "prefix", "predicted"] = Field(
+        "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
+        "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never'")
+    pd_non_cached_tokens: int = Field(256, description="P/D prefix decider: remote prefill when the decode pod "
+                                      "lacks at least this many of the prompt's tokens")
+    pd_prompt_tokens: int = Field(0, description="P/D prefix decider: and the prompt has at least this many tokens")
+    pd_expected_output_tokens: int = Field(256, description="P/D: output tokens assumed for KV room when a request "
+                                           "sets no max_tokens")
+    pd_decode_step_ms: float = Field(4.0, description="P/D: decode step time of an idle decode pod (TPOT model)")
+    pd_tpot_tolerance: float = Field(0.1, description="P/D: decode pods within this fraction of the best predicted "
+                                     "TPOT are ranked by predicted TTFT")
+    pd_remote_margin_ms: float = Field(0.0, description="P/D predicted decider: remote prefill must win by this much")
+    kv_bytes_per_token: float = Field(131072.0, description="P/D: KV bytes per token moved from prefill to decode "
+                                      "(131072 = Llama-3-8B bf16)")
+    kv_link_bandwidth_bytes_per_s: float = Field(25e9, description="P/D: prefill-to-decode KV link bandwidth")
+    kv_link_latency_ms: float = Field(1.0, description="P/D: fixed latency of one KV transfer")
+    strip_client_kv_transfer_params: bool = Field(True, description="drop a client's kv_transfer_params from the "
+                                                  "body (its remote_host would steer a NIXL read)")
     seed: int = Field(0, description="seed of the random policy")
     workers: int = Field(1, description="router processes sharing the port; each keeps its own index, event "
                          "subscriber and bookings (see docs/router.md for what that costs)")

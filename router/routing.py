@@ -21,6 +21,7 @@ from router.config import RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
+from router.pd import PDRouting
 from router.prompts import prompt_tokens
 from router.scheduling import Calibrator, Candidate, Decision, PolicyState, RequestView, decide
 
@@ -39,6 +40,7 @@ class Plan:
     decision: Decision
     pods: dict[str, PodState]
     routing_s: float = 0.0
+    pd: Any = None  # the P/D decision (router.pd) when the model has decode pods
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Booking:
     cached_tokens: int
     sent_at: float = field(default_factory=time.monotonic)
     released: bool = False
+    pd: Any = None  # P/D bookings (router.pd.PDBooking)
 
 
 def _priority_exempt(value: str | None, exempt_values: list[str]) -> bool:
@@ -78,6 +81,7 @@ class Router:
         self._exempt = [v.lower() for v in settings.priority_exempt_values]
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
         self.policy = settings.policy
+        self.pd = PDRouting(settings, metrics.registry)
         for pid, p in registry.pods.items():
             self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
 
@@ -151,11 +155,17 @@ class Router:
         objective = self.objective_s(headers)
         tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
         keys = self.keys_for(model, tokens)
-        pods = self.candidate_pods(model)
-        cands = self.candidates(pods, keys, tokens)
         request = RequestView(prompt_tokens=len(tokens), objective_s=objective,
                               exempt=_priority_exempt(headers.get(self.settings.priority_header), self._exempt),
                               unknown_request_tokens=self.settings.unknown_request_tokens)
+        if self.pd.active(self, model):  # prefill/decode disaggregation (router/pd.py)
+            plan = self.pd.plan(self, kind, model, tokens, keys, request, body, dry_run)
+            plan.routing_s = time.perf_counter() - started
+            if not dry_run:
+                self.metrics.routing_seconds.observe(plan.routing_s)
+            return plan
+        pods = self.candidate_pods(model)
+        cands = self.candidates(pods, keys, tokens)
         decision = decide(cands, request, self.policy, self.state, admission=self.settings.admission,
                           slack=self.settings.admission_slack, dry_run=dry_run)
         elapsed = time.perf_counter() - started
@@ -165,7 +175,20 @@ class Router:
                     pods={p.id: p for p in pods}, routing_s=elapsed)
 
     # ---- accounting ------------------------------------------------------------------------
+    def speculate(self, pod_id: str, keys: list[int]) -> None:
+        """Credit ``keys`` to ``pod_id`` in the index until its events confirm (or record the route)."""
+        if keys:
+            try:
+                if pod_id in self._with_events:
+                    self.index.speculate(pod_id, keys)
+                else:
+                    self.index.record_route(pod_id, keys)
+            except Exception:  # the index is advisory; never fail a request over it
+                pass
+
     def book(self, plan: Plan, cand: Candidate) -> Booking:
+        if plan.pd is not None:
+            return self.pd.book(self, plan, cand.pod_id)
         pred = plan.decision.predictions[cand.pod_id]
         queue_tokens = pred.queue_s * cand.prefill_tokens_per_s
         ticket = self.ledger.book(cand.pod_id, pred.uncached_tokens)
@@ -190,17 +213,20 @@ class Router:
             return
         booking.released = True
         self.ledger.release(booking.pod_id, booking.ticket)
+        self.pd.release(self, booking)
         if observe:
             ttft = self._clock() - booking.sent_at
             self.metrics.observed_ttft.observe(ttft)
             self.metrics.prediction_error.observe(abs(ttft - booking.predicted_ttft_s))
-            self.calibrator.observe(booking.pod_id, booking.work_tokens, ttft)
+            if booking.pd is None or booking.pd.mode == "local":  # remote: learnt from the sidecar's report
+                self.calibrator.observe(booking.pod_id, booking.work_tokens, ttft)
 
     def finish(self, booking: Booking) -> None:
         """The request ended without a usable first-token time (error, non-streaming, cancelled)."""
         if not booking.released:
             booking.released = True
             self.ledger.release(booking.pod_id, booking.ticket)
+        self.pd.release(self, booking)
 
     # ---- introspection ---------------------------------------------------------------------
     def pod_snapshot(self) -> dict[str, dict[str, Any]]:
