@@ -158,6 +158,7 @@ from pydantic import Field, field_validator, model_validator  # noqa: E402
 from pydantic_settings import SettingsConfigDict  # noqa: E402
 
 PodRole = Literal["prefill", "decode", "both"]
+DiscoveryMode = Literal["static", "dns", "kubernetes"]
 PolicyName = Literal["random", "round-robin", "least-load", "cache-only", "predicted-ttft"]
 
 
@@ -179,6 +180,8 @@ class PodConfig(BaseModel):
     kv_events: list[EventEndpoint] = Field(default_factory=list,
                                            description="KV event publishers, one per DP rank")
     prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod (else the fleet default)")
+    metrics_url: str | None = Field(None, description="base URL of the engine's own /metrics when it differs from "
+                                    "url (a decode pod behind its sidecar); none = url")
 
     @field_validator("url")
     @classmethod
@@ -268,6 +271,34 @@ class RouterSettings(BaseSettings):
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
     speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    discovery: DiscoveryMode = Field("static", description="where the fleet comes from: 'static' (the pods list), "
+                                     "'dns' (a headless Service re-resolved) or 'kubernetes' (list and watch pods)")
+    discovery_label_selector: str = Field("kvroute.io/pool=default", description="kubernetes: label selector of the "
+                                          "model pods (role, model and ports from their labels and annotations)")
+    discovery_namespace: str | None = Field(None, description="kubernetes: namespace to watch (none = the router's "
+                                            "own, from the service account)")
+    discovery_api_server: str | None = Field(None, description="kubernetes: API server base URL (none = "
+                                             "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)")
+    discovery_token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token",
+                                      description="kubernetes: bearer token file (re-read on every request)")
+    discovery_ca_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                                   description="kubernetes: CA bundle that signs the API server's certificate")
+    discovery_relist_s: float = Field(60.0, description="kubernetes: full re-list period, so a missed DELETE cannot "
+                                      "leave a dead pod routable")
+    discovery_watch_timeout_s: int = Field(290, description="kubernetes: server-side timeout of one watch request")
+    discovery_dns_name: str = Field("", description="dns: name whose A/AAAA records are the pods (a headless Service)")
+    discovery_dns_server: str | None = Field(None, description="dns: 'host:port' of a DNS server to ask over UDP "
+                                             "(none = the system resolver)")
+    discovery_interval_s: float = Field(5.0, description="dns: re-resolve period")
+    discovery_role: PodRole = Field("both", description="dns: role of every resolved pod")
+    discovery_model: str = Field("sim-model", description="dns: model every resolved pod serves")
+    discovery_http_port: int = Field(8000, description="dns: pods' HTTP port")
+    discovery_engine_port: int | None = Field(None, description="dns: pods' engine port for /metrics (none = http port)")
+    discovery_kv_events_port: int | None = Field(5557, description="dns: KV-event PUB port of rank 0 (rank r: + r; "
+                                                 "none = no events)")
+    discovery_kv_events_replay_port: int | None = Field(5558, description="dns: KV-event replay port of rank 0 "
+                                                        "(rank r: + r; none = no replay)")
+    discovery_data_parallel_size: int = Field(1, description="dns: event streams (DP ranks) per pod")
     pd_decider: Literal["always", "never", "prefix", "predicted"] = Field(
         "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
         "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never'")

@@ -27,6 +27,7 @@ log = logging.getLogger("kvroute.pods")
 class PodState:
     config: PodConfig
     healthy: bool = False
+    ready: bool = True  # discovery's verdict (Kubernetes Ready, not terminating); static pods always
     checked: bool = False
     failures: int = 0
     unhealthy_since: float | None = None
@@ -141,11 +142,11 @@ class PodRegistry:
         self.on_health_change = on_health_change
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, list[asyncio.Task]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     def healthy(self) -> list[PodState]:
-        return [p for p in self.pods.values() if p.healthy]
+        return [p for p in self.pods.values() if p.healthy and p.ready]
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -189,7 +190,9 @@ class PodRegistry:
                 self.on_forget(pod_id)
 
     def apply_metrics(self, pod_id: str, m: PodMetrics) -> None:
-        pod = self.pods[pod_id]
+        pod = self.pods.get(pod_id)
+        if pod is None:  # left the fleet while the scrape was in flight
+            return
         pod.waiting = int(m.waiting)
         pod.running = int(m.running)
         if m.kv_usage is not None:
@@ -215,7 +218,7 @@ class PodRegistry:
     async def scrape(self, pod: PodState) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(pod.config.url + "/metrics") as resp:
+            async with self._session.get((pod.config.metrics_url or pod.config.url) + "/metrics") as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"status {resp.status}")
                 text = await resp.text()
@@ -246,13 +249,41 @@ class PodRegistry:
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         await self.refresh_all()
         for pod in self.pods.values():
-            self._tasks.append(asyncio.create_task(self._loop(self.check_health, pod, self.health_interval_s)))
-            self._tasks.append(asyncio.create_task(self._loop(self.scrape, pod, self.scrape_interval_s)))
+            self._poll(pod)
+
+    def _poll(self, pod: PodState) -> None:
+        self._tasks[pod.id] = [asyncio.create_task(self._loop(self.check_health, pod, self.health_interval_s)),
+                               asyncio.create_task(self._loop(self.scrape, pod, self.scrape_interval_s))]
+
+    # ---- membership at run time (discovery) ----------------------------------------------
+    def add(self, config: PodConfig, ready: bool = True) -> PodState:
+        """A pod joins: it is polled at once and becomes a candidate after its first good check."""
+        if config.id in self.pods:
+            raise ValueError(f"pod {config.id} is already in the fleet")
+        pod = PodState(config, ready=ready)
+        self.pods[config.id] = pod
+        if self._session is not None:
+            self._poll(pod)
+        return pod
+
+    def set_ready(self, pod_id: str, ready: bool) -> None:
+        pod = self.pods.get(pod_id)
+        if pod is not None and pod.ready != ready:
+            pod.ready = ready
+            log.info("pod %s is now %s by discovery", pod_id, "ready" if ready else "not ready")
+
+    def remove(self, pod_id: str) -> PodState | None:
+        """A pod leaves: it stops being a candidate at once and its polling stops."""
+        pod = self.pods.pop(pod_id, None)
+        for t in self._tasks.pop(pod_id, []):
+            t.cancel()
+        return pod
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         if self._session is not None:
             await self._session.close()

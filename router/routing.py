@@ -85,6 +85,22 @@ class Router:
         for pid, p in registry.pods.items():
             self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
 
+    def track_pod(self, pod: PodState) -> None:
+        """A pod joined the fleet at run time (discovery): give it what the constructor gives each pod."""
+        self._salts[pod.id] = zlib.crc32(pod.id.encode())
+        if pod.config.kv_events:
+            self._with_events.add(pod.id)
+        else:
+            self._with_events.discard(pod.id)
+        self.calibrator.pod(pod.id, pod.config.prefill_tokens_per_s)
+
+    def untrack_pod(self, pod_id: str) -> None:
+        """A pod left the fleet: drop its bookings (their work went with it)."""
+        self._with_events.discard(pod_id)
+        self._salts.pop(pod_id, None)
+        self.ledger.forget(pod_id)
+        self.calibrator.pods.pop(pod_id, None)
+
     # ---- the decision ----------------------------------------------------------------------
     def resolve_model(self, body: Mapping[str, Any]) -> str:
         model = body.get("model")

@@ -45,9 +45,15 @@ def _reloader(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(RouterSettings, argv, prog="kvroute serve",
                              description="Run the KV-cache-aware router in front of a fleet of vLLM pods.")
-    if not settings.pods:
+    if not settings.pods and settings.discovery == "static":
         print("kvroute serve: no pods configured (give --pods JSON or a --config YAML with a pods: list)",
               file=sys.stderr)
+        return 2
+    from router.discovery import discovery_problem
+
+    problem = discovery_problem(settings)
+    if problem:
+        print(f"kvroute serve: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn

@@ -12,6 +12,8 @@ from typing import Any
 
 from indexer.tokens import load_tokenizer
 from router.config import RouterSettings
+from router.discovery import DiscoveredPod, FleetSync, build_discovery
+from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
 from router.metrics import FleetCollector, RouterMetrics
 from router.pods import PodRegistry
@@ -39,6 +41,35 @@ class Services:
         self.subscriber: Any = None
         self.router: Router | None = None
         self.started = False
+        self.fleet_sync = FleetSync(self._join_pod, self._leave_pod, self.registry.set_ready, mode=settings.discovery)
+        self.discovery = build_discovery(settings, self.fleet_sync)
+
+    # ---- fleet membership at run time (discovery) ----------------------------------------
+    def _join_pod(self, pod: DiscoveredPod) -> None:
+        state = self.registry.add(pod.config, ready=pod.ready)
+        if self.index is None:  # before start-up built the index, build_index picks it up
+            return
+        self.index.add_pod(pod.id, pod.config.model, approximate=not pod.config.kv_events)
+        if self.subscriber is not None:
+            for e in pod.config.kv_events:
+                self.subscriber.add_endpoint(pod.id, e.endpoint, replay_endpoint=e.replay, topic=e.topic)
+        if self.router is not None:
+            self.router.track_pod(state)
+
+    def _leave_pod(self, pod_id: str) -> None:
+        self.registry.remove(pod_id)
+        if self.subscriber is not None:
+            self.subscriber.remove_pod(pod_id)
+        if self.index is not None:
+            self.index.remove_pod(pod_id)
+        if self.router is not None:
+            self.router.untrack_pod(pod_id)
+
+    def _pod_states(self) -> dict[str, int]:
+        states = {"ready": 0, "not_ready": 0, "unhealthy": 0}
+        for p in self.registry.pods.values():
+            states["not_ready" if not p.ready else "ready" if p.healthy else "unhealthy"] += 1
+        return states
 
     def _forget_pod(self, pod_id: str) -> None:
         log.warning("pod %s unhealthy for %.0fs: dropping its index entries", pod_id, self.settings.forget_after_s)
@@ -56,13 +87,13 @@ class Services:
         index = PrefixIndex(block_size=block_size, max_blocks_per_pod=self.settings.index_max_blocks_per_pod,
                             tier_weights=dict(self.settings.tier_weights),
                             speculative_ttl_s=self.settings.speculative_ttl_s)
-        for pod in self.settings.pods:
+        for pod in (p.config for p in self.registry.pods.values()):
             index.add_pod(pod.id, pod.model, approximate=not pod.kv_events)
         return index
 
     async def start_subscriber(self) -> None:
-        endpoints = [(p.id, e) for p in self.settings.pods for e in p.kv_events]
-        if not endpoints:
+        endpoints = [(p.id, e) for p in (s.config for s in self.registry.pods.values()) for e in p.kv_events]
+        if not endpoints and self.discovery is None:
             return
         from indexer.subscriber import KVEventSubscriber
 
@@ -72,6 +103,8 @@ class Services:
         await self.subscriber.start()
 
     async def start(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.start()  # the first list/resolution fills the registry
         await self.registry.start()
         reported = self.registry.block_size()
         block_size = self.settings.block_size or reported or DEFAULT_BLOCK_SIZE
@@ -83,6 +116,8 @@ class Services:
         self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
                              block_size=block_size, subscriber=self.subscriber)
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
+        if self.discovery is not None:
+            self.metrics.add_collector(DiscoveryCollector(self.fleet_sync, self._pod_states))
         await self.dispatcher.start()
         self.started = True
 
@@ -95,6 +130,11 @@ class Services:
 
     async def stop(self) -> None:
         self.started = False
+        if self.discovery is not None:
+            try:
+                await self.discovery.stop()
+            except Exception:
+                log.exception("stopping discovery failed")
         await self.dispatcher.stop()
         if self.subscriber is not None:
             try:

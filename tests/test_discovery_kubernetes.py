@@ -1,0 +1,378 @@
+"""Kubernetes discovery against a small fake API server that speaks list and watch, with real
+simulated pods behind the pod objects: discovered pods are health-checked, served and indexed from
+their own KV events, and pods that go (deleted, not Ready, or silently vanished) leave the fleet.
+
+The fake API server keeps a resourceVersion counter and an event log like the real one: a list
+answers the current pods and version; a watch streams the log after the given version as JSON lines
+(ADDED/MODIFIED/DELETED, BOOKMARK on request) and then waits for more; a version older than the
+compaction point answers 410 Gone. Tests can drop every open watch, delete a pod without telling
+anyone, and compact the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from router.config import RouterSettings, build_settings
+from router.discovery.kubernetes import is_ready, pod_from_object
+from simulator.testing import consecutive_free_ports, running_sims
+from tests.helpers import free_port
+from tests.test_router_api import running_router
+
+NAMESPACE = "kvroute"
+TOKEN = "test-token-123"
+
+
+class FakeKube:
+    """List and watch of pods in one namespace, over real HTTP on loopback."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.version = 1000
+        self.log: list[tuple[int, str, dict[str, Any]]] = []
+        self.compacted = 0
+        self.changed = asyncio.Event()
+        self.open_watches: dict[int, web.Request] = {}
+        self.lists = 0
+        self.watches = 0
+        self.refuse_next_watch_with_410 = False
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        self.drop_watches()
+        if self.runner:
+            await self.runner.cleanup()
+
+    # ---- what tests do ---------------------------------------------------------------------
+    def _record(self, kind: str, obj: dict[str, Any]) -> None:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.log.append((self.version, kind, copy.deepcopy(obj)))
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def put(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        kind = "MODIFIED" if name in self.pods else "ADDED"
+        self.pods[name] = obj
+        self._record(kind, obj)
+
+    def delete(self, name: str, tell_watchers: bool = True) -> None:
+        obj = self.pods.pop(name)
+        if tell_watchers:
+            self._record("DELETED", obj)
+        else:
+            self.version += 1  # the change happened; no watcher will hear of it
+
+    def drop_watches(self) -> None:
+        """Cut every open watch connection (an API server restart or a proxy idle timeout)."""
+        for request in list(self.open_watches.values()):
+            if request.transport is not None:
+                request.transport.close()
+        self.open_watches.clear()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def compact(self) -> None:
+        """Forget the event log: a watch from any version seen so far is now too old (410 Gone)."""
+        self.compacted = self.version
+        self.log.clear()
+
+    # ---- the API -----------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return web.json_response({"kind": "Status", "code": 401, "message": "Unauthorized"}, status=401)
+        if request.match_info["ns"] != NAMESPACE:
+            return web.json_response({"kind": "Status", "code": 403}, status=403)
+        selector = dict(term.split("=", 1) for term in request.query.get("labelSelector", "").split(",") if term)
+
+        def selected(obj: dict[str, Any]) -> bool:
+            labels = obj["metadata"].get("labels") or {}
+            return all(labels.get(k) == v for k, v in selector.items())
+
+        if request.query.get("watch") not in ("1", "true"):
+            self.lists += 1
+            items = [copy.deepcopy(o) for o in self.pods.values() if selected(o)]
+            return web.json_response({"kind": "PodList", "apiVersion": "v1",
+                                      "metadata": {"resourceVersion": str(self.version)}, "items": items})
+        self.watches += 1
+        since = int(request.query.get("resourceVersion") or self.version)
+        if self.refuse_next_watch_with_410:
+            self.refuse_next_watch_with_410 = False
+            return web.json_response({"kind": "Status", "code": 410, "reason": "Expired"}, status=410)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        if since < self.compacted:
+            status = {"kind": "Status", "status": "Failure", "code": 410, "reason": "Expired",
+                      "message": f"too old resource version: {since} ({self.compacted})"}
+            await resp.write(orjson.dumps({"type": "ERROR", "object": status}) + b"\n")
+            return resp
+        self.open_watches[id(request)] = request
+        deadline = time.monotonic() + float(request.query.get("timeoutSeconds", 30))
+        try:
+            while time.monotonic() < deadline and id(request) in self.open_watches:
+                changed = self.changed
+                for version, kind, obj in [e for e in self.log if e[0] > since]:
+                    since = version
+                    if selected(obj):
+                        await resp.write(orjson.dumps({"type": kind, "object": obj}) + b"\n")
+                if request.query.get("allowWatchBookmarks") == "true":
+                    await resp.write(orjson.dumps({"type": "BOOKMARK", "object": {
+                        "kind": "Pod", "metadata": {"resourceVersion": str(self.version)}}}) + b"\n")
+                    since = max(since, self.version)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), max(0.01, min(1.0, deadline - time.monotonic())))
+        except (ConnectionResetError, RuntimeError):
+            pass
+        finally:
+            self.open_watches.pop(id(request), None)
+        return resp
+
+
+def pod_object(name: str, url: str, events_port: int, *, ready: bool = True, role: str = "both",
+               pool: str = "default", terminating: bool = False) -> dict[str, Any]:
+    port = url.rsplit(":", 1)[1]
+    meta: dict[str, Any] = {
+        "name": name, "namespace": NAMESPACE,
+        "labels": {"app.kubernetes.io/name": "sim", "kvroute.io/pool": pool, "kvroute.io/role": role},
+        "annotations": {"kvroute.io/model": "sim-model", "kvroute.io/http-port": port,
+                        "kvroute.io/engine-port": port, "kvroute.io/kv-events-port": str(events_port),
+                        "kvroute.io/kv-events-replay-port": str(events_port + 1),
+                        "kvroute.io/data-parallel-size": "1"}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta,
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def settings_for(kube: FakeKube, token_file, **kw) -> RouterSettings:
+    base = dict(port=free_port(), discovery="kubernetes", discovery_api_server=kube.url, discovery_namespace=NAMESPACE,
+                discovery_token_file=str(token_file), discovery_relist_s=60.0, discovery_watch_timeout_s=30,
+                health_interval_s=0.1, scrape_interval_s=0.1, health_timeout_s=0.5, unhealthy_after=1,
+                speculative_ttl_s=0.1, log_level="warning")
+    base.update(kw)
+    return build_settings(RouterSettings, base)
+
+
+async def until(predicate, timeout: float = 5.0, what: str = "condition") -> float:
+    """Wait until ``predicate()`` holds; returns the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def candidates(services) -> set[str]:
+    return {p.id for p in services.registry.healthy()}
+
+
+@pytest.fixture(scope="module")
+def sims():
+    events = consecutive_free_ports(6)
+    with running_sims(3, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+        yield [(url, events + 2 * i) for i, url in enumerate(urls)]
+
+
+@pytest.fixture
+async def kube():
+    k = FakeKube()
+    await k.start()
+    yield k
+    await k.stop()
+
+
+@pytest.fixture
+def token(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the pod object -> the router's view
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pod_object_gives_role_model_ports_and_event_streams():
+    obj = pod_object("vllm-decode-7", "http://x:8000", 5557, role="decode")
+    obj["metadata"]["annotations"].update({"kvroute.io/engine-port": "8001", "kvroute.io/kv-events-replay-port": "5560",
+                                           "kvroute.io/data-parallel-size": "2"})
+    obj["status"]["podIP"] = "10.1.2.3"
+    pod = pod_from_object(obj)
+    assert pod is not None and pod.ready
+    c = pod.config
+    assert (c.id, c.url, c.role, c.model) == ("vllm-decode-7", "http://10.1.2.3:8000", "decode", "sim-model")
+    assert c.metrics_url == "http://10.1.2.3:8001"  # the engine behind the sidecar reports the load
+    assert [(e.endpoint, e.replay) for e in c.kv_events] == [("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5560"),
+                                                             ("tcp://10.1.2.3:5558", "tcp://10.1.2.3:5561")]
+    obj["status"]["podIP"] = "fd00::5"
+    assert pod_from_object(obj).config.url == "http://[fd00::5]:8000"
+
+
+def test_readiness_comes_from_conditions_phase_and_deletion():
+    assert is_ready(pod_object("a", "http://x:1", 2))
+    assert not is_ready(pod_object("a", "http://x:1", 2, ready=False))
+    assert not is_ready(pod_object("a", "http://x:1", 2, terminating=True))
+    pending = pod_object("a", "http://x:1", 2)
+    pending["status"]["phase"] = "Pending"
+    assert not is_ready(pending)
+    no_conditions = pod_object("a", "http://x:1", 2)
+    del no_conditions["status"]["conditions"]
+    assert not is_ready(no_conditions)
+
+
+def test_pods_that_cannot_be_routed_to_are_skipped():
+    no_ip = pod_object("a", "http://x:1", 2)
+    del no_ip["status"]["podIP"]
+    no_model = pod_object("a", "http://x:1", 2)
+    del no_model["metadata"]["annotations"]["kvroute.io/model"]
+    bad_role = pod_object("a", "http://x:1", 2, role="chef")
+    bad_port = pod_object("a", "http://x:1", 2)
+    bad_port["metadata"]["annotations"]["kvroute.io/http-port"] = "http"
+    finished = pod_object("a", "http://x:1", 2)
+    finished["status"]["phase"] = "Succeeded"
+    for obj in (no_ip, no_model, bad_role, bad_port, finished):
+        assert pod_from_object(obj) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# against the fake API server, with real simulated pods
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_discovered_pods_are_served_indexed_and_leave_when_not_ready_or_deleted(sims, kube, token):
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    kube.put(pod_object("other-pool", url_b, ev_b, pool="canary"))  # not ours: the selector leaves it out
+    async with running_router(settings_for(kube, token)) as (base, services):
+        assert set(services.registry.pods) == {"sim-a"}
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            body = {"model": "sim-model", "prompt": "Discovered pods serve. " * 30, "max_tokens": 4}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-a"
+            # its KV events reach the index (speculative credit expires after 0.1 s)
+            await until(lambda: (services.index.pod_stats("sim-a") or {}).get("blocks", 0) > 0, what="sim-a events")
+
+            kube.put(pod_object("sim-b", url_b, ev_b))  # a new pod: joins, is checked, takes traffic
+            await until(lambda: candidates(services) == {"sim-a", "sim-b"}, what="sim-b joins")
+            assert services.index.has_pod("sim-b")
+
+            kube.put(pod_object("sim-a", url_a, ev_a, ready=False))  # NotReady: out of the candidate set
+            await until(lambda: candidates(services) == {"sim-b"}, what="sim-a not ready")
+            assert services.index.has_pod("sim-a")  # its cache is still known, for when it is back
+            for _ in range(3):
+                r = await c.post("/v1/completions", json=body)
+                assert r.headers["x-kvroute-pod"] == "sim-b"
+            explained = (await c.post("/debug/route", json=body)).json()
+            assert [p["pod"] for p in explained["pods"]] == ["sim-b"]
+
+            kube.put(pod_object("sim-a", url_a, ev_a, terminating=True))  # Ready but terminating: still out
+            kube.put(pod_object("sim-a", url_a, ev_a))
+            await until(lambda: "sim-a" in candidates(services), what="sim-a ready again")
+
+            kube.delete("sim-a")  # deleted: out of the fleet, the index and the subscriber
+            await until(lambda: "sim-a" not in services.registry.pods, what="sim-a deleted")
+            assert not services.index.has_pod("sim-a")
+            assert not any(key.startswith("sim-a@") for key in services.subscriber.stats())
+            r = await c.post("/v1/completions", json=body)
+            assert r.headers["x-kvroute-pod"] == "sim-b"
+
+            metrics = (await c.get("/metrics")).text
+            assert 'kvroute_discovery_pods{state="ready"} 1.0' in metrics
+            assert 'kvroute_discovery_changes_total{change="leave"} 1.0' in metrics
+            assert 'kvroute_discovery_changes_total{change="join"} 2.0' in metrics
+
+
+async def test_a_dropped_watch_is_watched_again_and_converges(sims, kube, token):
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    async with running_router(settings_for(kube, token)) as (base, services):
+        await until(lambda: kube.open_watches, what="a watch")
+        lists = kube.lists
+        kube.drop_watches()
+        kube.put(pod_object("sim-b", url_b, ev_b))  # happens while no watch is open
+        await until(lambda: candidates(services) == {"sim-a", "sim-b"}, what="sim-b after the drop")
+        kube.drop_watches()
+        kube.delete("sim-a")
+        await until(lambda: set(services.registry.pods) == {"sim-b"}, what="sim-a gone after the drop")
+        assert kube.lists == lists  # the re-watch from the last version caught up, no re-list needed
+        assert services.fleet_sync.stats.watch_restarts >= 2
+
+
+async def test_a_missed_delete_is_repaired_by_the_periodic_relist(sims, kube, token):
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    kube.put(pod_object("sim-b", url_b, ev_b))
+    async with running_router(settings_for(kube, token, discovery_relist_s=0.5)) as (base, services):
+        await until(lambda: candidates(services) == {"sim-a", "sim-b"}, what="both pods")
+        relists = services.fleet_sync.stats.relists
+        kube.delete("sim-a", tell_watchers=False)  # the watch never hears of it
+        took = await until(lambda: "sim-a" not in services.registry.pods, timeout=3.0, what="the re-list")
+        assert services.fleet_sync.stats.relists > relists
+        assert not services.index.has_pod("sim-a")
+        print(f"missed DELETE repaired after {took:.2f}s (relist every 0.5 s)")
+
+
+async def test_410_gone_makes_the_router_relist(sims, kube, token):
+    (url_a, ev_a), (url_b, ev_b), (url_c, ev_c) = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    async with running_router(settings_for(kube, token)) as (base, services):
+        await until(lambda: kube.open_watches, what="a watch")
+        lists = kube.lists
+        # changes while disconnected, then the log is compacted: the router's version is too old
+        kube.drop_watches()
+        kube.delete("sim-a")
+        kube.put(pod_object("sim-b", url_b, ev_b))
+        kube.compact()
+        await until(lambda: set(services.registry.pods) == {"sim-b"}, what="re-list after ERROR 410")
+        assert kube.lists > lists and services.fleet_sync.stats.gone >= 1
+        # the other form: the watch request itself answered 410
+        kube.refuse_next_watch_with_410 = True
+        kube.drop_watches()
+        kube.put(pod_object("sim-c", url_c, ev_c))
+        await until(lambda: set(services.registry.pods) == {"sim-b", "sim-c"}, what="re-list after HTTP 410")
+        assert services.fleet_sync.stats.gone >= 2
+        await until(lambda: candidates(services) == {"sim-b", "sim-c"}, what="both healthy")
+
+
+async def test_a_refused_token_is_counted_and_the_router_still_starts(kube, tmp_path):
+    bad = tmp_path / "token"
+    bad.write_text("wrong")
+    settings = settings_for(kube, bad)
+    from router.service import Services
+    from router.discovery.kubernetes import KubernetesDiscovery
+
+    services = Services(settings)
+    assert isinstance(services.discovery, KubernetesDiscovery)
+    services.discovery.first_sync_timeout_s = 0.5
+    await services.start()
+    try:
+        assert services.registry.pods == {}
+        assert services.fleet_sync.stats.errors.get("http_401", 0) >= 1
+        metrics = services.metrics.exposition().decode()
+        assert 'kvroute_discovery_errors_total{kind="http_401"}' in metrics
+    finally:
+        await services.stop()
