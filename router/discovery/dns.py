@@ -82,6 +82,8 @@ def decode_answer(msg: bytes, qid: int) -> list[str]:
         rtype, _, _, rdlen = struct.unpack("!HHIH", msg[i:i + 10])
         i += 10
         data = msg[i:i + rdlen]
+        if len(data) != rdlen:
+            raise ResolveError("truncated record data")
         i += rdlen
         if rtype == TYPE_A and rdlen == 4:
             out.append(str(ipaddress.IPv4Address(data)))
