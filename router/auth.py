@@ -71,11 +71,17 @@ def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits]]:
     out = []
     for i, entry in enumerate(settings.api_keys):
         spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
-        limits = Limits(
-            requests_per_s=spec.requests_per_s or settings.rate_limit_requests_per_s,
-            request_burst=spec.request_burst or settings.rate_limit_request_burst,
-            prompt_tokens_per_s=spec.prompt_tokens_per_s or settings.rate_limit_prompt_tokens_per_s,
-            prompt_token_burst=spec.prompt_token_burst or settings.rate_limit_prompt_token_burst)
+        # a key's own rate comes with its own burst (default: one second's worth), never the fleet's
+        if spec.requests_per_s:
+            requests = (spec.requests_per_s, spec.request_burst)
+        else:
+            requests = (settings.rate_limit_requests_per_s, spec.request_burst or settings.rate_limit_request_burst)
+        if spec.prompt_tokens_per_s:
+            tokens = (spec.prompt_tokens_per_s, spec.prompt_token_burst)
+        else:
+            tokens = (settings.rate_limit_prompt_tokens_per_s,
+                      spec.prompt_token_burst or settings.rate_limit_prompt_token_burst)
+        limits = Limits(*requests, *tokens)
         out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits))
     return out
 

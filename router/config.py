@@ -271,6 +271,8 @@ class RouterSettings(BaseSettings):
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
     speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    event_silence_s: float = Field(30.0, ge=0, description="drop a pod's index entries when its KV events stop this "
+                                   "long while it keeps serving requests (0 = never)")
     discovery: DiscoveryMode = Field("static", description="where the fleet comes from: 'static' (the pods list), "
                                      "'dns' (a headless Service re-resolved) or 'kubernetes' (list and watch pods)")
     discovery_label_selector: str = Field("kvroute.io/pool=default", description="kubernetes: label selector of the "

@@ -18,6 +18,7 @@ from router.dispatch import Dispatcher
 from router.metrics import FleetCollector, RouterMetrics
 from router.pods import PodRegistry
 from router.routing import Router
+from router.watchdog import start_for as start_watchdog
 
 log = logging.getLogger("kvroute")
 
@@ -113,6 +114,7 @@ class Services:
                         "wrong", self.settings.block_size, reported)
         self.index = self.build_index(block_size)
         await self.start_subscriber()
+        self.watchdog = start_watchdog(self)  # silent KV-event publishers (router/watchdog.py)
         self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
                              block_size=block_size, subscriber=self.subscriber)
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
@@ -136,6 +138,8 @@ class Services:
             except Exception:
                 log.exception("stopping discovery failed")
         await self.dispatcher.stop()
+        if getattr(self, "watchdog", None) is not None:
+            await self.watchdog.stop()
         if self.subscriber is not None:
             try:
                 await self.subscriber.stop()
