@@ -73,9 +73,24 @@ def workloads(docs: list[dict]) -> list[dict]:
 
 
 def model_sets(docs: list[dict]) -> list[dict]:
-    """The StatefulSets of model pods (those the router routes to)."""
-    return [d for d in by_kind(docs, "StatefulSet")
+    """The Deployments of model pods (those the router discovers and routes to)."""
+    return [d for d in by_kind(docs, "Deployment")
             if "kvroute.io/pool" in d["spec"]["template"]["metadata"]["labels"]]
+
+
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    """Whether an equality-based label selector (``a=b,c=d``) matches ``labels``."""
+    terms = [t.split("=", 1) for t in selector.split(",") if t]
+    return all(labels.get(k.strip()) == v.strip() for k, v in terms)
+
+
+def pod_as_the_api_server_returns_it(workload: dict, name: str, ip: str) -> dict:
+    """A running, Ready pod of ``workload``'s template, as a list or watch would return it."""
+    meta = workload["spec"]["template"]["metadata"]
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": workload["metadata"]["namespace"],
+                                        "labels": dict(meta["labels"]), "annotations": dict(meta["annotations"])},
+            "spec": workload["spec"]["template"]["spec"],
+            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def containers(workload: dict, init: bool = True) -> list[dict]:
@@ -223,7 +238,8 @@ def test_overlay_renders_and_passes_strict_schema_validation(overlay, rendered, 
     docs = rendered[overlay]
     kinds = {d["kind"] for d in docs}
     assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
-            "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet"} <= kinds
+            "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
+    assert "StatefulSet" not in kinds  # model pods are Deployments, found by discovery
     path = tmp_path / f"{overlay}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
     out = run([tool("kubernetes-validate"), "--strict", str(path)])
@@ -318,36 +334,41 @@ def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rende
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_router_config_is_valid_router_settings_and_lists_exactly_the_model_pods(overlay, rendered):
+def test_router_discovers_exactly_the_model_pods_and_reads_them_as_they_listen(overlay, rendered):
+    """The router config is valid settings using Kubernetes discovery; its selector picks every
+    model pod and nothing else (not the routers themselves); and the router's own reading of each
+    model pod (role, model, where it serves, where it reports load, where it publishes KV events)
+    points at ports the pod really declares."""
+    from router.discovery.kubernetes import pod_from_object
+
     docs = rendered[overlay]
-    data = router_yaml(docs)
-    settings = build_settings(RouterSettings, file_data=data)
+    settings = build_settings(RouterSettings, file_data=router_yaml(docs))
     dep = one(docs, "Deployment", "kvroute-router")
     assert option(container(dep, "router")["args"], "--config") == "/etc/kvroute/router.yaml"
     assert settings.port == 8000 and settings.host == "0.0.0.0"
+    assert settings.discovery == "kubernetes" and settings.pods == []
+    assert settings.discovery_namespace is None  # the router's own namespace, from its service account
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert 0 < settings.discovery_relist_s <= 120
 
-    expected = {}
-    for sts in model_sets(docs):
-        meta = sts["spec"]["template"]["metadata"]
-        for i in range(sts["spec"]["replicas"]):
-            expected[f"{sts['metadata']['name']}-{i}"] = (sts, meta)
-    assert sorted(p.id for p in settings.pods) == sorted(expected)
-    for pod in settings.pods:
-        sts, meta = expected[pod.id]
+    selected = [w for w in workloads(docs)
+                if selects(settings.discovery_label_selector, w["spec"]["template"]["metadata"]["labels"])]
+    assert selected and selected == model_sets(docs)
+    assert not selects(settings.discovery_label_selector, dep["spec"]["template"]["metadata"]["labels"])
+    for w in selected:
+        meta = w["spec"]["template"]["metadata"]
         ann = meta["annotations"]
-        host = f"{pod.id}.{sts['spec']['serviceName']}"
-        assert pod.url == f"http://{host}:{ann['kvroute.io/http-port']}"
-        assert pod.role == meta["labels"]["kvroute.io/role"]
-        assert pod.model == ann["kvroute.io/model"]
-        assert [(e.endpoint, e.replay) for e in pod.kv_events] == [
-            (f"tcp://{host}:{ann['kvroute.io/kv-events-port']}", f"tcp://{host}:{ann['kvroute.io/kv-events-replay-port']}")]
-        # The pod really listens where the router will look.
-        ports = {p["containerPort"] for c in containers(sts) for p in c.get("ports", [])}
-        assert {int(ann["kvroute.io/http-port"]), int(ann["kvroute.io/engine-port"]),
-                int(ann["kvroute.io/kv-events-port"]), int(ann["kvroute.io/kv-events-replay-port"])} <= ports
-        # The headless Service publishes the name the router uses, before the pod is ready.
-        svc = one(docs, "Service", sts["spec"]["serviceName"])
-        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        pod = pod_from_object(pod_as_the_api_server_returns_it(w, f"{w['metadata']['name']}-abc12", "10.0.0.9"))
+        assert pod is not None and pod.ready
+        assert pod.config.role == meta["labels"]["kvroute.io/role"]
+        assert pod.config.model == ann["kvroute.io/model"]
+        declared = {p["containerPort"] for c in containers(w) for p in c.get("ports", [])}
+        assert port_of(pod.config.url) == int(ann["kvroute.io/http-port"]) in declared
+        assert port_of(pod.config.metrics_url or pod.config.url) == int(ann["kvroute.io/engine-port"]) in declared
+        assert len(pod.config.kv_events) == int(ann["kvroute.io/data-parallel-size"])
+        for e in pod.config.kv_events:
+            assert e.endpoint.startswith("tcp://10.0.0.9:") and port_of(e.endpoint) in declared
+            assert e.replay is not None and port_of(e.replay) in declared
 
 
 def test_vllm_overlays_give_the_router_the_model_tokenizer(rendered):
@@ -360,7 +381,8 @@ def test_vllm_overlays_give_the_router_the_model_tokenizer(rendered):
         assert any(m["name"] == "tokenizer" and m["mountPath"] == mount for m in container(dep, "router")["volumeMounts"])
         # Same model as the pods serve.
         model_cm = one(docs, "ConfigMap", "vllm-model")["data"]["MODEL"]
-        assert {p["model"] for p in router_yaml(docs)["pods"]} == {model_cm}
+        assert {d["spec"]["template"]["metadata"]["annotations"]["kvroute.io/model"]
+                for d in model_sets(docs)} == {model_cm}
         code = fetch["args"][0]
         compile(code, "fetch-tokenizer", "exec")
         assert "tokenizer.json" in code
@@ -432,7 +454,11 @@ def test_vllm_pd_decode_pods_run_the_sidecar_in_front_of_vllm(rendered):
     assert settings.ssrf_protection is True
     # Only the prefill pods' Service, at the port the router names in x-prefiller-host-port.
     prefill_ann = prefill["spec"]["template"]["metadata"]["annotations"]
-    assert settings.prefill_allow_dns == [f"{prefill['spec']['serviceName']}:{prefill_ann['kvroute.io/http-port']}"]
+    prefill_labels = prefill["spec"]["template"]["metadata"]["labels"]
+    services = [svc for svc in by_kind(docs, "Service")
+                if svc["spec"].get("clusterIP") == "None" and svc["spec"]["selector"].items() <= prefill_labels.items()]
+    assert len(services) == 1 and services[0]["spec"]["publishNotReadyAddresses"] is True
+    assert settings.prefill_allow_dns == [f"{services[0]['metadata']['name']}:{prefill_ann['kvroute.io/http-port']}"]
     assert sidecar["image"].startswith("kvroute:")
     assert sidecar["securityContext"]["runAsNonRoot"] is True
 

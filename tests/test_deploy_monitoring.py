@@ -313,6 +313,17 @@ def sanitize(label: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
 
+def pod_name(workload: dict, i: int) -> str:
+    """The name Kubernetes would give pod ``i`` of a workload (a Deployment's has a hash in it)."""
+    name = workload["metadata"]["name"]
+    return f"{name}-{i}" if workload["kind"] == "StatefulSet" else f"{name}-abc12-{i}"
+
+
+def pod_target_names(docs: list[dict], name: str) -> set[str]:
+    w = next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name)
+    return {pod_name(w, i) for i in range(w["spec"].get("replicas", 1))}
+
+
 def pod_targets(docs: list[dict], address_for) -> list[dict]:
     """What Kubernetes pod discovery would produce for the rendered pods: one target per container
     port, with the __meta_kubernetes_* labels Prometheus documents, at an address we choose."""
@@ -322,7 +333,7 @@ def pod_targets(docs: list[dict], address_for) -> list[dict]:
             continue
         template = w["spec"]["template"]
         for i in range(w["spec"].get("replicas", 1)):
-            pod = f"{w['metadata']['name']}-{i}" if w["kind"] == "StatefulSet" else f"{w['metadata']['name']}-abc12-{i}"
+            pod = pod_name(w, i)
             for c in template["spec"]["containers"]:
                 for port in c.get("ports", []):
                     labels = {f"__meta_kubernetes_pod_label_{sanitize(k)}": v for k, v in template["metadata"]["labels"].items()}
@@ -376,11 +387,13 @@ def test_real_prometheus_with_the_kubernetes_config_scrapes_router_sidecar_and_p
         # no event, replay or NIXL port became a target.
         assert sorted(j for j, _ in up) == ["kvroute-router"] * 2 + ["kvroute-sidecar"] * 2 + ["vllm"] * 4, up
         assert all(s["value"][1] == "1" for s in up.values()), up
-        assert {p for j, p in up if j == "kvroute-sidecar"} == {"vllm-decode-0", "vllm-decode-1"}
-        assert {p for j, p in up if j == "vllm"} == {"vllm-prefill-0", "vllm-prefill-1", "vllm-decode-0", "vllm-decode-1"}
+        decode, prefill = pod_target_names(docs, "vllm-decode"), pod_target_names(docs, "vllm-prefill")
+        assert len(decode) == len(prefill) == 2
+        assert {p for j, p in up if j == "kvroute-sidecar"} == decode
+        assert {p for j, p in up if j == "vllm"} == prefill | decode
         # Model-pod series carry pod and role; router series keep their own `pod` label intact.
         waiting = query('vllm:num_requests_waiting{job="vllm", role="decode"}')
-        assert {s["metric"]["pod"] for s in waiting} == {"vllm-decode-0", "vllm-decode-1"}
+        assert {s["metric"]["pod"] for s in waiting} == decode
         healthy = query('kvroute_pod_healthy{job="kvroute-router"}')
         assert {s["metric"]["pod"] for s in healthy} == {"sim-0"}
         assert all(s["metric"]["kubernetes_pod_name"].startswith("kvroute-router-") for s in healthy)
