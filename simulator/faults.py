@@ -3,7 +3,8 @@ time with ``POST /sim/faults`` (JSON). Pod-wide faults are fields of ``Faults``;
 overrides the per-request ones for that request only.
 
 Header syntax: comma-separated ``key=value``: ``status=503``, ``delay=0.25`` (seconds),
-``drop=3`` (drop the connection after 3 response chunks; 0 = before any byte).
+``drop=3`` (drop the connection after 3 response chunks; 0 = before any byte), ``eos=1`` (the first
+output token is EOS: the request stops there unless it sets ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RequestFaults:
     status: int | None = None
     delay_s: float = 0.0
     drop_after_chunks: int | None = None
+    eos_after: int | None = None
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Faults:
     drop_after_chunks: int | None = None
     events_stop: bool = False
     slowdown: float = 1.0
+    eos_after: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +54,7 @@ class Faults:
             setattr(self, key, value)
 
     def for_request(self, header: str | None) -> RequestFaults:
-        rf = RequestFaults(self.status, self.delay_s, self.drop_after_chunks)
+        rf = RequestFaults(self.status, self.delay_s, self.drop_after_chunks, self.eos_after)
         if not header:
             return rf
         for item in header.split(","):
@@ -66,8 +69,10 @@ class Faults:
                     rf.delay_s = _check("delay_s", float(value))
                 elif key == "drop":
                     rf.drop_after_chunks = _check("drop_after_chunks", int(value))
+                elif key == "eos":
+                    rf.eos_after = _check("eos_after", int(value))
                 else:
-                    raise FaultError(f"unknown x-sim-fault key {key!r} (status, delay, drop)")
+                    raise FaultError(f"unknown x-sim-fault key {key!r} (status, delay, drop, eos)")
             except ValueError as exc:
                 raise FaultError(f"bad x-sim-fault item {item.strip()!r}: {exc}") from exc
         return rf
@@ -89,6 +94,12 @@ def _check(key: str, value: Any) -> Any:
             return None
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise FaultError("drop_after_chunks must be a non-negative integer or null")
+        return value
+    if key == "eos_after":
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FaultError("eos_after must be a positive integer or null")
         return value
     if key == "events_stop":
         if not isinstance(value, bool):

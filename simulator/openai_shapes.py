@@ -48,6 +48,8 @@ class GenRequest:
     continuous_usage: bool
     kv_transfer_params: dict[str, Any] | None
     body_request_id: str | None
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 def _is_int(v: Any) -> bool:
@@ -188,7 +190,8 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
                          f"than this pod has ({max_prompt_tokens} tokens).", param="max_tokens")
     include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
     continuous = include_usage and bool(stream_options.get("continuous_usage_stats", False)) if stream_options else False
-    return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id)
+    return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id,
+                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

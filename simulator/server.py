@@ -80,7 +80,7 @@ class Pod:
                       "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
         self.metrics = PodMetrics(s.model, "0", cache_info)
         self.faults = Faults(s.fault_status, s.fault_delay_s, s.fault_drop_after_chunks, s.fault_events_stop,
-                             s.fault_slowdown)
+                             s.fault_slowdown, s.fault_eos_after)
         self.events_config = events_config
         self.publisher: EventPublisher | None = None
         if events_config is not None and events_config.enabled:
@@ -411,7 +411,12 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
 
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))
-    if producer:
+    eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
+    if eos_at is not None and eos_at <= req.max_tokens:
+        # the model samples EOS: a 'stop' finish there, and (as a NIXL producer) no blocks kept
+        pod.metrics.faults.labels("eos").inc()
+        req.max_tokens, req.length_capped = eos_at, False
+    elif producer:
         req.keep_blocks = True
     elif kv.get("do_remote_prefill"):
         await _remote_prefill(pod, req, kv)
@@ -479,7 +484,7 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
         lease = pod.leases.leases.get(req.request_id)
         if lease is not None:
             kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
-                                        host=pod.host, port=pod.port, num_tokens=req.n_prompt,
+                                        host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
                                         expires_at_unix=time.time() + pod.settings.nixl_lease_timeout_s)
     build = chat_body if gen.kind == "chat" else completion_body
     body = orjson.dumps(build(response_id, pod.model, "".join(parts), req.finish_reason, _usage_of(req), kv_params))

@@ -74,6 +74,10 @@ class SimSettings(BaseSettings):
     nixl_lease_timeout_s: float = Field(480.0, gt=0, description="prefill side: seconds a lease on blocks "
                                                                  "waits for the decoder's read "
                                                                  "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    nixl_side_channel_host: str = Field(
+        "", description="prefill side: host advertised as remote_host for decoders to read from "
+                        "(VLLM_NIXL_SIDE_CHANNEL_HOST); empty = --host, or 127.0.0.1 when --host is a "
+                        "wildcard (0.0.0.0, ::)")
     nixl_allowed_hosts: list[str] = Field(
         default_factory=lambda: ["127.0.0.1", "localhost", "::1"],
         description="decode side: hosts a do_remote_prefill request may make this pod read from "
@@ -87,6 +91,10 @@ class SimSettings(BaseSettings):
                                                                          "many response chunks")
     fault_events_stop: bool = Field(False, description="stop publishing KV events (the cache still changes)")
     fault_slowdown: float = Field(1.0, gt=0, description="multiply every step / prefill time by this factor")
+    fault_eos_after: int | None = Field(None, ge=1, description="the Nth output token is EOS: requests without "
+                                                                "ignore_eos stop there ('stop'; not before "
+                                                                "min_tokens); a NIXL prefill that stops so keeps "
+                                                                "no blocks and answers kv_transfer_params null")
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="log level")
 
@@ -96,6 +104,13 @@ class SimSettings(BaseSettings):
         if isinstance(v, str):
             return [h.strip() for h in v.split(",") if h.strip()]
         return v
+
+    @property
+    def advertised_host(self) -> str:
+        """The host a prefill pod names in remote_host: the side-channel host, else a concrete --host."""
+        if self.nixl_side_channel_host:
+            return self.nixl_side_channel_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "", "[::]") else self.host
 
     @model_validator(mode="after")
     def _check(self) -> "SimSettings":

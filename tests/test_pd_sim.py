@@ -1,0 +1,50 @@
+"""Simulator pieces P/D relies on: the advertised NIXL host, EOS on the first token, exact output counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from simulator.settings import SimSettings
+from simulator.testing import running_sims
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+
+PRODUCER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def test_advertised_host_defaults_to_a_concrete_host():
+    assert SimSettings(host="10.1.2.3").advertised_host == "10.1.2.3"
+    assert SimSettings(host="0.0.0.0").advertised_host == "127.0.0.1"
+    assert SimSettings(host="0.0.0.0", nixl_side_channel_host="10.0.0.7").advertised_host == "10.0.0.7"
+
+
+def test_prefill_names_its_side_channel_host_and_eos_on_the_first_token_returns_null_params():
+    with running_sims(1, ["--nixl-side-channel-host", "localhost"]) as (url,):
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PRODUCER}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=10).json()
+        assert out["kv_transfer_params"]["remote_host"] == "localhost"
+        assert out["choices"][0]["finish_reason"] == "length"
+        # EOS on the one token: finish 'stop', no blocks kept, kv_transfer_params null
+        r = httpx.post(url + "/v1/completions", json=body, headers={"x-sim-fault": "eos=1"}, timeout=10)
+        out = r.json()
+        assert out["choices"][0]["finish_reason"] == "stop"
+        assert out.get("kv_transfer_params") is None
+        assert out["usage"]["completion_tokens"] == 1
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        assert "kvsim_nixl_leases 1.0" in metrics  # only the first request's lease is held
+        # ignore_eos and min_tokens defer the EOS
+        r = httpx.post(url + "/v1/completions", headers={"x-sim-fault": "eos=1"}, timeout=10,
+                       json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5, "min_tokens": 3})
+        assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "stop"
+        r = httpx.post(url + "/v1/completions", headers={"x-sim-fault": "eos=1"}, timeout=10,
+                       json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+        # pod-wide at run time, and a clear error for a bad value
+        assert httpx.post(url + "/sim/faults", json={"eos_after": 0}, timeout=5).status_code == 400
+        httpx.post(url + "/sim/faults", json={"eos_after": 2}, timeout=5).raise_for_status()
+        r = httpx.post(url + "/v1/completions", timeout=10, json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5})
+        assert r.json()["usage"]["completion_tokens"] == 2
