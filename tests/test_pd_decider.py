@@ -126,3 +126,14 @@ def test_admission_uses_the_best_ttft_over_both_paths():
 def test_unknown_decider_is_an_error():
     with pytest.raises(ValueError):
         decide_pd([dec("d0")], [], req(10), 1, PDParams(decider="sometimes"))
+
+
+def test_work_weight_counts_the_transfer_so_a_session_stays_where_its_context_is():
+    # d-hold has the context but prefills slowly (4,000 tok/s); d-cold would need the whole context moved
+    hold = DecodeView(candidate=Candidate(pod_id="d-hold", role="decode", effective_cached_tokens=1584,
+                                          cached_tokens=1584, prefill_tokens_per_s=4000, overhead_s=0.005),
+                      kv_capacity_tokens=65536)
+    cold = DecodeView(candidate=Candidate(pod_id="d-cold", role="decode", prefill_tokens_per_s=4000, overhead_s=0.005),
+                      kv_capacity_tokens=65536)
+    d = decide_pd([cold, hold], [pre("p0", cached=1584)], req(1615), 4, PDParams(work_weight=3.0))
+    assert d.chosen.decode_pod == "d-hold" and d.chosen.mode == "local"

@@ -221,8 +221,10 @@ def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], requ
     best_tpot = min((o.tpot_s for o in roomy), default=None)
     objective = request.objective_s
     tiebreak = {d.pod_id: (d.candidate.load, d.candidate.tiebreak) for d in decodes}
-    own_work = {o.decode_pod: (o.remote.prediction.prefill_s if o.mode == "remote" and o.remote else o.local.prefill_s)
-                for o in options}
+    # the work a path adds to the fleet: the prefill, and for a remote one the transfer too (it holds
+    # the link and both pods' blocks, and copies the context to another decode pod)
+    own_work = {o.decode_pod: (o.remote.prediction.prefill_s + o.remote.transfer_s if o.mode == "remote" and o.remote
+                               else o.local.prefill_s) for o in options}
 
     def key(o: Option) -> tuple:
         if not o.has_room:  # least short of room first, for requests that may not be refused
