@@ -376,3 +376,65 @@ async def test_a_refused_token_is_counted_and_the_router_still_starts(kube, tmp_
         assert 'kvroute_discovery_errors_total{kind="http_401"}' in metrics
     finally:
         await services.stop()
+
+
+async def test_kvroute_serve_with_kubernetes_discovery_from_flags(sims, kube, token):
+    """The real command: discovery settings as flags, the fleet from the fake API server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--discovery", "kubernetes",
+         "--discovery-api-server", kube.url, "--discovery-namespace", NAMESPACE,
+         "--discovery-token-file", str(token), "--health-interval-s", "0.1", "--unhealthy-after", "1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=5) as c:
+            async def status(path: str) -> int:
+                try:
+                    return (await c.get(path)).status_code
+                except httpx.HTTPError:
+                    return 0
+
+            deadline = time.monotonic() + 20
+            while await status("/ready") != 200:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "router never became ready"
+                await asyncio.sleep(0.1)
+            body = {"model": "sim-model", "prompt": "From the command line. " * 10, "max_tokens": 2}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-a"
+            kube.put(pod_object("sim-b", url_b, ev_b))
+            kube.delete("sim-a")
+            deadline = time.monotonic() + 10
+            while 'kvroute_pod_healthy{pod="sim-b"} 1.0' not in (metrics := (await c.get("/metrics")).text) \
+                    or 'kvroute_pod_healthy{pod="sim-a"}' in metrics:
+                assert time.monotonic() < deadline, metrics
+                await asyncio.sleep(0.1)
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-b"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def test_kvroute_serve_refuses_incomplete_discovery_settings():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    for args, message in ((["--discovery", "dns"], "discovery_dns_name"),
+                          (["--discovery", "kubernetes", "--discovery-namespace", "x"], "discovery_api_server")):
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KUBERNETES_")}
+        out = subprocess.run([sys.executable, "-m", "router.cli", "serve", *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
