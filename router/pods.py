@@ -252,6 +252,8 @@ class PodRegistry:
             self._poll(pod)
 
     def _poll(self, pod: PodState) -> None:
+        if pod.id in self._tasks:  # joined while start-up was checking the others: already polled
+            return
         self._tasks[pod.id] = [asyncio.create_task(self._loop(self.check_health, pod, self.health_interval_s)),
                                asyncio.create_task(self._loop(self.scrape, pod, self.scrape_interval_s))]
 

@@ -35,7 +35,8 @@ TOKEN = "test-token-123"
 class FakeKube:
     """List and watch of pods in one namespace, over real HTTP on loopback."""
 
-    def __init__(self) -> None:
+    def __init__(self, ssl_context=None) -> None:
+        self.ssl_context = ssl_context
         self.pods: dict[str, dict[str, Any]] = {}
         self.version = 1000
         self.log: list[tuple[int, str, dict[str, Any]]] = []
@@ -50,14 +51,14 @@ class FakeKube:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self.handle)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, ssl_context=self.ssl_context).start()
 
     async def stop(self) -> None:
         self.drop_watches()
@@ -438,3 +439,30 @@ def test_kvroute_serve_refuses_incomplete_discovery_settings():
         out = subprocess.run([sys.executable, "-m", "router.cli", "serve", *args], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_the_api_server_certificate_is_checked_against_the_ca_file(tmp_path, token):
+    """Over HTTPS the router trusts the service account's CA, and only it."""
+    import ssl
+
+    from router.service import Services
+    from tests.test_sidecar import make_certificate
+
+    cert, key = make_certificate(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    kube = FakeKube(ssl_context=ctx)
+    await kube.start()
+    try:
+        kube.put(pod_object("sim-a", "http://127.0.0.1:9", 7))
+        for ca_file, trusted in ((cert, True), (str(tmp_path / "absent-ca.crt"), False)):
+            services = Services(settings_for(kube, token, discovery_ca_file=ca_file))
+            services.discovery.first_sync_timeout_s = 1.0
+            await services.start()
+            try:
+                assert set(services.registry.pods) == ({"sim-a"} if trusted else set())
+                assert (services.fleet_sync.stats.errors.get("tls", 0) == 0) == trusted
+            finally:
+                await services.stop()
+    finally:
+        await kube.stop()

@@ -321,6 +321,8 @@ class KubernetesDiscovery:
 def _kind(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         return f"http_{exc.status}"
+    if isinstance(exc, (aiohttp.ClientSSLError, ssl.SSLError)):
+        return "tls"  # the API server's certificate does not check out against discovery_ca_file
     if isinstance(exc, (aiohttp.ClientError, OSError)):
         return "connection"
     if isinstance(exc, asyncio.TimeoutError):
