@@ -1,0 +1,50 @@
+"""The reconciler every discovery mode feeds: whole-fleet snapshots in, joins/leaves/readiness out."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.config import PodConfig
+from router.discovery.fleet import DiscoveredPod, DiscoveryCollector, FleetSync, diff_fleet
+
+
+def pod(name: str, ip: str = "10.0.0.1", ready: bool = True, role: str = "both") -> DiscoveredPod:
+    return DiscoveredPod(PodConfig(id=name, url=f"http://{ip}:8000", role=role, kv_events=[f"tcp://{ip}:5557"]), ready)
+
+
+def test_diff_tells_joins_leaves_and_readiness_and_treats_a_changed_pod_as_new():
+    current = {p.id: p for p in (pod("a"), pod("b"), pod("c"), pod("d"))}
+    desired = {p.id: p for p in (pod("a"), pod("b", ready=False), pod("c", ip="10.0.0.9"), pod("e"))}
+    changes = diff_fleet(current, desired)
+    assert sorted(changes.leave) == ["c", "d"]           # d is gone; c moved (new IP, new cache)
+    assert sorted(p.id for p in changes.join) == ["c", "e"]
+    assert changes.ready == {"b": False}
+    assert diff_fleet(desired, desired) == diff_fleet({}, {})  # nothing to do
+
+
+def test_sync_applies_changes_in_order_and_one_failure_does_not_stop_the_rest():
+    calls: list[tuple] = []
+
+    def join(p: DiscoveredPod) -> None:
+        if p.id == "bad":
+            raise RuntimeError("boom")
+        calls.append(("join", p.id))
+
+    sync = FleetSync(join, lambda pid: calls.append(("leave", pid)), lambda pid, r: calls.append(("ready", pid, r)),
+                     mode="kubernetes")
+    sync.sync([pod("a"), pod("bad"), pod("b")])
+    assert calls == [("join", "a"), ("join", "b")]
+    assert sync.stats.errors == {"apply": 1}
+    calls.clear()
+    sync.sync([pod("a", ip="10.0.0.2"), pod("b", ready=False)])
+    # leaves first (bad, gone; and the old incarnation of a), then joins, then readiness
+    assert calls == [("leave", "bad"), ("leave", "a"), ("join", "a"), ("ready", "b", False)]
+    assert (sync.stats.joins, sync.stats.leaves, sync.stats.readiness_changes) == (4, 2, 1)
+
+    registry = CollectorRegistry()
+    registry.register(DiscoveryCollector(sync, lambda: {"ready": 1, "not_ready": 1, "unhealthy": 0}))
+    text = generate_latest(registry).decode()
+    assert 'kvroute_discovery_pods{state="not_ready"} 1.0' in text
+    assert 'kvroute_discovery_changes_total{change="leave"} 2.0' in text
+    assert 'kvroute_discovery_errors_total{kind="apply"} 1.0' in text
+    assert "kvroute_discovery_last_sync_age_seconds" in text
