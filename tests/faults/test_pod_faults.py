@@ -42,3 +42,25 @@ async def test_slow_pod_loses_its_traffic_and_its_predictions_say_why(tmp_path):
     assert pred["sim-0"] > 1.5 * pred["sim-1"], f  # learnt from the few requests it got before routing moved
     assert f["prefill_tokens_per_s"]["sim-0"] < f["prefill_tokens_per_s"]["sim-1"] / 1.5, f
     assert f["chosen"] == "sim-1"
+
+
+async def test_openai_sdk_sees_a_broken_stream_as_an_api_error_not_a_hang(tmp_path):
+    """The official client: a pod dropping its connection mid-stream surfaces as ``openai.APIError``
+    carrying the router's message, after the chunks that did arrive."""
+    import openai
+
+    from tests.faults.harness import Sims, router, sim_faults
+
+    with Sims(1, ["--timing", "seed", "--decode-s-per-token", "0.01"], events=False) as sims:
+        sim_faults(sims.urls[0], drop_after_chunks=3)
+        with router(tmp_path, sims.pods()) as r:
+            client = openai.AsyncOpenAI(base_url=r.base + "/v1", api_key="unused", max_retries=0, timeout=20)
+            got = []
+            with pytest.raises(openai.APIError) as caught:
+                stream = await client.completions.create(model="sim-model", prompt="hello there", max_tokens=20,
+                                                         stream=True)
+                async for chunk in stream:
+                    got.append(chunk.choices[0].text if chunk.choices else "")
+            assert "upstream stream failed" in str(caught.value.message)
+            assert len(got) >= 1  # the chunks before the break were delivered
+            await client.close()
