@@ -69,7 +69,11 @@ async def test_replicas_share_the_index_through_events_and_load_through_pod_metr
             converged = time.monotonic() - answered
             assert explained["chosen"] == pod  # B now routes the follow-up where A's request left the cache
             assert row(explained, pod)["pending_requests"] == 0  # ... knowing it from events, not bookings
-            print(f"B's index showed the prefix {converged * 1000:.0f} ms after A's answer")
+            metrics = (await c.get(f"{b}/metrics")).text
+            lag = next(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith(f'kvroute_pod_event_lag_seconds{{pod="{pod}"}}'))
+            print(f"B's index showed the prefix {converged * 1000:.0f} ms after A's answer "
+                  f"(B's event lag, publish to apply: {lag * 1000:.1f} ms)")
 
             # 2. Work A has in flight reaches B's predictions through the pods' metrics.
             probe = {"model": "sim-model", "prompt": "A fresh prompt nobody has sent. " * 120, "max_tokens": 1}
