@@ -46,6 +46,7 @@ class FakeKube:
         self.lists = 0
         self.watches = 0
         self.refuse_next_watch_with_410 = False
+        self.fail_next_watches = 0
         self.port = free_port()
         self.runner: web.AppRunner | None = None
 
@@ -119,6 +120,9 @@ class FakeKube:
                                       "metadata": {"resourceVersion": str(self.version)}, "items": items})
         self.watches += 1
         since = int(request.query.get("resourceVersion") or self.version)
+        if self.fail_next_watches:
+            self.fail_next_watches -= 1
+            return web.Response(status=500, text="etcdserver: request timed out")
         if self.refuse_next_watch_with_410:
             self.refuse_next_watch_with_410 = False
             return web.json_response({"kind": "Status", "code": 410, "reason": "Expired"}, status=410)
@@ -466,3 +470,16 @@ async def test_the_api_server_certificate_is_checked_against_the_ca_file(tmp_pat
                 await services.stop()
     finally:
         await kube.stop()
+
+
+async def test_a_failing_watch_is_retried_with_backoff_and_converges(sims, kube, token):
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    async with running_router(settings_for(kube, token)) as (base, services):
+        await until(lambda: kube.open_watches, what="a watch")
+        kube.fail_next_watches = 3
+        kube.drop_watches()
+        kube.put(pod_object("sim-b", url_b, ev_b))
+        await until(lambda: set(services.registry.pods) == {"sim-a", "sim-b"}, what="sim-b after the failures")
+        assert services.fleet_sync.stats.errors.get("http_500") == 3
+        assert kube.fail_next_watches == 0
