@@ -232,13 +232,13 @@ class RouterSettings(BaseSettings):
     api_keys: list[str | ApiKey] = Field(default_factory=list, description="accepted API keys (Authorization: Bearer): "
                                          "strings, or {key, name, requests_per_s, ...} objects; empty = open; "
                                          "re-read from the YAML on SIGHUP (docs/reliability.md)")
-    rate_limit_requests_per_s: float | None = Field(None, description="per API key: requests per second (token "
+    rate_limit_requests_per_s: float | None = Field(None, gt=0, description="per API key: requests per second (token "
                                                     "bucket; none = unlimited); 429 + Retry-After beyond it")
-    rate_limit_request_burst: float | None = Field(None, description="per API key: request bucket size (none = "
+    rate_limit_request_burst: float | None = Field(None, gt=0, description="per API key: request bucket size (none = "
                                                    "one second's worth)")
-    rate_limit_prompt_tokens_per_s: float | None = Field(None, description="per API key: prompt tokens per second "
+    rate_limit_prompt_tokens_per_s: float | None = Field(None, gt=0, description="per API key: prompt tokens per second "
                                                          "(token bucket; none = unlimited)")
-    rate_limit_prompt_token_burst: float | None = Field(None, description="per API key: prompt-token bucket size "
+    rate_limit_prompt_token_burst: float | None = Field(None, gt=0, description="per API key: prompt-token bucket size "
                                                         "(none = one second's worth)")
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
     ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
