@@ -1,0 +1,307 @@
+"""P/D benchmark: the deciders and vLLM's router in its NIXL P/D mode over the same simulated fleet.
+
+Each trial starts a fresh fleet of 2 prefill + 2 decode simulated pods (one ``kvroute sim --count 4``
+process, cost timing: steps, chunked prefill, decode slowed by batch and KV, NIXL reads over a
+simulated 25 GB/s link), then the router under test:
+
+* ``kvroute`` with ``--pd-decider always|prefix|predicted``, a ``kvroute sidecar`` beside each
+  decode pod (the router sends to the sidecar, which runs the prefill leg on the named prefill
+  pod and the decode leg on its pod);
+* ``vllm-router --vllm-pd-disaggregation --kv-connector nixl`` (vLLM's Rust router, installed from
+  PyPI into a separate venv, default ``/tmp/peers-venv``), which runs both legs itself.
+
+Every target gets the same request sequence at the same arrival times (``replay.runner.run``),
+multi-turn chat sessions and a slice of the Mooncake conversation trace, and is scored on TTFT
+p50/p99, TPOT p50/p99 and attainment of the TTFT objective over all requests sent.
+
+    .venv/bin/python bench/pd.py                    # both workloads, every target (< 3 minutes)
+    .venv/bin/python bench/pd.py --workloads multiturn --targets predicted,always
+
+The last line printed is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from replay import arrivals, workloads  # noqa: E402
+from replay.runner import run  # noqa: E402
+from simulator.testing import consecutive_free_ports, running_sims  # noqa: E402
+
+MODEL = "sim-model"
+RATE = float(os.environ.get("PD_RATE", 14))          # multi-turn arrivals per second
+TIME_SCALE = float(os.environ.get("PD_SCALE", 0.6))  # Mooncake: trace time x this
+BLOCK = 16
+DECIDERS = ("always", "prefix", "predicted")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    specs: list
+    offsets: list[float]
+    objective_s: float
+    duration_s: float
+    compute_s_per_token: float  # the simulated pods' prefill speed (1 / tokens per s)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+def wait_ok(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0, body: dict | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: {log.read_text(errors='replace')[-800:]}")
+        try:
+            r = httpx.request("POST" if body else "GET", url, json=body, timeout=5.0, trust_env=False)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f}s: {last}")
+
+
+def sim_args(events: int, compute_s_per_token: float) -> list[str]:
+    return ["--block-size", str(BLOCK), "--num-gpu-blocks", "8192", "--max-model-len", "32768",
+            "--compute-s-per-token", str(compute_s_per_token), "--kv-events-port", str(events), "--log-level", "error"]
+
+
+def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl: "Workload") -> tuple[list, str]:
+    """Two sidecars and the router; returns (processes, router URL)."""
+    procs = []
+    sidecars = []
+    for i, url in enumerate(urls[2:]):
+        port = free_port()
+        log = workdir / f"sidecar-{decider}-{i}.log"
+        p = spawn([sys.executable, "-m", "router.cli", "sidecar", "--host", "127.0.0.1", "--port", str(port),
+                   "--vllm-url", url, "--prefill-allowlist", json.dumps([u.removeprefix("http://") for u in urls[:2]]),
+                   "--log-level", "warning"], log)
+        procs.append(p)
+        sidecars.append(f"http://127.0.0.1:{port}")
+        wait_ok(sidecars[-1] + "/health", p, log)
+    pods = []
+    for i, url in enumerate(urls):
+        ev = [{"endpoint": f"tcp://127.0.0.1:{events + 2 * i}", "replay": f"tcp://127.0.0.1:{events + 2 * i + 1}"}]
+        if i < 2:
+            pods.append({"id": f"prefill-{i}", "url": url, "role": "prefill", "kv_events": ev})
+        else:
+            pods.append({"id": f"decode-{i - 2}", "url": sidecars[i - 2], "metrics_url": url, "role": "decode",
+                         "kv_events": ev})
+    port = free_port()
+    log = workdir / f"router-{decider}.log"
+    cfg = {"port": port, "pods": pods, "pd_decider": decider, "block_size": BLOCK, "admission": False,
+           "prefill_tokens_per_s": 1.0 / wl.compute_s_per_token,
+           "ttft_objective_ms": wl.objective_s * 1000, "log_level": "warning"}
+    cfg_path = workdir / f"router-{decider}.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    p = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log)
+    procs.append(p)
+    base = f"http://127.0.0.1:{port}"
+    wait_ok(base + "/ready", p, log)
+    return procs, base
+
+
+def start_peer(urls: list[str], workdir: Path, venv: Path) -> tuple[list, str]:
+    exe = venv / "bin" / "vllm-router"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found: pip install vllm-router into {venv}")
+    port = free_port()
+    log = workdir / "vllm-router.log"
+    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+           "--prefill", urls[0], "--prefill", urls[1], "--decode", urls[2], "--decode", urls[3],
+           "--kv-connector", "nixl", "--log-level", "warning", "--disable-retries",
+           "--max-concurrent-requests", "4096", "--queue-size", "4096",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    p = spawn(cmd, log)
+    base = f"http://127.0.0.1:{port}"
+    wait_ok(base + "/v1/completions", p, log, body={"model": MODEL, "prompt": "probe", "max_tokens": 1})
+    return [p], base
+
+
+def trial(target: str, wl: Workload, workdir: Path, venv: Path) -> dict[str, Any]:
+    events = consecutive_free_ports(8)
+    workdir = workdir / wl.name
+    workdir.mkdir(exist_ok=True)
+    with running_sims(4, sim_args(events, wl.compute_s_per_token)) as urls:
+        procs: list = []
+        try:
+            if target == "vllm-router":
+                procs, base = start_peer(urls, workdir, venv)
+            else:
+                procs, base = start_kvroute(target, urls, events, workdir, wl)
+        except (FileNotFoundError, RuntimeError, TimeoutError, OSError) as exc:
+            for p in procs:
+                stop(p)
+            return {"target": target, "workload": wl.name, "error": str(exc).splitlines()[0][:200]}
+        try:
+            res = asyncio.run(run(base, wl.specs, wl.offsets, model=MODEL, slo_ttft=wl.objective_s,
+                                  pod_metrics=urls, duration=wl.duration_s, drain_timeout=20.0,
+                                  request_timeout=60.0))
+            reads = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2])
+            router_metrics = ""
+            if target != "vllm-router":
+                router_metrics = httpx.get(base + "/metrics", timeout=5, trust_env=False).text
+        finally:
+            for p in procs:
+                stop(p)
+    s = res.summary
+    remote = local = None if target == "vllm-router" else 0.0
+    for line in router_metrics.splitlines():
+        if line.startswith("kvroute_pd_decisions_total{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if 'outcome="remote"' in line:
+                remote += value
+            elif 'outcome="local"' in line:
+                local += value
+    return {"target": target, "workload": wl.name, "requests": s["requests"], "completed": s["completed"],
+            "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
+            "tpot_p50_ms": s.get("median_tpot_ms"), "tpot_p99_ms": s.get("p99_tpot_ms"),
+            "attainment": s.get("slo_attainment"), "nixl_reads": reads,
+            "remote": remote, "local": local, "error": None}
+
+
+def _metric(url: str, name: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def build_workloads(names: list[str], seed: int) -> list[Workload]:
+    out = []
+    if "multiturn" in names:
+        specs = workloads.multiturn(system_prompts=8, system_prompt_len=2048, sessions=80, turns=4, turn_tokens=300,
+                                    output_len=64, seed=seed)
+        offsets = arrivals.poisson(len(specs), rate=RATE, seed=seed)
+        out.append(Workload("multiturn", specs, offsets, objective_s=0.5, duration_s=12.0, compute_s_per_token=1e-4))
+    if "mooncake" in names:
+        specs = workloads.mooncake(ROOT / "data" / "conversation_trace.jsonl", block_size=512, seed=seed)
+        specs = workloads.limit_input_len(specs, 8192, "truncate")
+        for s in specs:
+            s.output_len = min(s.output_len, 128)
+        offsets = arrivals.from_trace([s.timestamp for s in specs], time_scale=TIME_SCALE)
+        n = sum(1 for o in offsets if o < 20.0)
+        out.append(Workload("mooncake", specs[:n], offsets[:n], objective_s=1.0, duration_s=20.0,
+                            compute_s_per_token=5e-5))
+    for wl in out:  # build every prompt's bytes now, so the first trial does not pay for it while sending
+        for spec in wl.specs:
+            spec.prompt_json()
+    return out
+
+
+def fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "—"
+    if kind == "s":
+        return f"{v * 1000:.0f} ms"
+    if kind == "ms":
+        return f"{v:.1f} ms"
+    if kind == "%":
+        return f"{v * 100:.1f} %"
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | router / decider | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | met objective | "
+             "remote / local | errors |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["target"] if r["target"] == "vllm-router" else f"kvroute {r['target']}"
+        if r.get("error"):
+            lines.append(f"| {r['workload']} | {name} | — | — | — | — | — | — | not run: {r['error']} |")
+            continue
+        split = f"{r['remote']:.0f} / {r['local']:.0f}" if r.get("remote") is not None else \
+            f"{r['nixl_reads']:.0f} NIXL reads"
+        lines.append(f"| {r['workload']} | {name} | {fmt(r['ttft_p50'], 's')} | {fmt(r['ttft_p99'], 's')} | "
+                     f"{fmt(r['tpot_p50_ms'], 'ms')} | {fmt(r['tpot_p99_ms'], 'ms')} | {fmt(r['attainment'], '%')} | "
+                     f"{split} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="multiturn,mooncake")
+    ap.add_argument("--targets", default="always,prefix,predicted,vllm-router")
+    ap.add_argument("--peers-venv", default="/tmp/peers-venv")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-pd-bench-"))
+    started = time.monotonic()
+    rows = []
+    for wl in build_workloads(args.workloads.split(","), args.seed):
+        print(f"# {wl.name}: {len(wl.specs)} requests over {wl.duration_s:g} s, objective {wl.objective_s:g} s",
+              flush=True)
+        for target in args.targets.split(","):
+            t0 = time.monotonic()
+            rows.append(trial(target, wl, workdir, Path(args.peers_venv)))
+            r = rows[-1]
+            print(f"  {target:12s} {time.monotonic() - t0:5.1f} s  "
+                  + (f"p99 {fmt(r['ttft_p99'], 's')} met {fmt(r['attainment'], '%')}" if not r.get("error")
+                     else f"not run: {r['error']}"), flush=True)
+    print()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(f"\n(logs in {workdir}; {time.monotonic() - started:.0f} s in all)")
+    heads = []
+    for wl in {r["workload"] for r in rows}:
+        got = {r["target"]: r for r in rows if r["workload"] == wl and not r.get("error")}
+        if "predicted" in got:
+            others = [f"{t} {got[t]['ttft_p99'] * 1000:.0f} ms/{got[t]['attainment'] * 100:.1f} %" for t in got
+                      if t != "predicted" and got[t].get("ttft_p99") is not None]
+            p = got["predicted"]
+            heads.append(f"{wl}: predicted TTFT p99 {p['ttft_p99'] * 1000:.0f} ms, met {p['attainment'] * 100:.1f} % "
+                         f"(vs {', '.join(others)})")
+    print("; ".join(sorted(heads)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
