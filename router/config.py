@@ -304,9 +304,9 @@ class RouterSettings(BaseSettings):
     pd_decider: Literal["always", "never", "prefix", "predicted"] = Field(
         "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
         "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never'")
-    pd_non_cached_tokens: int = Field(256, description="P/D prefix decider: remote prefill when the decode pod "
-                                      "lacks at least this many of the prompt's tokens")
-    pd_prompt_tokens: int = Field(0, description="P/D prefix decider: and the prompt has at least this many tokens")
+    pd_non_cached_tokens: int = Field(512, description="P/D prefix decider: remote prefill when the decode pod "
+                                      "lacks at least this many of the prompt's tokens (0 = never, as llm-d)")
+    pd_prompt_tokens: int = Field(1024, description="P/D prefix decider: and the prompt has at least this many tokens")
     pd_expected_output_tokens: int = Field(256, description="P/D: output tokens assumed for KV room when a request "
                                            "sets no max_tokens")
     pd_decode_step_ms: float = Field(4.0, description="P/D: decode step time of an idle decode pod (TPOT model)")

@@ -137,3 +137,9 @@ def test_work_weight_counts_the_transfer_so_a_session_stays_where_its_context_is
                       kv_capacity_tokens=65536)
     d = decide_pd([cold, hold], [pre("p0", cached=1584)], req(1615), 4, PDParams(work_weight=3.0))
     assert d.chosen.decode_pod == "d-hold" and d.chosen.mode == "local"
+
+
+def test_prefix_decider_with_zero_threshold_is_off_as_in_llm_d():
+    p = PDParams(decider="prefix", non_cached_tokens=0, prompt_tokens=0)
+    d = decide_pd([dec("d0")], [pre("p0")], req(4000), 10, p)
+    assert d.chosen.mode == "local" and "disabled" in d.chosen.reason

@@ -37,8 +37,8 @@ class PDParams:
     """The knobs of P/D scheduling (from the router's settings)."""
 
     decider: str = "predicted"
-    non_cached_tokens: int = 256          # prefix decider: least uncached tokens for a remote prefill
-    prompt_tokens: int = 0                # prefix decider: least prompt tokens for a remote prefill
+    non_cached_tokens: int = 512          # prefix decider: least uncached tokens for a remote prefill (0: off)
+    prompt_tokens: int = 1024             # prefix decider: least prompt tokens for a remote prefill
     kv_bytes_per_token: float = 131072.0  # KV bytes one token occupies (all layers)
     link_bandwidth_bytes_per_s: float = 25e9
     link_latency_s: float = 0.001
@@ -177,6 +177,8 @@ def decide_mode(decider: str, local: Prediction, remote: RemoteChoice | None, un
     if decider == "always":
         return "remote", "decider 'always'"
     if decider == "prefix":
+        if params.non_cached_tokens <= 0:  # llm-d: 0 disables the decider
+            return "local", "prefix decider disabled (non_cached_tokens 0)"
         if uncached_on_decode < params.non_cached_tokens:
             return "local", (f"{uncached_on_decode} uncached tokens on the decode pod < non_cached_tokens "
                              f"{params.non_cached_tokens}")
