@@ -179,30 +179,52 @@ def trial(target: str, wl: Workload, workdir: Path, venv: Path) -> dict[str, Any
                 stop(p)
             return {"target": target, "workload": wl.name, "error": str(exc).splitlines()[0][:200]}
         try:
+            warm_up(base)
+            before = _decisions(base) if target != "vllm-router" else (0.0, 0.0)
+            reads_before = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2])
             res = asyncio.run(run(base, wl.specs, wl.offsets, model=MODEL, slo_ttft=wl.objective_s,
                                   pod_metrics=urls, duration=wl.duration_s, drain_timeout=20.0,
                                   request_timeout=60.0))
-            reads = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2])
-            router_metrics = ""
+            reads = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2]) - reads_before
+            remote = local = None
             if target != "vllm-router":
-                router_metrics = httpx.get(base + "/metrics", timeout=5, trust_env=False).text
+                after = _decisions(base)
+                remote, local = after[0] - before[0], after[1] - before[1]
         finally:
             for p in procs:
                 stop(p)
     s = res.summary
-    remote = local = None if target == "vllm-router" else 0.0
-    for line in router_metrics.splitlines():
+    return {"target": target, "workload": wl.name, "requests": s["requests"], "completed": s["completed"],
+            "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
+            "tpot_p50_ms": s.get("median_tpot_ms"), "tpot_p99_ms": s.get("p99_tpot_ms"),
+            "attainment": s.get("slo_attainment"), "nixl_reads": reads,
+            "remote": remote, "local": local, "error": None}
+
+
+def warm_up(base: str, n: int = 6) -> None:
+    """A few requests with private prompts before the measured run, so first-use costs (connections
+    from router to sidecars to pods, code paths) do not land on the workload's first requests."""
+    import random
+
+    rng = random.Random(12345)
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        for _ in range(n):
+            prompt = [rng.randrange(256) for _ in range(600)]
+            c.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                   "stream": True})
+
+
+def _decisions(base: str) -> tuple[float, float]:
+    """(remote, local) P/D decisions the router has made so far."""
+    remote = local = 0.0
+    for line in httpx.get(base + "/metrics", timeout=5, trust_env=False).text.splitlines():
         if line.startswith("kvroute_pd_decisions_total{"):
             value = float(line.rsplit(" ", 1)[1])
             if 'outcome="remote"' in line:
                 remote += value
             elif 'outcome="local"' in line:
                 local += value
-    return {"target": target, "workload": wl.name, "requests": s["requests"], "completed": s["completed"],
-            "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
-            "tpot_p50_ms": s.get("median_tpot_ms"), "tpot_p99_ms": s.get("p99_tpot_ms"),
-            "attainment": s.get("slo_attainment"), "nixl_reads": reads,
-            "remote": remote, "local": local, "error": None}
+    return remote, local
 
 
 def _metric(url: str, name: str) -> float:
@@ -220,7 +242,7 @@ def build_workloads(names: list[str], seed: int) -> list[Workload]:
         specs = workloads.multiturn(system_prompts=8, system_prompt_len=2048, sessions=80, turns=4, turn_tokens=300,
                                     output_len=64, seed=seed)
         offsets = arrivals.poisson(len(specs), rate=RATE, seed=seed)
-        out.append(Workload("multiturn", specs, offsets, objective_s=0.5, duration_s=12.0, compute_s_per_token=1e-4))
+        out.append(Workload("multiturn", specs, offsets, objective_s=0.5, duration_s=16.0, compute_s_per_token=1e-4))
     if "mooncake" in names:
         specs = workloads.mooncake(ROOT / "data" / "conversation_trace.jsonl", block_size=512, seed=seed)
         specs = workloads.limit_input_len(specs, 8192, "truncate")

@@ -71,7 +71,7 @@ def test_no_prefill_pod_means_local_even_for_always():
 
 def test_prefill_pod_by_predicted_ttft_including_its_cache_and_queue():
     prefills = [pre("p-busy", queue=20_000), pre("p-cold"), pre("p-warm", cached=3000)]
-    d = decide_pd([dec("d0", queue=50_000)], prefills, req(4000), 10, PDParams(decider="always"))
+    d = decide_pd([dec("d0")], prefills, req(4000), 10, PDParams(decider="always"))
     ranking = [r.prefill_pod for r in d.chosen.remote_ranking]
     assert ranking == ["p-warm", "p-cold", "p-busy"]
 
@@ -113,13 +113,14 @@ def test_tpot_grows_with_batch_and_kv():
 
 
 def test_admission_uses_the_best_ttft_over_both_paths():
-    # local 2 s, remote ~0.3 s: a 500 ms objective is met only through the prefill pod
-    decodes, prefills = [dec("d0", queue=40_000)], [pre("p0")]
-    d = decide_pd(decodes, prefills, req(4000, objective=0.5), 10, PDParams(decider="predicted"))
-    assert d.verdict.admitted and d.chosen.mode == "remote"
-    d = decide_pd(decodes, prefills, req(4000, objective=0.5), 10, PDParams(decider="never"))
+    # 8,000 tokens behind 4,000 queued: local 0.6 s; remote 0.4 s prefill + 42 ms transfer, by which
+    # time the decode pod's queue has drained: ~0.46 s. A 500 ms objective is met only remotely.
+    decodes, prefills = [dec("d0", queue=4000)], [pre("p0")]
+    d = decide_pd(decodes, prefills, req(8000, objective=0.5), 10, PDParams(decider="predicted"))
+    assert d.verdict.admitted and d.chosen.mode == "remote" and d.chosen.ttft_s < 0.5 < d.chosen.local.ttft_s
+    d = decide_pd(decodes, prefills, req(8000, objective=0.5), 10, PDParams(decider="never"))
     assert not d.verdict.admitted and d.verdict.reason == "slo"
-    d = decide_pd(decodes, prefills, req(4000, objective=0.5, exempt=True), 10, PDParams(decider="never"))
+    d = decide_pd(decodes, prefills, req(8000, objective=0.5, exempt=True), 10, PDParams(decider="never"))
     assert d.verdict.admitted and d.verdict.reason == "exempt"
 
 
@@ -143,3 +144,14 @@ def test_prefix_decider_with_zero_threshold_is_off_as_in_llm_d():
     p = PDParams(decider="prefix", non_cached_tokens=0, prompt_tokens=0)
     d = decide_pd([dec("d0")], [pre("p0")], req(4000), 10, p)
     assert d.chosen.mode == "local" and "disabled" in d.chosen.reason
+
+
+def test_remote_path_waits_behind_the_decode_pods_own_prefill_queue():
+    # the decode pod has 1 s of local prefill queued; the KV arrives after ~0.2 s and waits there
+    busy = dec("d-busy", queue=20_000)
+    d = decide_pd([busy], [pre("p0")], req(4000), 10, PDParams(decider="always"))
+    remote = d.chosen.remote
+    assert remote.ttft_s >= 1.0 > remote.prediction.ttft_s + remote.transfer_s
+    # so with an idle second decode pod, the request goes there
+    d = decide_pd([busy, dec("d-idle")], [pre("p0")], req(4000), 10, PDParams(decider="always"))
+    assert d.chosen.decode_pod == "d-idle"

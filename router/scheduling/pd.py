@@ -149,13 +149,17 @@ def remote_choices(decode: DecodeView, prefills: Sequence[Candidate], request: R
     """Every prefill pod for this decode pod, best first (objective met, then cost, then TTFT)."""
     lacking = max(0, request.prompt_tokens - int(decode.candidate.effective_cached_tokens))
     moved = transfer_seconds(lacking, params)
-    # the decoder computes the last prompt token and its first token in one step after the read
+    # after the read the request joins the decode pod's waiting queue, behind the prefill work
+    # already booked there (what is left of it by then), and then takes one step to compute the
+    # last prompt token and its first output token
+    decode_queue_s = predict(decode.candidate, request).queue_s
     tail = params.decode_step_s + decode.candidate.overhead_s
     out = []
     for p in prefills:
         pred = predict(p, request)
+        arrival = pred.ttft_s + moved
         out.append(RemoteChoice(prefill_pod=p.pod_id, prediction=pred, transfer_tokens=lacking,
-                                transfer_s=moved, ttft_s=pred.ttft_s + moved + tail))
+                                transfer_s=moved, ttft_s=max(arrival, decode_queue_s) + tail))
     objective = request.objective_s
     tiebreak = {p.pod_id: (p.load, p.tiebreak) for p in prefills}
 
