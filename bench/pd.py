@@ -45,7 +45,7 @@ from replay.runner import run  # noqa: E402
 from simulator.testing import consecutive_free_ports, running_sims  # noqa: E402
 
 MODEL = "sim-model"
-RATE = float(os.environ.get("PD_RATE", 14))          # multi-turn arrivals per second
+RATE = float(os.environ.get("PD_RATE", 20))          # multi-turn arrivals per second
 TIME_SCALE = float(os.environ.get("PD_SCALE", 0.6))  # Mooncake: trace time x this
 BLOCK = 16
 DECIDERS = ("always", "prefix", "predicted")

@@ -48,3 +48,33 @@ def test_prefill_names_its_side_channel_host_and_eos_on_the_first_token_returns_
         httpx.post(url + "/sim/faults", json={"eos_after": 2}, timeout=5).raise_for_status()
         r = httpx.post(url + "/v1/completions", timeout=10, json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5})
         assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_every_answer_counts_exactly_max_tokens_under_preemption():
+    """min_tokens = max_tokens with ignore_eos under load: recompute preemptions must not change the
+    count of output tokens (every answer 4, streamed or not), and the pod must really preempt."""
+    args = ["--num-gpu-blocks", "24", "--max-num-batched-tokens", "64"]
+    with running_sims(1, args) as (url,):
+        async def one(client: httpx.AsyncClient, i: int, stream: bool) -> int:
+            body = {"model": "sim-model", "prompt": f"r{i} " + "x" * (100 + i % 37), "max_tokens": 4,
+                    "min_tokens": 4, "ignore_eos": True}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            r = await client.post(url + "/v1/completions", json=body)
+            if not stream:
+                return r.json()["usage"]["completion_tokens"]
+            events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+            texts = [e for e in events if e["choices"] and e["choices"][0]["text"]]
+            assert len(texts) == events[-1]["usage"]["completion_tokens"]
+            return events[-1]["usage"]["completion_tokens"]
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(one(client, i, i % 2 == 0) for i in range(60)))
+
+        counts = asyncio.run(burst())
+        assert counts == [4] * 60
+        text = httpx.get(url + "/metrics", timeout=5).text
+        preempted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("vllm:num_preemptions_total"))
+        assert preempted > 0
