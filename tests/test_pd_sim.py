@@ -78,3 +78,28 @@ def test_every_answer_counts_exactly_max_tokens_under_preemption():
         preempted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                         if line.startswith("vllm:num_preemptions_total"))
         assert preempted > 0
+
+
+def test_prefill_that_stops_on_eos_is_decoded_without_params_through_the_sidecar():
+    """The EOS fault on the prefill pod only: its one token ends the request, it answers null
+    kv_transfer_params, and the sidecar decodes without them (local prefill on the decode pod)."""
+    from tests.helpers import free_port, kvroute_process
+
+    with running_sims(2) as (p_url, d_url):
+        side = free_port()
+        target = p_url.removeprefix("http://")
+        args = ["sidecar", "--host", "127.0.0.1", "--port", str(side), "--vllm-url", d_url,
+                "--prefill-allowlist", json.dumps([target])]
+        with kvroute_process(args, ready_url=f"http://127.0.0.1:{side}/health"):
+            httpx.post(p_url + "/sim/faults", json={"eos_after": 1}, timeout=5).raise_for_status()
+            r = httpx.post(f"http://127.0.0.1:{side}/v1/completions", headers={"x-prefiller-host-port": target},
+                           json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5}, timeout=20)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-prefill"] == "local"
+            assert r.json()["usage"]["completion_tokens"] == 5  # the decode pod has no EOS fault
+            metrics = httpx.get(f"http://127.0.0.1:{side}/metrics", timeout=5).text
+            assert "kvroute_sidecar_prefill_without_kv_transfer_params_total 1.0" in metrics
+            assert "kvsim_nixl_leases 0.0" in httpx.get(p_url + "/metrics", timeout=5).text
+            decoder = httpx.get(d_url + "/metrics", timeout=5).text
+            assert not any(line.startswith("kvsim_nixl_transfers_total") and not line.endswith(" 0.0")
+                           for line in decoder.splitlines())  # no NIXL transfer of any outcome
