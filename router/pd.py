@@ -90,7 +90,9 @@ class PDRouting:
     def __init__(self, settings: "RouterSettings", registry: CollectorRegistry):
         self.settings = settings
         self.params = params_from_settings(settings)
-        self.metrics = PDMetrics(registry)
+        # one set per registry: a second router on the same registry (a restart in-process) shares it
+        self.metrics = getattr(registry, "_kvroute_pd_metrics", None) or PDMetrics(registry)
+        registry._kvroute_pd_metrics = self.metrics  # type: ignore[attr-defined]
         self._kv: dict[str, dict[int, float]] = {}
         self._ids = itertools.count(1)
 
