@@ -13,7 +13,12 @@ another. Per stream, by sequence number:
   batches are counted as lost.
 * ``seq`` not above the last live one: the engine restarted (sequences restart at 0). The rank's
   entries are cleared before the new batch applies (and its own missed start replayed).
-* a stream's first batch with ``seq > 0``: catch up from the replay buffer (from 0).
+* on connect (``catch_up_on_connect``): catch up from the replay buffer (from 0) at once, not
+  on the pod's next batch: an idle pod publishes nothing, and a router restarted beside it would
+  otherwise never learn what it holds. Live batches already covered by that replay are dropped
+  as duplicates if their timestamp matches the replayed one, else the engine restarted meanwhile.
+* a stream's first batch with ``seq > 0`` and nothing applied yet (the catch-up on connect
+  failed, or is off): catch up from the replay buffer (from 0).
 * AllBlocksCleared clears the rank (the index does it).
 
 Replay replies are parsed by frame count, so both layouts work: ``[b"", seq, payload]`` (vLLM
@@ -55,6 +60,7 @@ class StreamState:
     applied: int | None = None          # last applied sequence number
     last_live: int | None = None        # last sequence number seen on the live stream
     last_ts: float | None = None        # publish time of the last applied batch
+    caught_up_ts: dict[int, float] | None = None  # seq -> publish time of the on-connect catch-up
     batches: int = 0
     events: int = 0
     gaps: int = 0
@@ -101,6 +107,16 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
                     st.pod_id, st.endpoint, st.last_live, seq)
         clear()
         st.applied = st.last_ts = None
+    if st.caught_up_ts is not None:
+        if st.applied is not None and seq <= st.applied and st.caught_up_ts.get(seq) != batch.ts:
+            # not the batch the on-connect replay gave us under that number: a new engine
+            st.restarts += 1
+            log.warning("pod %s (%s): live batch %d differs from the replayed one: engine restarted, clearing "
+                        "its entries", st.pod_id, st.endpoint, seq)
+            clear()
+            st.applied = st.last_ts = None
+        if st.applied is None or seq > st.applied:
+            st.caught_up_ts = None  # the live stream has passed the catch-up
     st.last_live = seq
     if st.applied is not None and seq <= st.applied:
         st.duplicates += 1  # already applied from a replay
@@ -147,6 +163,17 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
                 st.lost_batches += seq - expected
     st.suspect = False
     _apply(st, seq, batch, apply)
+
+
+async def catch_up_on_connect(st: StreamState, apply: ApplyFn, replay: ReplayFn) -> None:
+    """Everything the pod's replay buffer holds, applied before any live batch is read."""
+    got = await _replay(st, 0, replay)
+    if not got or st.applied is not None or st.last_live is not None:
+        return
+    st.lost_batches += got[0][0]  # the buffer no longer reaches back to the start
+    _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+    if st.applied is not None:
+        st.caught_up_ts = {s: b.ts for s, b in got}
 
 
 async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, replay: ReplayFn) -> None:
@@ -275,6 +302,9 @@ class KVEventSubscriber:
                 if not first:
                     st.reconnects += 1
                     st.suspect = True
+                elif st.replay_endpoint and self.catch_up_on_connect:
+                    # subscribed first, so whatever is published meanwhile waits in the SUB queue
+                    await catch_up_on_connect(st, lambda s, b: self._apply(st, b), self._replay_fn(st))
                 first = False
                 while True:
                     frames = await sock.recv_multipart()

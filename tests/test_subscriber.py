@@ -202,6 +202,63 @@ async def test_catch_up_from_the_replay_buffer_on_connect():
         await teardown(ctx, pub, sub)
 
 
+async def test_catch_up_on_connect_does_not_wait_for_an_idle_pod_to_publish():
+    # a router restarted beside an idle pod: the pod publishes nothing more, yet what its replay
+    # buffer holds must reach the index
+    ctx = zmq.asyncio.Context()
+    pub_port, rep_port = free_ports(2)
+    pub = Publisher(ctx, pub_port, rep_port)
+    t = toks(3)
+    await pub.publish([wire.stored([1, 2, 3], None, t, BS)])
+    await pub.publish([wire.stored([4], 3, toks(1, base=400), BS)])
+    ix = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(ix, context=ctx, replay_timeout_s=1.0)
+    sub.add_endpoint("pod-a", f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}", model=MODEL)
+    await sub.start()
+    try:
+        await until(lambda: blocks(ix, t) == 3)
+        s = stats(sub)
+        assert s["last_seq"] == 1 and s["replayed_batches"] == 2 and s["lost_batches"] == 0, s
+        # the next live batch follows on from the replay, without another one
+        t2 = toks(1, base=800)
+        deadline = time.monotonic() + 5
+        while blocks(ix, t2) != 1:  # PUB drops until the subscription lands: resend
+            await pub.publish([wire.stored([80], None, t2, BS)])
+            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, stats(sub)
+        assert stats(sub)["restarts"] == 0 and blocks(ix, t) == 3
+    finally:
+        await teardown(ctx, pub, sub)
+
+
+async def test_engine_restart_right_after_the_catch_up_is_told_apart_from_a_duplicate():
+    ctx = zmq.asyncio.Context()
+    pub_port, rep_port = free_ports(2)
+    pub = Publisher(ctx, pub_port, rep_port)
+    old = toks(2)
+    for i in range(4):
+        await pub.publish([wire.stored([10 + i], None, toks(1, base=500 + 10 * i), BS)])
+    await pub.publish([wire.stored([1, 2], None, old, BS)])
+    ix = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(ix, context=ctx, replay_timeout_s=1.0, reconnect_min_s=0.05)
+    sub.add_endpoint("pod-a", f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}", model=MODEL)
+    await sub.start()
+    try:
+        await until(lambda: blocks(ix, old) == 2)
+        await pub.restart()  # a new engine: its sequence numbers are below what the catch-up applied
+        new = toks(2, base=100)
+        deadline = time.monotonic() + 10
+        while blocks(ix, new) != 2:
+            await pub.publish([wire.stored([7, 8], None, new, BS)])
+            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, stats(sub)
+        s = stats(sub)
+        # recognised at its first live batch, not dropped as already applied
+        assert blocks(ix, old) == 0 and s["restarts"] == 1 and s["duplicates"] == 0, s
+    finally:
+        await teardown(ctx, pub, sub)
+
+
 async def test_engine_restart_clears_old_entries_and_the_subscriber_recovers():
     ctx, pub, ix, sub = await setup()
     try:
