@@ -20,9 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +31,10 @@ from fastapi import Request
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-BODY = json.dumps({"model": "sim-model", "prompt": "Hello, my name is", "max_tokens": 8}).encode()
+from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
+
+PROBE = {"model": "sim-model", "prompt": "Hello, my name is", "max_tokens": 8}
+BODY = json.dumps(PROBE).encode()
 ANSWER = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "sim-model",
                      "choices": [{"index": 0, "text": " Alice and I like", "finish_reason": "length",
                                   "logprobs": None}],
@@ -44,12 +44,6 @@ METRICS = (b'vllm:num_requests_waiting{model_name="sim-model",engine="0"} 0\n'
            b'vllm:num_requests_running{model_name="sim-model",engine="0"} 0\n'
            b'vllm:kv_cache_usage_perc{model_name="sim-model",engine="0"} 0\n'
            b'vllm:cache_config_info{block_size="16",engine="0"} 1\n')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,47 +220,6 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5)
 # orchestration
 # ---------------------------------------------------------------------------------------------
 
-def spawn(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(5)
-
-
-def wait_ready(port: int, path: str = "/health", timeout: float = 30.0, proc: subprocess.Popen | None = None,
-               method: str = "GET") -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"exited with {proc.returncode}: {err[-2000:]}")
-        try:
-            if method == "POST":
-                r = httpx.post(f"http://127.0.0.1:{port}{path}", content=BODY,
-                               headers={"content-type": "application/json"}, timeout=2)
-            else:
-                r = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2)
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"port {port} not ready")
-
-
 def measure(name: str, port: int, args) -> dict:
     one = asyncio.run(load(port, 1, args.seconds))
     many = asyncio.run(load(port, args.connections, args.seconds))
@@ -306,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         bport = free_port()
         backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(bport)])
         procs.append(backend)
-        wait_ready(bport, proc=backend)
         upstream = f"http://127.0.0.1:{bport}"
+        wait_ready(f"{upstream}/health", backend)
         print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, static backend on :{bport}")
         rows.append(measure("direct", bport, args))
 
@@ -317,11 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             kv = spawn([sys.executable, "-m", "router.cli", "serve", "--port", str(kport), "--pods", pods,
                         "--log-level", "error", "--workers", str(workers)])
             procs.append(kv)
-            wait_ready(kport, "/ready", proc=kv)
+            wait_ready(f"http://127.0.0.1:{kport}/ready", kv)
             if workers > 1:
                 time.sleep(2.0)  # let every worker finish starting
             rows.append(measure(f"kvroute ({workers} worker{'s' if workers > 1 else ''})", kport, args))
-            stop(kv)
+            stop_process(kv)
 
         peer = Path(args.peers_venv) / "bin" / "vllm-router"
         if "vllm-router" in skip:
@@ -332,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
                         "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"])
             procs.append(vr)
             try:
-                wait_ready(vport, "/v1/completions", proc=vr, method="POST", timeout=60)
+                wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vr, 60.0, body=PROBE)
                 rows.append(measure("vllm-router (cache_aware)", vport, args))
             except (RuntimeError, TimeoutError) as exc:
                 print(f"  vllm-router: could not run here: {exc}")
                 rows.append({"target": "vllm-router (cache_aware)", "error": str(exc)[:200]})
-            stop(vr)
+            stop_process(vr)
         else:
             print(f"  vllm-router: not installed in {args.peers_venv} (see the docstring); row skipped")
             rows.append({"target": "vllm-router (cache_aware)", "error": "not installed"})
@@ -349,12 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             px = spawn([sys.executable, __file__, "--role", f"proxy-{client}", "--port", str(pport),
                         "--upstream", upstream])
             procs.append(px)
-            wait_ready(pport, "/v1/completions", proc=px, method="POST")
+            wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
             rows.append(measure(f"bare FastAPI + {client}", pport, args))
-            stop(px)
+            stop_process(px)
     finally:
         for p in procs:
-            stop(p)
+            stop_process(p)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     direct = rows[0]

@@ -26,8 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from replay import arrivals, workloads  # noqa: E402
 from replay.runner import run  # noqa: E402
-from simulator.testing import consecutive_free_ports, running_sims  # noqa: E402
+from simulator.testing import (consecutive_free_ports, free_port, pd_pods, running_sims, spawn,  # noqa: E402
+                               stop_process, wait_ready)
 
 MODEL = "sim-model"
 RATE = float(os.environ.get("PD_RATE", 20))          # multi-turn arrivals per second
@@ -59,51 +58,6 @@ class Workload:
     objective_s: float
     duration_s: float
     compute_s_per_token: float  # the simulated pods' prefill speed (1 / tokens per s)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-
-
-def wait_ok(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0, body: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}: {log.read_text(errors='replace')[-800:]}")
-        try:
-            r = httpx.request("POST" if body else "GET", url, json=body, timeout=5.0, trust_env=False)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]}"
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready in {timeout:.0f}s: {last}")
 
 
 def sim_args(events: int, compute_s_per_token: float) -> list[str]:
@@ -123,15 +77,8 @@ def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl:
                    "--log-level", "warning"], log)
         procs.append(p)
         sidecars.append(f"http://127.0.0.1:{port}")
-        wait_ok(sidecars[-1] + "/health", p, log)
-    pods = []
-    for i, url in enumerate(urls):
-        ev = [{"endpoint": f"tcp://127.0.0.1:{events + 2 * i}", "replay": f"tcp://127.0.0.1:{events + 2 * i + 1}"}]
-        if i < 2:
-            pods.append({"id": f"prefill-{i}", "url": url, "role": "prefill", "kv_events": ev})
-        else:
-            pods.append({"id": f"decode-{i - 2}", "url": sidecars[i - 2], "metrics_url": url, "role": "decode",
-                         "kv_events": ev})
+        wait_ready(sidecars[-1] + "/health", p, log=log)
+    pods = pd_pods(urls, sidecars, events)
     port = free_port()
     log = workdir / f"router-{decider}.log"
     cfg = {"port": port, "pods": pods, "pd_decider": decider, "block_size": BLOCK, "admission": False,
@@ -142,7 +89,7 @@ def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl:
     p = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log)
     procs.append(p)
     base = f"http://127.0.0.1:{port}"
-    wait_ok(base + "/ready", p, log)
+    wait_ready(base + "/ready", p, log=log)
     return procs, base
 
 
@@ -159,7 +106,7 @@ def start_peer(urls: list[str], workdir: Path, venv: Path) -> tuple[list, str]:
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     p = spawn(cmd, log)
     base = f"http://127.0.0.1:{port}"
-    wait_ok(base + "/v1/completions", p, log, body={"model": MODEL, "prompt": "probe", "max_tokens": 1})
+    wait_ready(base + "/v1/completions", p, log=log, body={"model": MODEL, "prompt": "probe", "max_tokens": 1})
     return [p], base
 
 
@@ -176,7 +123,7 @@ def trial(target: str, wl: Workload, workdir: Path, venv: Path) -> dict[str, Any
                 procs, base = start_kvroute(target, urls, events, workdir, wl)
         except (FileNotFoundError, RuntimeError, TimeoutError, OSError) as exc:
             for p in procs:
-                stop(p)
+                stop_process(p, grace=10.0)
             return {"target": target, "workload": wl.name, "error": str(exc).splitlines()[0][:200]}
         try:
             warm_up(base)
@@ -192,7 +139,7 @@ def trial(target: str, wl: Workload, workdir: Path, venv: Path) -> dict[str, Any
                 remote, local = after[0] - before[0], after[1] - before[1]
         finally:
             for p in procs:
-                stop(p)
+                stop_process(p, grace=10.0)
     s = res.summary
     return {"target": target, "workload": wl.name, "requests": s["requests"], "completed": s["completed"],
             "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),

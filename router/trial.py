@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,10 +21,8 @@ from typing import Any, Sequence
 import httpx
 import yaml
 
-from simulator.testing import consecutive_free_ports, running_sims
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from simulator.testing import (consecutive_free_ports, free_port, running_sims, sim_kv_events, spawn, stop_process,
+                               wait_ready)
 
 @dataclass(frozen=True)
 class FleetSpec:
@@ -59,58 +54,12 @@ class Target:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
-
-
-def _wait(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0, method: str = "GET",
-          body: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}: {log_path.read_text(errors='replace')[-1500:]}")
-        try:
-            r = httpx.request(method, url, json=body, timeout=5.0, trust_env=False)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]}"
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready in {timeout:.0f}s: {last}")
-
-
 def start_router(target: Target, urls: list[str], events_port: int, fleet: FleetSpec, objective_ms: float,
                  workdir: Path, peers_venv: Path) -> tuple[subprocess.Popen, str]:
     """Start the router under test; return (process, base URL)."""
     port = free_port()
     log_path = workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
-    events = [(f"tcp://127.0.0.1:{events_port + 2 * i}", f"tcp://127.0.0.1:{events_port + 2 * i + 1}")
-              for i in range(len(urls))]
+    events = [(ev["endpoint"], ev["replay"]) for ev in (sim_kv_events(events_port, i)[0] for i in range(len(urls)))]
     if target.kind == "kvroute":
         pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model,
                  "kv_events": [{"endpoint": e, "replay": r}]} for i, (u, (e, r)) in enumerate(zip(urls, events))]
@@ -120,9 +69,9 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
                "log_level": "warning", **target.extra}
         cfg_path = workdir / f"{target.name.replace(' ', '_')}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
-        proc = _spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log_path)
+        proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log_path)
         base = f"http://127.0.0.1:{port}"
-        _wait(base + "/ready", proc, log_path)
+        wait_ready(base + "/ready", proc, 60.0, log=log_path)
         return proc, base
     exe = peers_venv / "bin" / target.kind
     if not exe.exists():
@@ -140,14 +89,14 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
     else:
         raise ValueError(f"unknown router kind {target.kind}")
     cmd += [str(a) for a in target.extra.get("args", [])]
-    proc = _spawn(cmd, log_path)
+    proc = spawn(cmd, log_path)
     base = f"http://127.0.0.1:{port}"
     probe = {"model": fleet.model, "prompt": "probe", "max_tokens": 1}
     if target.endpoint == "chat":
-        _wait(base + "/v1/chat/completions", proc, log_path, method="POST",
-              body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
+        wait_ready(base + "/v1/chat/completions", proc, 60.0, log=log_path,
+                   body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
     else:
-        _wait(base + "/v1/completions", proc, log_path, method="POST", body=probe)
+        wait_ready(base + "/v1/completions", proc, 60.0, log=log_path, body=probe)
     return proc, base
 
 
@@ -176,7 +125,7 @@ def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *
                     (workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.metrics").write_text(text)
                 except httpx.HTTPError:
                     pass
-            _stop(proc)
+            stop_process(proc, grace=10.0)
     return {"target": target, "summary": result.summary, "records": result.records, "error": None}
 
 

@@ -1,4 +1,9 @@
-"""Small helpers for tests, demos and benchmarks that start simulated pods."""
+"""Small helpers for tests, demos and benchmarks that start simulated pods, routers and sidecars.
+
+One copy of the process plumbing (free ports, starting a child in its own process group, waiting
+until it answers, stopping its whole group) so the tests, ``router.trial`` and the ``bench/``
+scripts all launch and tear down fleets the same way.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,19 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -36,6 +51,97 @@ def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200)
     raise RuntimeError(f"no run of {n} free ports found")
 
 
+def sim_kv_events(events_port: int, index: int) -> list[dict[str, str]]:
+    """The ``kv_events`` entry of pod ``index`` of a ``kvroute sim --kv-events-port P --count N`` fleet:
+    pod i publishes on P + 2i and answers replay requests on P + 2i + 1."""
+    return [{"endpoint": f"tcp://127.0.0.1:{events_port + 2 * index}",
+             "replay": f"tcp://127.0.0.1:{events_port + 2 * index + 1}"}]
+
+
+def pd_pods(urls: Sequence[str], sidecars: Sequence[str], events_port: int, prefill: int = 2,
+            **decode_extra: Any) -> list[dict[str, Any]]:
+    """Router pod entries for a P/D fleet: the first ``prefill`` sims are prefill pods, each later one a
+    decode pod reached through its sidecar (its metrics still scraped from the pod itself)."""
+    pods: list[dict[str, Any]] = []
+    for i, url in enumerate(urls):
+        ev = sim_kv_events(events_port, i)
+        if i < prefill:
+            pods.append({"id": f"prefill-{i}", "url": url, "role": "prefill", "kv_events": ev})
+        else:
+            pods.append({"id": f"decode-{i - prefill}", "url": sidecars[i - prefill], "metrics_url": url,
+                         "role": "decode", "kv_events": ev, **decode_extra})
+    return pods
+
+
+def spawn(cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` from the repository root in its own session, so ``stop_process`` can end the whole group.
+
+    Output goes to ``log`` when given; otherwise stdout is dropped and stderr kept in a pipe, for the
+    error message should it exit before it is ready.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if log is not None:
+        with open(log, "wb") as out:  # the child holds its own descriptor
+            return subprocess.Popen(list(cmd), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+    return subprocess.Popen(list(cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=full_env,
+                            start_new_session=True)
+
+
+def _output_tail(proc: subprocess.Popen, log: Path | None, chars: int = 4000) -> str:
+    if log is not None:
+        return log.read_text(errors="replace")[-chars:]
+    pipe = proc.stdout or proc.stderr
+    return pipe.read().decode(errors="replace")[-chars:] if pipe else ""
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0, *,
+               body: dict[str, Any] | None = None, log: Path | None = None, interval: float = 0.05) -> None:
+    """Poll ``url`` (GET, or POST ``body`` as JSON) until it answers 2xx.
+
+    Fails early, with the tail of the process's output (``log`` or its pipe), if ``proc`` exits first;
+    raises ``TimeoutError`` with the last answer or error after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n"
+                               f"{_output_tail(proc, log)}")
+        try:
+            r = httpx.request("POST" if body is not None else "GET", url, json=body, trust_env=False,
+                              timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))
+            if 200 <= r.status_code < 300:
+                return
+            last = f"status {r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(interval)
+    raise TimeoutError(f"{url} did not answer within {timeout:g}s: {last}")
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL after ``grace`` seconds; close its pipes."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=grace)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe:
+            pipe.close()
+
+
 @contextmanager
 def running_sims(count: int = 1, args: Sequence[str] = (), host: str = "127.0.0.1",
                  timeout: float = 30.0) -> Iterator[list[str]]:
@@ -51,26 +157,7 @@ def running_sims(count: int = 1, args: Sequence[str] = (), host: str = "127.0.0.
     try:
         deadline = time.monotonic() + timeout
         for url in urls:
-            while True:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                    raise RuntimeError(f"kvroute sim exited with {proc.returncode}: {err[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url} did not become healthy within {timeout}s")
-                time.sleep(0.05)
+            wait_ready(url + "/health", proc, timeout=max(deadline - time.monotonic(), 0.0))
         yield urls
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
-        if proc.stderr:
-            proc.stderr.close()
+        stop_process(proc)

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from simulator.testing import consecutive_free_ports, running_sims
+from simulator.testing import consecutive_free_ports, pd_pods, running_sims
 from tests.helpers import free_ports, kvroute_process
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, citing the manual. " * 20  # ~1,600 tokens
@@ -49,14 +49,7 @@ def pd_fleet():
         router_port, *side_ports = [p for p in free_ports(8) if p not in range(events, events + 8)][:3]
         router = f"http://127.0.0.1:{router_port}"
         sidecars = [f"http://127.0.0.1:{p}" for p in side_ports]
-        pods = []
-        for i, url in enumerate(urls):
-            ev = [{"endpoint": f"tcp://127.0.0.1:{events + 2 * i}", "replay": f"tcp://127.0.0.1:{events + 2 * i + 1}"}]
-            if i < 2:
-                pods.append({"id": f"prefill-{i}", "url": url, "role": "prefill", "kv_events": ev})
-            else:
-                pods.append({"id": f"decode-{i - 2}", "url": sidecars[i - 2], "metrics_url": url, "role": "decode",
-                             "kv_events": ev, "prefill_tokens_per_s": 4000})
+        pods = pd_pods(urls, sidecars, events, prefill_tokens_per_s=4000)
         args = ["serve", "--port", str(router_port), "--pods", json.dumps(pods), "--pd-decider", "predicted",
                 "--health-interval-s", "0.2", "--scrape-interval-s", "0.1", "--speculative-ttl-s", "0.05",
                 "--no-calibrate"]
