@@ -30,6 +30,7 @@ from simulator.faults import Faults
 from simulator.metrics import PodMetrics
 from simulator.request import SimRequest
 from simulator.settings import SimSettings
+from simulator.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.sim.engine")
 
@@ -149,13 +150,8 @@ class CostEngine(EngineBase):
             self._task = self.loop.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def wake(self) -> None:
         self._wake.set()

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import httpx
 
 from simulator.metrics import PodMetrics
+from simulator.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.sim.nixl")
 
@@ -103,12 +104,7 @@ class LeaseTable:
             self.expire()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
 
 
 def producer_params(*, block_ids: list[int], engine_id: str, request_id: str, host: str, port: int,

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from simulator.events import END_SEQ, KVEventsConfig, encode_batch, is_bind
 from simulator.metrics import PodMetrics
+from simulator.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.sim.events")
 
@@ -98,12 +99,7 @@ class EventPublisher:
                 log.info("replay reply failed: %s", exc)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self._pub.close(0)
         if self._router is not None:
             self._router.close(0)

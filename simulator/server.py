@@ -189,6 +189,17 @@ def parse_json(raw: bytes) -> Any:
         raise ShapeError(f"JSON decode error: {exc}") from exc
 
 
+async def read_tokenizer_request(receive: Receive, model: str) -> dict:
+    """The JSON object body of /tokenize or /detokenize, naming this pod's model or none (vLLM's checks)."""
+    body = parse_json(await read_body(receive))
+    if not isinstance(body, dict):
+        raise ShapeError("request body must be a JSON object")
+    name = body.get("model")
+    if name not in (None, "", model):
+        raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+    return body
+
+
 async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
     while True:
         message = await receive()
@@ -244,12 +255,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/tokenize")
     async def tokenize(scope, receive, send):
-        body = parse_json(await read_body(receive))
-        if not isinstance(body, dict):
-            raise ShapeError("request body must be a JSON object")
-        name = body.get("model")
-        if name not in (None, "", pod.model):
-            raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        body = await read_tokenizer_request(receive, pod.model)
         if "messages" in body:
             from simulator.openai_shapes import chat_ids_of
             ids = chat_ids_of(body, pod.tokenizer)
@@ -269,12 +275,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/detokenize")
     async def detokenize(scope, receive, send):
-        body = parse_json(await read_body(receive))
-        if not isinstance(body, dict):
-            raise ShapeError("request body must be a JSON object")
-        name = body.get("model")
-        if name not in (None, "", pod.model):
-            raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        body = await read_tokenizer_request(receive, pod.model)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
             raise ShapeError("'tokens' must be a list of non-negative integers", param="tokens")
