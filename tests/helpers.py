@@ -14,9 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from simulator.testing import free_port, stop_process, wait_ready
 
-__all__ = ["ROOT", "free_port", "free_ports", "kvroute_process", "stop_process", "wait_http"]
+__all__ = ["ROOT", "free_port", "free_ports", "kvroute_process", "metric", "stop_process", "wait_http"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,6 +36,16 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``, read from ``base``/metrics."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:

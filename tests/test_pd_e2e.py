@@ -15,21 +15,11 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import consecutive_free_ports, pd_pods, running_sims
-from tests.helpers import free_ports, kvroute_process
+from tests.helpers import free_ports, kvroute_process, metric
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, citing the manual. " * 20  # ~1,600 tokens
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def wait_for(fn, timeout: float = 10.0, interval: float = 0.05):

@@ -18,9 +18,8 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, free_ports, kvroute_process
+from tests.helpers import free_port, free_ports, kvroute_process, metric
 
 GENERATION = ("/v1/completions", "/v1/chat/completions")
 P_PARAMS_EXTRA = {"remote_request_id": "p-internal-7", "tp_size": 1, "future_field": {"nested": [1, 2]}}
@@ -154,17 +153,6 @@ class FakePod:
         return web.json_response({"id": "cmpl-d", "object": "text_completion", "model": "fake-model",
                                   "kv_transfer_params": None,
                                   "choices": [{"index": 0, "text": "decoded", "finish_reason": "stop"}]})
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    text = httpx.get(base + "/metrics", timeout=5).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def header(record: dict, name: str) -> list[str]:

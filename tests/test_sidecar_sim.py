@@ -14,22 +14,11 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import consecutive_free_ports
-from tests.helpers import free_ports, kvroute_process
+from tests.helpers import free_ports, kvroute_process, metric
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 byte tokens, 33 blocks
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=5).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def wait_metric(base: str, name: str, want: float, timeout: float = 5.0, **labels: str) -> float:

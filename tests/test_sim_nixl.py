@@ -8,21 +8,11 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import consecutive_free_ports
-from tests.helpers import kvroute_process
+from tests.helpers import kvroute_process, metric
 
 PROMPT = list(range(3000, 3200))  # 200 tokens = 12 full blocks of 16 + 8
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 @pytest.fixture(scope="module")
