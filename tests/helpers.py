@@ -6,10 +6,12 @@ wait until they answer, and stop them at the end; nothing leaves loopback.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import free_port, stop_process, wait_ready
 
-__all__ = ["ROOT", "free_port", "free_ports", "kvroute_process", "metric", "stop_process", "wait_http"]
+__all__ = ["ROOT", "free_port", "free_ports", "kvroute_process", "metric", "stop_process", "until", "wait_http"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,6 +48,15 @@ def metric(base: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+async def until(predicate, timeout: float = 5.0, what: str = "condition") -> float:
+    """Wait, without blocking the event loop, until ``predicate()`` holds; returns the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:

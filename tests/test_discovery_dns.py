@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import struct
-import time
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from router.config import RouterSettings, build_settings
 from router.discovery.dns import ResolveError, decode_answer, encode_query, system_resolve, udp_resolver
 from simulator.testing import consecutive_free_ports, running_sims
-from tests.helpers import free_port
+from tests.helpers import free_port, until
 from tests.test_router_api import running_router
 
 
@@ -66,14 +65,6 @@ async def dns():
     stub.port = port
     yield stub
     transport.close()
-
-
-async def until(predicate, timeout: float = 5.0, what: str = "condition") -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 def test_query_and_answer_wire_format():

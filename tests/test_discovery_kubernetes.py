@@ -25,7 +25,7 @@ from aiohttp import web
 from router.config import RouterSettings, build_settings
 from router.discovery.kubernetes import is_ready, pod_from_object
 from simulator.testing import consecutive_free_ports, running_sims
-from tests.helpers import free_port
+from tests.helpers import free_port, until
 from tests.test_router_api import running_router
 
 NAMESPACE = "kvroute"
@@ -179,15 +179,6 @@ def settings_for(kube: FakeKube, token_file, **kw) -> RouterSettings:
                 speculative_ttl_s=0.1, log_level="warning")
     base.update(kw)
     return build_settings(RouterSettings, base)
-
-
-async def until(predicate, timeout: float = 5.0, what: str = "condition") -> float:
-    """Wait until ``predicate()`` holds; returns the seconds it took."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 def candidates(services) -> set[str]:
