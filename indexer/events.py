@@ -33,19 +33,10 @@ class DecodeError(ValueError):
     """A frame or payload that is not a KV-event batch. Count it and drop it; never fatal."""
 
 
-# --- public event types (also the typed decoder's targets for the map form) -------------------------
-class _Event(msgspec.Struct, tag_field="type", omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_Event, tag="BlockStored"):
-    """Full blocks newly cached by one request, in prefix order.
-
-    ``token_ids`` holds the tokens of all the blocks concatenated (empty for "hash-only" events of
-    an offload tier, which must be joined to hashes already known). ``parent_block_hash`` is the
-    engine hash of the block before ``block_hashes[0]`` (None at the start of a sequence).
-    """
-
+# --- the fields of each event, in the legacy array form's positional order --------------------------
+# Shared by the map-form types below and the array-form decoder targets, so both wire forms accept
+# exactly the same fields; the order here is the array form's (and the map form's field order).
+class _StoredFields(msgspec.Struct, gc=False):
     block_hashes: list[Union[int, bytes]]
     parent_block_hash: Union[int, bytes, None] = None
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -58,12 +49,28 @@ class BlockStored(_Event, tag="BlockStored"):
     kv_cache_spec_kind: Union[str, None] = None
 
 
-class BlockRemoved(_Event, tag="BlockRemoved"):
-    """Blocks evicted from one tier (``medium``); engine hashes only."""
-
+class _RemovedFields(msgspec.Struct, gc=False):
     block_hashes: list[Union[int, bytes]]
     medium: Union[str, None] = None
     group_idx: Union[int, None] = None
+
+
+# --- public event types (also the typed decoder's targets for the map form) -------------------------
+class _Event(msgspec.Struct, tag_field="type", omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_StoredFields, _Event, tag="BlockStored"):
+    """Full blocks newly cached by one request, in prefix order.
+
+    ``token_ids`` holds the tokens of all the blocks concatenated (empty for "hash-only" events of
+    an offload tier, which must be joined to hashes already known). ``parent_block_hash`` is the
+    engine hash of the block before ``block_hashes[0]`` (None at the start of a sequence).
+    """
+
+
+class BlockRemoved(_RemovedFields, _Event, tag="BlockRemoved"):
+    """Blocks evicted from one tier (``medium``); engine hashes only."""
 
 
 class AllBlocksCleared(_Event, tag="AllBlocksCleared"):
@@ -92,23 +99,12 @@ class _ArrEvent(msgspec.Struct, array_like=True, gc=False):
     pass
 
 
-class _ArrStored(_ArrEvent, tag="BlockStored"):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None] = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
+class _ArrStored(_StoredFields, _ArrEvent, tag="BlockStored"):
+    pass
 
 
-class _ArrRemoved(_ArrEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[int, bytes]]
-    medium: Union[str, None] = None
-    group_idx: Union[int, None] = None
+class _ArrRemoved(_RemovedFields, _ArrEvent, tag="BlockRemoved"):
+    pass
 
 
 class _ArrCleared(_ArrEvent, tag="AllBlocksCleared"):
@@ -193,9 +189,8 @@ def _from_array_struct(e: Any) -> Event:
 
 
 # positional field order of the legacy array form, after the tag
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_STORED_FIELDS = _StoredFields.__struct_fields__
+_REMOVED_FIELDS = _RemovedFields.__struct_fields__
 
 
 def _decode_generic(payload: bytes) -> EventBatch:
