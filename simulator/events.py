@@ -24,12 +24,10 @@ import msgspec
 END_SEQ = b"\xff" * 8  # the replay end marker's sequence field (-1 as 8 signed big-endian bytes)
 
 
-# --- map form (vLLM >= 0.24: type-tagged maps) ---------------------------------------------------
-class _MapEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_MapEvent):
+# --- fields vLLM <= 0.23 declared, in its positional order ------------------------------------------
+# Both wire forms carry these first and in this order; the map form appends the fields later vLLM
+# versions added. Keep this list as it is: the legacy array form's positions depend on it.
+class _StoredFields(msgspec.Struct, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -39,15 +37,26 @@ class BlockStored(_MapEvent):
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+
+
+class _RemovedFields(msgspec.Struct, gc=False):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+# --- map form (vLLM >= 0.24: type-tagged maps) ---------------------------------------------------
+class _MapEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_StoredFields, _MapEvent):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
 
 
-class BlockRemoved(_MapEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
+class BlockRemoved(_RemovedFields, _MapEvent):
     locality: str | None = None
 
 
@@ -60,22 +69,12 @@ class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, omit_defaults=True,
     pass
 
 
-class LegacyBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+class LegacyBlockStored(_StoredFields, _ArrayEvent, tag="BlockStored"):
+    pass
 
 
-class LegacyBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
+class LegacyBlockRemoved(_RemovedFields, _ArrayEvent, tag="BlockRemoved"):
+    pass
 
 
 class LegacyAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
