@@ -200,6 +200,15 @@ async def read_tokenizer_request(receive: Receive, model: str) -> dict:
     return body
 
 
+async def read_lease_request(receive: Receive) -> tuple[dict, str]:
+    """The JSON body of a NIXL read or release and the request id whose lease it names."""
+    body = parse_json(await read_body(receive))
+    rid = body.get("remote_request_id") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
+    return body, rid
+
+
 async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
     while True:
         message = await receive()
@@ -306,10 +315,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/sim/nixl/read")
     async def nixl_read(scope, receive, send):
-        body = parse_json(await read_body(receive))
-        rid = body.get("remote_request_id") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
+        body, rid = await read_lease_request(receive)
         if body.get("remote_engine_id") != pod.engine_id:
             raise ShapeError(f"this is engine {pod.engine_id!r}, not {body.get('remote_engine_id')!r}",
                              status=404, param="remote_engine_id")
@@ -323,10 +329,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/sim/nixl/release")
     async def nixl_release(scope, receive, send):
-        body = parse_json(await read_body(receive))
-        rid = body.get("remote_request_id") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
+        _, rid = await read_lease_request(receive)
         await respond_json(send, 200, {"released": pod.leases.end(rid)})
 
     known_paths = {p for _, p in routes}
