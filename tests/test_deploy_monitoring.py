@@ -4,14 +4,19 @@ objects point at ports the manifests declare, and a real Prometheus server with 
 Kubernetes scrape config finds and labels the router, sidecar and model-pod targets.
 
 The exported names come from live processes on loopback (``kvroute serve``, ``kvroute sidecar``,
-``kvroute sim``) scraped at test time. promtool and prometheus come from Debian's ``prometheus``
+``kvroute sim``) scraped at test time; a second ``kvroute serve`` finds the same simulated pod through
+DNS discovery (a stub DNS server on loopback UDP), since only a router with discovery on exports the
+``kvroute_discovery_*`` series. promtool and prometheus come from Debian's ``prometheus``
 package (.ci/run installs it); a missing binary fails the tests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
+import threading
 import shutil
 import subprocess
 import sys
@@ -24,6 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import ROOT, free_ports, kvroute_process, stop_process, wait_http
+from tests.test_discovery_dns import StubDNS
 
 PROM = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
@@ -92,9 +98,29 @@ def dashboard_exprs() -> list[str]:
 # A live fleet on loopback: one simulated pod, a sidecar in front of it, a router over it.
 # ---------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def stub_dns(records: dict[str, list[str]], port: int):
+    """StubDNS (tests/test_discovery_dns.py) answering on 127.0.0.1:port from its own event loop thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="stub-dns", daemon=True)
+    thread.start()
+    try:
+        transport, stub = asyncio.run_coroutine_threadsafe(
+            loop.create_datagram_endpoint(StubDNS, local_addr=("127.0.0.1", port)), loop).result(10)
+        stub.records = records
+        try:
+            yield stub
+        finally:
+            loop.call_soon_threadsafe(transport.close)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 @pytest.fixture(scope="module")
 def live():
-    sim_port, events_port, replay_port, sidecar_port, router_port = free_ports(5)
+    sim_port, events_port, replay_port, sidecar_port, router_port, dns_router_port, dns_port = free_ports(7)
     sim_url = f"http://127.0.0.1:{sim_port}"
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
               "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv@sim-0@sim-model"}
@@ -112,7 +138,15 @@ def live():
                 r = httpx.post(f"{router_url}/v1/completions", timeout=30,
                                json={"model": "sim-model", "prompt": "hello " * 40, "max_tokens": 4})
                 assert r.status_code == 200, r.text
-                yield {"router": router_url, "sidecar": f"http://127.0.0.1:{sidecar_port}", "sim": sim_url}
+                dns_discovery = ["--discovery", "dns", "--discovery-dns-name", "sim.kvroute.test",
+                                 "--discovery-dns-server", f"127.0.0.1:{dns_port}", "--discovery-model", "sim-model",
+                                 "--discovery-http-port", str(sim_port), "--discovery-kv-events-port", str(events_port),
+                                 "--discovery-kv-events-replay-port", str(replay_port)]
+                with stub_dns({"sim.kvroute.test": ["127.0.0.1"]}, dns_port), \
+                        kvroute_process(["serve", "--port", str(dns_router_port), *dns_discovery],
+                                        ready_url=f"http://127.0.0.1:{dns_router_port}/ready"):
+                    yield {"router": router_url, "sidecar": f"http://127.0.0.1:{sidecar_port}", "sim": sim_url,
+                           "router_dns_discovery": f"http://127.0.0.1:{dns_router_port}"}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +176,8 @@ def test_alert_rules_unit_tests_pass():
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", (PROM / "alerts.test.yml").read_text()))
     assert tested >= {"KvrouteHighErrorRate", "KvrouteHighRejectionRate", "KvrouteKVEventLag",
-                      "KvroutePodWithoutKVEvents", "KvrouteTTFTPredictionError", "KvrouteRouterDown"}
+                      "KvroutePodWithoutKVEvents", "KvrouteTTFTPredictionError", "KvrouteRouterDown",
+                      "KvrouteDiscoveryStale", "KvrouteDiscoveryErrors", "KvrouteDiscoveryNoReadyPods"}
 
 
 def test_alert_rule_unit_tests_catch_a_broken_threshold(tmp_path):
@@ -214,6 +249,14 @@ def test_promql_name_extraction():
     assert metric_names('up{job="kvroute-router"} == 0') == {"up"}
 
 
+def test_only_the_router_with_discovery_on_exports_discovery_series(exported_names):
+    """Why the live fleet has a second router: a static fleet has no discovery series at all."""
+    discovery = {n for n in exported_names["router_dns_discovery"] if n.startswith("kvroute_discovery_")}
+    assert {"kvroute_discovery_pods", "kvroute_discovery_errors_total", "kvroute_discovery_relists_total",
+            "kvroute_discovery_last_sync_age_seconds"} <= discovery
+    assert not {n for n in exported_names["router"] if n.startswith("kvroute_discovery_")}
+
+
 def test_every_metric_in_the_alert_rules_is_exported(exported_names):
     known = set().union(*exported_names.values())
     for rule in alert_rules():
@@ -233,10 +276,11 @@ def test_every_metric_on_the_dashboard_is_exported(exported_names):
         assert names <= known, f"dashboard query reads metrics nobody exports: {sorted(names - known)}\n{expr}"
         used |= names
     # The dashboard covers what it promises: traffic, TTFT predicted vs observed, hit rate,
-    # rejections, per-pod load, event lag.
+    # rejections, per-pod load, event lag, discovery (pods by state, relists, watch restarts, errors).
     assert {"kvroute_requests_total", "kvroute_predicted_ttft_seconds_bucket", "kvroute_observed_ttft_seconds_bucket",
             "vllm:prefix_cache_hits_total", "kvroute_rejections_total", "vllm:num_requests_waiting",
-            "kvroute_pod_event_lag_seconds"} <= used
+            "kvroute_pod_event_lag_seconds", "kvroute_discovery_pods", "kvroute_discovery_relists_total",
+            "kvroute_discovery_watch_restarts_total", "kvroute_discovery_errors_total"} <= used
 
 
 def test_dashboard_is_importable_grafana_json():
