@@ -192,6 +192,13 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(503, "router is starting")
         return r
 
+    async def prompt_ids(r, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """tokenizer remote: the pod-tokenized prompt for plan; otherwise plan tokenizes locally."""
+        if services.remote_prompts is None:
+            return {}
+        got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))
+        return {"tokens": got.tokens, "exact": got.exact}
+
     # ---- errors --------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -246,7 +253,8 @@ def create_app(services: Services) -> FastAPI:
         authenticate(request)
         body = _parse(await _read_body(request, settings.max_body_bytes))
         kind = "chat" if "messages" in body else "completion"
-        plan = router().plan(kind, body, request.headers, dry_run=True)
+        r = router()
+        plan = r.plan(kind, body, request.headers, dry_run=True, **await prompt_ids(r, kind, body))
         return Response(orjson.dumps(explain(plan, router().block_size, policy)), media_type="application/json")
 
     # ---- proxy ---------------------------------------------------------------------------------
@@ -260,7 +268,7 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            plan = r.plan(kind, body, request.headers)
+            plan = r.plan(kind, body, request.headers, **await prompt_ids(r, kind, body))
             raw = r.pd.sanitize_body(raw, body)
             if plan.decision.verdict.admitted:
                 gate.charge_prompt(caller, plan.request.prompt_tokens)

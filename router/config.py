@@ -245,7 +245,11 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest request body accepted")
     body_timeout_s: float | None = Field(30.0, description="a request body must arrive within this many seconds "
                                          "(408 after; bounds slow clients); none = no limit")
-    tokenizer: str = Field("byte", description="'byte' or a path to a Hugging Face tokenizer.json (must match the pods)")
+    tokenizer: str = Field("byte", description="'byte', a path to a Hugging Face tokenizer.json (must match the pods), "
+                           "or 'remote' (ask a healthy pod of the model: POST /tokenize, cached)")
+    remote_tokenize_timeout_s: float = Field(0.5, gt=0, description="tokenizer remote: deadline of a pod's /tokenize; "
+                                             "past it the request is routed on load alone")
+    remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod (LRU)")
     block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
                                    "vllm:cache_config_info, else 16)")
     prefill_tokens_per_s: float = Field(20000.0, description="prior prefill rate per pod before calibration")

@@ -36,6 +36,9 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed", registry=r)
         self.estimated_cached_tokens = Counter("kvroute_estimated_cached_tokens",
                                                "Prompt tokens the index said the chosen pod had cached", registry=r)
+        self.tokenize_failures = Counter("kvroute_tokenize_failures", "Prompts a pod's /tokenize could not "
+                                         "tokenize (tokenizer: remote), routed on load alone, by reason",
+                                         ["reason"], registry=r)
         self.client_disconnects = Counter("kvroute_client_disconnects", "Streams the client left early", registry=r)
 
     def add_collector(self, collector: Collector) -> None:

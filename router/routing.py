@@ -165,12 +165,16 @@ class Router:
             ))
         return out
 
-    def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False) -> Plan:
+    def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
+             tokens: list[int] | None = None, exact: bool = True) -> Plan:
+        """``tokens`` given: the prompt was tokenized already (a pod's /tokenize); ``exact=False``
+        when they only stand in for its length, so no prefix is looked up."""
         started = time.perf_counter()
         model = self.resolve_model(body)
         objective = self.objective_s(headers)
-        tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
-        keys = self.keys_for(model, tokens)
+        if tokens is None:
+            tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
+        keys = self.keys_for(model, tokens) if exact else []
         request = RequestView(prompt_tokens=len(tokens), objective_s=objective,
                               exempt=_priority_exempt(headers.get(self.settings.priority_header), self._exempt),
                               unknown_request_tokens=self.settings.unknown_request_tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from indexer.tokens import load_tokenizer
+from indexer.tokens import ByteTokenizer, load_tokenizer
 from router.config import RouterSettings
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
@@ -31,13 +31,24 @@ class Services:
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None):
         self.settings = settings
         self.metrics = metrics or RouterMetrics()
-        self.tokenizer = load_tokenizer(settings.tokenizer)
+        remote = settings.tokenizer == "remote"
+        # remote: text and chat prompts go to a pod's /tokenize (router/remote_prompts.py); token-id
+        # prompts need no tokenizer, so the local one is never asked
+        self.tokenizer = ByteTokenizer() if remote else load_tokenizer(settings.tokenizer)
         self.registry = PodRegistry(settings.pods, scrape_interval_s=settings.scrape_interval_s,
                                     health_interval_s=settings.health_interval_s,
                                     timeout_s=settings.health_timeout_s, unhealthy_after=settings.unhealthy_after,
                                     forget_after_s=settings.forget_after_s, on_forget=self._forget_pod)
         self.dispatcher = Dispatcher(settings.connect_timeout_s, settings.read_timeout_s,
                                      settings.max_connections, settings.max_connections_per_pod)
+        self.remote_prompts: Any = None
+        if remote:
+            from router.remote_prompts import RemotePrompts
+
+            self.remote_prompts = RemotePrompts(
+                self.registry, lambda: self.dispatcher.session, settings.remote_tokenize_timeout_s,
+                settings.remote_tokenize_cache_size,
+                on_failure=lambda reason: self.metrics.tokenize_failures.labels(reason).inc())
         self.index: Any = None
         self.subscriber: Any = None
         self.router: Router | None = None

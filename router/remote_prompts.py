@@ -1,0 +1,153 @@
+"""Prompt token ids from a pod's own ``POST /tokenize`` (setting ``tokenizer: remote``).
+
+For fleets whose tokenizer files the router does not have: a healthy pod of the request's model
+tokenizes the prompt (chat messages through the model's own chat template), so the router's block
+keys are the ones the engine hashes. Answers are cached per pod (``indexer.tokens.RemoteTokenizer``,
+a bounded LRU), and the pod asked is the first healthy one of the model by id, so a repeated system
+prompt or conversation costs one round trip. Only pods of the configured fleet are ever asked; the
+request's own fields choose nothing but the model, which must be one the fleet serves.
+
+Tokenizing must never cost the client its answer: on a timeout or a bad answer the request is routed
+on load alone (no prefix keys) with a length estimate, and ``kvroute_tokenize_failures`` counts it.
+Token-id prompts are used as they are, with no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+import orjson
+
+from indexer.tokens import RemoteTokenizer
+from router.errors import APIError
+from router.prompts import _is_token_list
+
+log = logging.getLogger("kvroute")
+
+CHARS_PER_TOKEN = 4  # length estimate when the pod could not tokenize: the usual English average
+
+
+@dataclass
+class PromptIds:
+    """What plan needs: token ids, and whether they are the pods' own (prefix lookup worth doing)."""
+
+    tokens: list[int]
+    exact: bool
+
+
+class _Answer:
+    """The slice of an httpx response RemoteTokenizer reads, filled from an aiohttp one."""
+
+    def __init__(self, status: int, body: bytes):
+        self.status_code = status
+        self._body = body
+
+    @property
+    def text(self) -> str:
+        return self._body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        try:
+            return orjson.loads(self._body)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+class SessionPoster:
+    """``post(url, content=, headers=)`` over the router's shared aiohttp session, with a deadline."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float):
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def post(self, url: str, content: bytes, headers: dict[str, str]) -> _Answer:
+        session = self._session()
+        if session is None:
+            raise RuntimeError("the upstream session is not started")
+        async with session.post(url, data=content, headers=headers, timeout=self._timeout) as resp:
+            return _Answer(resp.status, await resp.read())
+
+
+def _completion_ask(body: dict[str, Any]) -> list[int] | str:
+    """The token ids of a token-id prompt, or the text to tokenize (the first of a batch)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if _is_token_list(prompt):
+            return prompt
+        first = prompt[0]
+        if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+            return first
+        if _is_token_list(first) and all(_is_token_list(p) for p in prompt):
+            return first
+    if prompt is None:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                   "token-id lists, and not empty", param="prompt")
+
+
+def _estimate(text_or_messages: Any) -> list[int]:
+    """A stand-in prompt of about the right length (ids are never looked up: exact=False)."""
+    if isinstance(text_or_messages, str):
+        chars = len(text_or_messages)
+    else:
+        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else len(orjson.dumps(m))
+                    for m in text_or_messages if isinstance(m, dict))
+    return [0] * max(1, chars // CHARS_PER_TOKEN)
+
+
+class RemotePrompts:
+    def __init__(self, registry: Any, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float,
+                 cache_size: int, on_failure: Callable[[str], None]):
+        self._registry = registry
+        self._poster = SessionPoster(session, timeout_s)
+        self._timeout_s = timeout_s
+        self._cache_size = cache_size
+        self._on_failure = on_failure
+        self._by_pod: dict[tuple[str, str, str], RemoteTokenizer] = {}
+
+    def _tokenizer_for(self, model: str) -> RemoteTokenizer | None:
+        pods = sorted((p for p in self._registry.healthy() if p.config.model == model), key=lambda p: p.id)
+        if not pods:
+            return None
+        pod = pods[0].config
+        key = (pod.id, pod.url, model)
+        tok = self._by_pod.get(key)
+        if tok is None:
+            if len(self._by_pod) > 4 * max(1, len(self._registry.pods)):  # pods came and went: start afresh
+                self._by_pod.clear()
+            tok = self._by_pod[key] = RemoteTokenizer(pod.url, model, self._poster, self._cache_size)
+        return tok
+
+    async def prompt_ids(self, kind: str, body: dict[str, Any], model: str) -> PromptIds:
+        """Token ids for ``body``; raises APIError only for a malformed prompt, never for the pod."""
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise APIError(400, "'messages' must be a non-empty list", param="messages")
+            ask: Any = messages
+        else:
+            ask = _completion_ask(body)
+            if isinstance(ask, list):
+                return PromptIds(ask, exact=True)
+        tok = self._tokenizer_for(model)
+        if tok is None:
+            self._on_failure("no_pod")
+            return PromptIds(_estimate(ask), exact=False)
+        try:
+            if kind == "chat":
+                call = tok.encode_chat(ask, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            else:
+                call = tok.encode(ask)
+            return PromptIds(await asyncio.wait_for(call, self._timeout_s), exact=True)
+        except asyncio.TimeoutError:
+            self._on_failure("timeout")
+        except Exception as exc:  # an error answer, a refused connection, a body without tokens
+            log.debug("remote tokenize on %s failed: %s", tok.base_url, exc)
+            self._on_failure("error")
+        return PromptIds(_estimate(ask), exact=False)

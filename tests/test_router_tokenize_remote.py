@@ -1,0 +1,136 @@
+"""``tokenizer: remote``: the router asks a pod of the fleet (``POST /tokenize``) for prompt ids.
+
+Real ``kvroute sim`` pods (their /tokenize applies the same chat template as their engine, and they
+publish real KV events) behind the real app; a recording aiohttp pod whose /tokenize fails or
+stalls shows that tokenizing never costs the client its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from aiohttp import web
+
+from router.config import RouterSettings, build_settings
+from simulator.testing import consecutive_free_ports, running_sims
+from tests.helpers import free_port
+from tests.test_e2e_router import fleet
+from tests.test_router_api import Pod, completion, running_router, settings_for
+
+
+def _remote_stats(services) -> tuple[int, int]:
+    toks = services.remote_prompts._by_pod.values()
+    return sum(t.hits for t in toks), sum(t.misses for t in toks)
+
+
+def _failures(text: str, reason: str) -> float:
+    line = next((ln for ln in text.splitlines() if ln.startswith(f'kvroute_tokenize_failures_total{{reason="{reason}"}}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+async def test_chat_follow_up_lands_on_the_pod_holding_its_prefix_with_pod_tokenized_prompts():
+    events = consecutive_free_ports(6)
+    with running_sims(3, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+        settings = build_settings(RouterSettings, {
+            "pods": fleet(urls, events), "port": free_port(), "tokenizer": "remote", "speculative_ttl_s": 0.2,
+            "scrape_interval_s": 0.1, "health_interval_s": 0.2})
+        async with running_router(settings) as (base, services):
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                messages = [{"role": "system", "content": "You answer in one line. " * 30},
+                            {"role": "user", "content": "What is a KV cache?"}]
+                r = await c.post("/v1/chat/completions", json={"model": "sim-model", "messages": messages,
+                                                               "max_tokens": 6})
+                assert r.status_code == 200, r.text
+                first = r.headers["x-kvroute-pod"]
+                answer = r.json()["choices"][0]["message"]["content"]
+                hits, misses = _remote_stats(services)
+                assert misses == 1 and hits == 0  # one round trip to a pod's /tokenize
+                await asyncio.sleep(0.5)  # speculative credit expires: only the pod's own events remain
+
+                follow = messages + [{"role": "assistant", "content": answer},
+                                     {"role": "user", "content": "And why does it help?"}]
+                body = {"model": "sim-model", "messages": follow, "max_tokens": 4}
+                explained = (await c.post("/debug/route", json=body)).json()
+                row = next(p for p in explained["pods"] if p["pod"] == first)
+                assert row["cached_tokens_by_tier"].get("GPU", 0) >= 700
+                assert all(p["cached_tokens_by_tier"].get("GPU", 0) == 0 for p in explained["pods"] if p["pod"] != first)
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvroute-pod"] == first
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 700
+                hits, misses = _remote_stats(services)
+                assert misses == 2 and hits == 1  # /debug/route and the request shared one answer
+                # the ids are the pod's: the router counts as many prompt tokens as the pod reports
+                assert explained["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+                # token-id prompts need no round trip
+                r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": [1, 2, 3, 4], "max_tokens": 2})
+                assert r.status_code == 200
+                assert _remote_stats(services) == (1, 2)
+                assert _failures((await c.get("/metrics")).text, "error") == 0
+
+
+class TokenizeFailingPod(Pod):
+    """A recording pod whose /tokenize answers 500 (``stall`` False) or stalls for seconds."""
+
+    stall: bool = False
+    tokenize_calls: int = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/tokenize", self.tokenize)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.tokenize_calls += 1
+        await request.read()
+        if self.stall:
+            await asyncio.sleep(3)
+        return web.json_response({"error": {"message": "tokenizer broke", "type": "InternalServerError", "code": 500}},
+                                 status=500)
+
+
+async def test_a_failing_or_stalled_tokenize_still_serves_the_request_and_counts_it():
+    pods = [TokenizeFailingPod(f"pod-{i}", free_port()) for i in range(2)]
+    for p in pods:
+        await p.start()
+    try:
+        settings = settings_for(pods, tokenizer="remote", remote_tokenize_timeout_s=0.2)
+        async with running_router(settings) as (base, services):
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                r = await c.post("/v1/completions", json=completion(prompt="a prompt the pod cannot tokenize"))
+                assert r.status_code == 200, r.text
+                assert r.headers["x-pod-name"] in ("pod-0", "pod-1")
+                r = await c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200, r.text
+                assert sum(p.tokenize_calls for p in pods) == 2
+                assert pods[0].tokenize_calls == 2  # always the same pod of the fleet is asked
+                text = (await c.get("/metrics")).text
+                assert _failures(text, "error") == 2
+                explained = (await c.post("/debug/route", json=completion(prompt="x" * 400))).json()
+                assert explained["blocks"] == 0  # no prefix lookup without the pod's ids
+                assert explained["prompt_tokens"] == 100  # a length estimate stands in
+
+                for p in pods:
+                    p.stall = True
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                r = await c.post("/v1/completions", json=completion(prompt="another prompt"))
+                assert r.status_code == 200, r.text
+                assert loop.time() - started < 2.5  # the deadline cut the stalled /tokenize short
+                assert _failures((await c.get("/metrics")).text, "timeout") == 1
+                # a malformed prompt is still the client's error, not a tokenize failure
+                r = await c.post("/v1/completions", json={"model": "m", "prompt": 5})
+                assert r.status_code == 400
+                assert r.json()["error"]["param"] == "prompt"
+    finally:
+        for p in pods:
+            await p.stop()
