@@ -14,21 +14,23 @@ from indexer.tokens import ChatTemplateError, Tokenizer
 from router.errors import APIError
 
 
-def _is_token_list(v: Any) -> bool:
+def is_token_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
-def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def completion_prompt(body: dict[str, Any]) -> list[int] | str:
+    """The prompt that routes a completion: its token ids, or the text to tokenize (for a batch of
+    prompts, the first one). Raises a 400 for anything else."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return prompt
     if isinstance(prompt, list) and prompt:
-        if _is_token_list(prompt):
+        if is_token_list(prompt):
             return prompt
         first = prompt[0]
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-            return tokenizer.encode(first)
-        if _is_token_list(first) and all(_is_token_list(p) for p in prompt):
+            return first
+        if is_token_list(first) and all(is_token_list(p) for p in prompt):
             return first
     if prompt is None:
         raise APIError(400, "'prompt' is required", param="prompt")
@@ -36,10 +38,21 @@ def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
                    "token-id lists, and not empty", param="prompt")
 
 
-def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def chat_messages(body: dict[str, Any]) -> list[Any]:
+    """The chat messages of a request; a 400 unless they are a non-empty list."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    return messages
+
+
+def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    prompt = completion_prompt(body)
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    messages = chat_messages(body)
     add_generation_prompt = body.get("add_generation_prompt", True)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=bool(add_generation_prompt))

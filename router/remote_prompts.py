@@ -23,8 +23,7 @@ import aiohttp
 import orjson
 
 from indexer.tokens import RemoteTokenizer
-from router.errors import APIError
-from router.prompts import _is_token_list
+from router.prompts import chat_messages, completion_prompt
 
 log = logging.getLogger("kvroute")
 
@@ -72,25 +71,6 @@ class SessionPoster:
             return _Answer(resp.status, await resp.read())
 
 
-def _completion_ask(body: dict[str, Any]) -> list[int] | str:
-    """The token ids of a token-id prompt, or the text to tokenize (the first of a batch)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        if _is_token_list(prompt):
-            return prompt
-        first = prompt[0]
-        if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-            return first
-        if _is_token_list(first) and all(_is_token_list(p) for p in prompt):
-            return first
-    if prompt is None:
-        raise APIError(400, "'prompt' is required", param="prompt")
-    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                   "token-id lists, and not empty", param="prompt")
-
-
 def _estimate(text_or_messages: Any) -> list[int]:
     """A stand-in prompt of about the right length (ids are never looked up: exact=False)."""
     if isinstance(text_or_messages, str):
@@ -127,12 +107,9 @@ class RemotePrompts:
     async def prompt_ids(self, kind: str, body: dict[str, Any], model: str) -> PromptIds:
         """Token ids for ``body``; raises APIError only for a malformed prompt, never for the pod."""
         if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(400, "'messages' must be a non-empty list", param="messages")
-            ask: Any = messages
+            ask: Any = chat_messages(body)
         else:
-            ask = _completion_ask(body)
+            ask = completion_prompt(body)
             if isinstance(ask, list):
                 return PromptIds(ask, exact=True)
         tok = self._tokenizer_for(model)
