@@ -12,7 +12,7 @@ import yaml
 
 from router.config import RouterSettings, build_settings
 from simulator.testing import consecutive_free_ports, running_sims
-from tests.helpers import free_port, kvroute_process
+from tests.helpers import free_port, kvroute_process, until
 from tests.test_router_api import running_router
 
 
@@ -31,23 +31,27 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
     """A served `kvroute serve` (YAML fleet) keeps a conversation on the pod that cached it, from
     the pods' own KV events, while other conversations spread over the fleet."""
     events = consecutive_free_ports(8)
-    with running_sims(4, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+    # a slow prefill (about 0.2 s for a first turn) keeps the six first turns in flight together even
+    # when a busy machine delays their sends, so the router's bookings are what spreads them
+    with running_sims(4, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+                          "--prefill-tokens-per-s", "4000"]) as urls:
         port = free_port()
         cfg = tmp_path / "router.yaml"
         cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.2,
-                                       "scrape_interval_s": 0.1}))
+                                       "scrape_interval_s": 0.1, "prefill_tokens_per_s": 4000}))
         with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"):
             base = f"http://127.0.0.1:{port}"
             with httpx.Client(base_url=base, timeout=30) as c:
+                # /ready needs one healthy pod; spreading needs all four in the candidate set
+                asyncio.run(until(lambda: c.get("/ready").json().get("healthy_pods") == 4, 20, "all pods healthy"))
                 first_pods: dict[int, str] = {}
                 histories = {}
 
-                async def first_turn(s: int) -> None:
+                async def first_turn(ac: httpx.AsyncClient, s: int) -> None:
                     messages = [{"role": "system", "content": f"You are assistant number {s}. " + "Be brief. " * 60},
                                 {"role": "user", "content": f"Question one of session {s}?"}]
-                    async with httpx.AsyncClient(base_url=base, timeout=30) as ac:
-                        r = await ac.post("/v1/chat/completions", json={"model": "sim-model", "messages": messages,
-                                                                        "max_tokens": 8, "stream": True})
+                    r = await ac.post("/v1/chat/completions", json={"model": "sim-model", "messages": messages,
+                                                                    "max_tokens": 8, "stream": True})
                     assert r.status_code == 200
                     first_pods[s] = r.headers["x-kvroute-pod"]
                     chunks = [orjson.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
@@ -55,7 +59,8 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
                     histories[s] = messages + [{"role": "assistant", "content": text}]
 
                 async def first_turns() -> None:
-                    await asyncio.gather(*(first_turn(s) for s in range(6)))
+                    async with httpx.AsyncClient(base_url=base, timeout=30) as ac:
+                        await asyncio.gather(*(first_turn(ac, s) for s in range(6)))
 
                 asyncio.run(first_turns())  # sent together, so booked work spreads them
                 assert len(set(first_pods.values())) >= 3  # new conversations spread out
