@@ -48,12 +48,16 @@ class Pod:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> None:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
+        """The pod's HTTP surface; a subclass adds to it."""
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
+
+    async def start(self) -> None:
+        app = web.Application()
+        self.routes(app)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()

@@ -77,16 +77,9 @@ class TokenizeFailingPod(Pod):
     stall: bool = False
     tokenize_calls: int = 0
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/completions", self.generate)
-        app.router.add_post("/v1/chat/completions", self.generate)
+    def routes(self, app: web.Application) -> None:
+        super().routes(app)
         app.router.add_post("/tokenize", self.tokenize)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.tokenize_calls += 1
