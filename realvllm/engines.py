@@ -1,0 +1,211 @@
+"""Real vLLM engines (the CPU build) on loopback, for tests, benchmarks and ``kvroute demo --real``.
+
+The engines run from the real-vLLM venv that ``realvllm/install.sh`` builds outside the clone (a
+cache folder keyed by the pinned versions; ``make real-vllm``), serving the tiny model it writes.
+Each engine is one ``vllm serve`` process group on free ports (HTTP, KV-event PUB and replay, the
+NIXL side channel), bound to one core, with its scratch files in a folder of the caller's; it is
+stopped by its process group. Start-up costs 25-55 s, so start several at once (``start_all``)
+and share them across tests.
+
+What each engine is told, and why (facts measured on this 2-core machine):
+
+* ``--block-size 32``: the CPU attention backend wants multiples of 32;
+* ``-O0``: no compilation, ready in about 23 s instead of about 50 s;
+* ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), ``VLLM_CPU_OMP_THREADS_BIND=<core>``: two engines, one core each;
+* ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``: there is no hub to reach;
+* KV events on ZeroMQ with a replay socket, topic ``kv@<name>@<model>``;
+* for P/D, ``NixlConnector`` with ``kv_buffer_device: cpu`` and a side-channel port of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from simulator.testing import ROOT, free_port, stop_process, wait_ready
+
+INSTALL_SCRIPT = ROOT / "realvllm" / "install.sh"
+MODEL_NAME = "tiny-llama"
+BLOCK_SIZE = 32
+
+
+class RealVLLMUnavailable(RuntimeError):
+    """The real-vLLM environment is not built (run ``make real-vllm``)."""
+
+
+@dataclass(frozen=True)
+class RealEnv:
+    """Where the real-vLLM venv and the tiny model live."""
+
+    home: Path
+    python: Path
+    vllm: Path
+    model: Path
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.model / "tokenizer.json"
+
+
+def install(quiet: bool = False) -> RealEnv:
+    """Build the environment if it is not built yet (idempotent; about 2 minutes the first time)."""
+    out = subprocess.run(["bash", str(INSTALL_SCRIPT)], check=False, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None)
+    if out.returncode != 0:
+        raise RealVLLMUnavailable(f"realvllm/install.sh failed with exit code {out.returncode}")
+    return _env_at(Path(out.stdout.strip().splitlines()[-1]))
+
+
+def find() -> RealEnv:
+    """The built environment (without building it); raises ``RealVLLMUnavailable`` when missing."""
+    out = subprocess.run(["bash", str(INSTALL_SCRIPT), "--where"], check=False, text=True, stdout=subprocess.PIPE)
+    home = Path(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
+    if home is None:
+        raise RealVLLMUnavailable("cannot locate the real-vLLM folder")
+    return _env_at(home)
+
+
+def _env_at(home: Path) -> RealEnv:
+    venv = home / "venv"
+    models = sorted(home.glob("tiny-model-v*/.complete"))
+    if not (venv / ".installed").is_file() or not models:
+        raise RealVLLMUnavailable(f"the real-vLLM environment is not built under {home}: run `make real-vllm`")
+    return RealEnv(home=home, python=venv / "bin" / "python", vllm=venv / "bin" / "vllm", model=models[-1].parent)
+
+
+@dataclass
+class Engine:
+    """One ``vllm serve`` process (group) and the ports it owns; ``start``/``stop``/``kill`` by PID."""
+
+    env: RealEnv
+    name: str
+    scratch: Path
+    core: int | None = None
+    nixl: bool = False
+    num_gpu_blocks: int | None = None
+    max_model_len: int = 4096
+    extra_args: Sequence[str] = ()
+    host: str = "127.0.0.1"
+    port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    nixl_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def topic(self) -> str:
+        return f"kv@{self.name}@{MODEL_NAME}"
+
+    @property
+    def log(self) -> Path:
+        return self.scratch / f"{self.name}.log"
+
+    def kv_events(self) -> list[dict[str, str]]:
+        """The router's ``kv_events`` entry for this engine."""
+        return [{"endpoint": f"tcp://{self.host}:{self.events_port}", "replay": f"tcp://{self.host}:{self.replay_port}",
+                 "topic": self.topic}]
+
+    def command(self) -> list[str]:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
+                  "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": self.topic}
+        cmd = [str(self.env.vllm), "serve", str(self.env.model), "--served-model-name", MODEL_NAME,
+               "--host", self.host, "--port", str(self.port), "--block-size", str(BLOCK_SIZE), "-O0",
+               "--dtype", "bfloat16", "--seed", "0", "--max-model-len", str(self.max_model_len),
+               "--max-num-seqs", "32", "--kv-events-config", json.dumps(events), "--disable-uvicorn-access-log"]
+        if self.num_gpu_blocks:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.nixl:
+            cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                                        "kv_buffer_device": "cpu"})]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        tmp = self.scratch / f"{self.name}-tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+        env.update({
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+            "VLLM_CONFIG_ROOT": str(tmp / "vllm-config"), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+            "TMPDIR": str(tmp), "HF_HOME": str(tmp / "hf"), "PYTHONUNBUFFERED": "1",
+            "PYTHONHASHSEED": "0",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+        })
+        if self.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+        return env
+
+    def start(self) -> "Engine":
+        """Start the process (not waiting for it to be ready: see ``wait``)."""
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        with open(self.log, "ab") as out:
+            out.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(self.command(), cwd=self.scratch, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True)
+        return self
+
+    def wait(self, timeout: float = 240.0) -> "Engine":
+        assert self.proc is not None, f"{self.name} was never started"
+        wait_ready(self.url + "/health", self.proc, timeout=timeout, log=self.log, interval=0.5)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the engine's process group, SIGKILL after a grace period."""
+        if self.proc is not None:
+            stop_process(self.proc, grace=15.0)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, as far as the router can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def start_all(engines: Sequence[Engine], timeout: float = 300.0) -> list[Engine]:
+    """Start every engine at once and wait for all; on failure stop them all and raise with the log."""
+    for e in engines:
+        e.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for e in engines:
+            e.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return list(engines)
+
+
+def stop_all(engines: Sequence[Engine], remove_scratch: bool = False) -> None:
+    for e in engines:
+        e.stop()
+    if remove_scratch:
+        for e in engines:
+            shutil.rmtree(e.scratch / f"{e.name}-tmp", ignore_errors=True)
+
+
+def router_pod(engine: Engine, role: str = "both", **extra: Any) -> dict[str, Any]:
+    """A router ``pods`` entry for ``engine``."""
+    return {"id": engine.name, "url": engine.url, "model": MODEL_NAME, "role": role,
+            "kv_events": engine.kv_events(), **extra}

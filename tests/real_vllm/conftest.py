@@ -1,0 +1,128 @@
+"""Real vLLM engines (CPU build) for the ``real_vllm`` tests, started once per session and shared.
+
+Start-up costs 25-55 s an engine, so the engines live for the whole session and every test module
+that needs them asks for a fixture: ``agg_engines`` (two aggregated engines with KV events and
+replay, a small KV cache so eviction is reachable) and ``pd_engines`` (a prefill and a decode
+engine joined by NIXL). The real-vLLM environment must be built (``make real-vllm``; ``make test``
+builds it): when it is missing these tests fail with that instruction, they are never skipped.
+Deselect them with ``-m "not real_vllm"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from realvllm import engines as rv
+
+# 256 blocks of 32 tokens: 8,192 tokens of KV cache per engine, so a test can force eviction
+AGG_BLOCKS = 256
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.real_vllm)
+            item.add_marker(pytest.mark.timeout(600))
+
+
+@pytest.fixture(scope="session")
+def real_env() -> rv.RealEnv:
+    try:
+        return rv.find()
+    except rv.RealVLLMUnavailable as exc:
+        pytest.fail(f"{exc} (or deselect these tests with -m 'not real_vllm')", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("real-vllm")
+
+
+@pytest.fixture(scope="session")
+def agg_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
+    """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each."""
+    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS) for i in range(2)]
+    rv.start_all(engines)
+    try:
+        yield engines
+    finally:
+        rv.stop_all(engines)
+
+
+@pytest.fixture(scope="session")
+def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
+    """A prefill engine (core 0) and a decode engine (core 1) joined by NIXL, both with KV events."""
+    engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True) for i, name in enumerate(("prefill", "decode"))]
+    rv.start_all(engines)
+    try:
+        yield engines
+    finally:
+        rv.stop_all(engines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the router (and sidecars) in front of real engines
+# ---------------------------------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests.helpers import free_port, kvroute_process  # noqa: E402
+
+
+def engine_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of an engine's samples called ``name`` (vLLM's names, e.g. ``vllm:prefix_cache_hits_total``)."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition", interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) -> Iterator[str]:
+    """``kvroute serve`` (a child process, stopped by PID) in front of ``pods``; yields its base URL once
+    every pod is healthy."""
+    port = free_port()
+    cfg = tmp_path / f"router-{port}.yaml"
+    cfg.write_text(yaml.safe_dump({"port": port, "pods": pods, "scrape_interval_s": 0.2, "health_interval_s": 0.5,
+                                   "log_level": "info", **settings}))
+    base = f"http://127.0.0.1:{port}"
+    with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=30):
+        wait_for(lambda: httpx.get(base + "/ready", timeout=5).json().get("healthy_pods") == len(pods), 30,
+                 "every pod healthy")
+        yield base
+
+
+def debug_route(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(base + "/debug/route", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached_tokens(base: str, body: dict[str, Any], pod: str) -> int:
+    """What the router believes ``pod`` holds of ``body``'s prompt (every tier)."""
+    row = next(p for p in debug_route(base, body)["pods"] if p["pod"] == pod)
+    return int(sum(row["cached_tokens_by_tier"].values()))
+
+
+def run(coro):
+    return asyncio.run(coro)
