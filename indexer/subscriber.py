@@ -13,6 +13,11 @@ another. Per stream, by sequence number:
   batches are counted as lost.
 * ``seq`` not above the last live one: the engine restarted (sequences restart at 0). The rank's
   entries are cleared before the new batch applies (and its own missed start replayed).
+* a reconnect of the SUB after a disconnect (``verify_after_reconnect``): the publisher may be a
+  restarted engine, so its replay buffer is asked at once whether it still holds our last batch;
+  if not, the pod's rank is cleared and rebuilt from the buffer. Waiting for the next live batch
+  instead would leave an idle restarted engine's old entries in place, and the first batch after a
+  reconnect can be lost before the subscription reaches the new publisher.
 * on connect (``catch_up_on_connect``): catch up from the replay buffer (from 0) at once, not
   on the pod's next batch: an idle pod publishes nothing, and a router restarted beside it would
   otherwise never learn what it holds. Live batches already covered by that replay are dropped
@@ -79,6 +84,9 @@ class StreamState:
     last_event_mono: float | None = None
     lag_s: float | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+    # the live reader and the reconnect check take turns: both move ``applied`` and may clear
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def snapshot(self, now_mono: float) -> dict[str, Any]:
         return {
@@ -174,6 +182,39 @@ async def catch_up_on_connect(st: StreamState, apply: ApplyFn, replay: ReplayFn)
     _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
     if st.applied is not None:
         st.caught_up_ts = {s: b.ts for s, b in got}
+
+
+async def verify_after_reconnect(st: StreamState, apply: ApplyFn, clear: ClearFn, replay: ReplayFn) -> None:
+    """The SUB reconnected to its publisher, which may be a restarted engine: ask its replay buffer
+    now rather than wait for its next live batch (an idle engine publishes none, and the first batch
+    after a reconnect can be lost before the subscription reaches the new publisher).
+
+    The buffer still holding our last batch as we saw it: the same engine; apply what we missed.
+    Anything else (an empty buffer, a different batch under our number, a buffer that starts past
+    it): the pod is cleared and rebuilt from what the buffer holds."""
+    if st.applied is None:
+        return
+    got = await _replay(st, st.applied, replay)
+    if got is None:
+        return  # nothing reliable; the next live batch is still checked (st.suspect)
+    if got and got[0][0] == st.applied and got[0][1].ts == st.last_ts:
+        _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
+        st.suspect = False
+        return
+    st.restarts += 1
+    log.warning("pod %s (%s): after a reconnect the replay buffer does not hold our last batch %d: engine "
+                "restarted, clearing and rebuilding", st.pod_id, st.endpoint, st.applied)
+    clear()
+    st.applied = st.last_ts = st.last_live = None
+    st.caught_up_ts = None
+    if got and got[0][0] > 0:
+        got = await _replay(st, 0, replay) or got
+    if got:
+        st.lost_batches += got[0][0]
+        _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+        # live batches this replay already covered are duplicates if their timestamps match
+        st.caught_up_ts = {s: b.ts for s, b in got}
+    st.suspect = False
 
 
 async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, replay: ReplayFn) -> None:
@@ -298,19 +339,20 @@ class KVEventSubscriber:
                     sock.bind(st.endpoint)
                 else:
                     sock.connect(st.endpoint)
-                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+                    st.watcher = asyncio.get_running_loop().create_task(self._watch(st, monitor),
+                                                                        name=f"kv-events-monitor:{st.pod_id}")
                 if not first:
                     st.reconnects += 1
                     st.suspect = True
                 elif st.replay_endpoint and self.catch_up_on_connect:
                     # subscribed first, so whatever is published meanwhile waits in the SUB queue
-                    await catch_up_on_connect(st, lambda s, b: self._apply(st, b), self._replay_fn(st))
+                    async with st.lock:
+                        await catch_up_on_connect(st, lambda s, b: self._apply(st, b), self._replay_fn(st))
                 first = False
                 while True:
                     frames = await sock.recv_multipart()
                     backoff = self.reconnect_min_s
-                    if monitor is not None:
-                        _drain_monitor(st, monitor)
                     await self._on_frames(st, frames)
             except asyncio.CancelledError:
                 raise
@@ -320,6 +362,10 @@ class KVEventSubscriber:
             except Exception:
                 log.exception("pod %s: KV event stream %s failed; retrying in %.1fs", st.pod_id, st.endpoint, backoff)
             finally:
+                if st.watcher is not None:
+                    st.watcher.cancel()
+                    await asyncio.gather(st.watcher, return_exceptions=True)
+                    st.watcher = None
                 if monitor is not None:
                     try:
                         sock.disable_monitor()
@@ -329,6 +375,24 @@ class KVEventSubscriber:
                 sock.close(linger=0)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)
+
+    async def _watch(self, st: StreamState, monitor: zmq.asyncio.Socket) -> None:
+        """The SUB's connection events: a disconnect marks the stream suspect; the reconnect after it
+        checks the publisher's replay buffer at once (``verify_after_reconnect``)."""
+        while True:
+            try:
+                msg = parse_monitor_message(await monitor.recv_multipart())
+            except ValueError:
+                continue
+            if msg.get("event") == zmq.EVENT_DISCONNECTED:
+                st.disconnects += 1
+                st.suspect = True
+            elif msg.get("event") == zmq.EVENT_CONNECTED and st.suspect and st.replay_endpoint:
+                async with st.lock:
+                    if st.suspect:
+                        await verify_after_reconnect(st, lambda s, b: self._apply(st, b),
+                                                     lambda: self.index.clear_pod(st.pod_id, st.dp_rank or 0),
+                                                     self._replay_fn(st))
 
     async def _on_frames(self, st: StreamState, frames: list[bytes]) -> None:
         try:
@@ -342,7 +406,8 @@ class KVEventSubscriber:
         replay = None
         if st.replay_endpoint and (st.applied is not None or st.last_live is not None or self.catch_up_on_connect):
             replay = self._replay_fn(st)
-        await handle_live(st, seq, batch, lambda s, b: self._apply(st, b), lambda: self._clear(st, batch), replay)
+        async with st.lock:
+            await handle_live(st, seq, batch, lambda s, b: self._apply(st, b), lambda: self._clear(st, batch), replay)
 
     def _replay_fn(self, st: StreamState) -> ReplayFn:
         async def replay(start: int) -> list[tuple[int, EventBatch]] | None:
@@ -359,20 +424,6 @@ class KVEventSubscriber:
 
     def _clear(self, st: StreamState, batch: EventBatch) -> None:
         self.index.clear_pod(st.pod_id, self._rank(st, batch))
-
-
-def _drain_monitor(st: StreamState, monitor: zmq.Socket) -> None:
-    """Note (without blocking) whether the SUB lost its connection since the last batch: libzmq
-    reconnects by itself, and the publisher on the other side may be a restarted engine."""
-    sync = zmq.Socket.shadow(monitor.underlying)  # a plain view of the same socket: no futures
-    while True:
-        try:
-            msg = parse_monitor_message(sync.recv_multipart(flags=zmq.NOBLOCK))
-        except (zmq.ZMQError, ValueError):  # zmq.Again: nothing more to read
-            return
-        if msg.get("event") == zmq.EVENT_DISCONNECTED:
-            st.disconnects += 1
-            st.suspect = True
 
 
 def _count_decode_error(st: StreamState) -> None:

@@ -306,6 +306,31 @@ async def test_restart_hidden_behind_a_forward_jump_is_detected_by_replay():
         await teardown(ctx, pub, sub)
 
 
+async def test_idle_restarted_engine_is_cleared_on_reconnect_without_a_live_batch():
+    """An engine that restarts and then publishes nothing (idle, or its first batch lost before the
+    subscription reached it) is found out when the SUB reconnects: its replay buffer does not hold
+    our last batch, so the pod's entries go without waiting for traffic."""
+    ctx, pub, ix, sub = await setup()
+    try:
+        await connected(pub, sub, ix)
+        old = toks(2)
+        await pub.publish([wire.stored([1, 2], None, old, BS)])
+        await until(lambda: blocks(ix, old) == 2)
+        await pub.stop()
+        pub._start()  # a new engine on the same ports, with an empty replay buffer, silent
+        await until(lambda: blocks(ix, old) == 0, timeout=10)
+        assert stats(sub)["restarts"] == 1
+        new = toks(2, base=100)
+        deadline = time.monotonic() + 10
+        while blocks(ix, new) != 2:  # and its first batches are indexed from sequence 0 on
+            await pub.publish([wire.stored([7, 8], None, new, BS)])
+            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, stats(sub)
+        assert stats(sub)["restarts"] == 1
+    finally:
+        await teardown(ctx, pub, sub)
+
+
 async def test_restart_landing_exactly_on_the_next_sequence_is_detected():
     ctx, pub, ix, sub = await setup()
     try:
