@@ -31,6 +31,10 @@ class RouterMetrics:
                                        buckets=TTFT_BUCKETS, registry=r)
         self.prediction_error = Histogram("kvroute_ttft_prediction_error_seconds",
                                           "Absolute error of the TTFT prediction", buckets=TTFT_BUCKETS, registry=r)
+        # _sum / _count of this one is the mean absolute percentage error (MAPE) of the predictions
+        self.prediction_relative_error = Histogram(
+            "kvroute_ttft_prediction_relative_error", "Absolute error of the TTFT prediction over the observed TTFT",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0), registry=r)
         self.rejections = Counter("kvroute_rejections", "Requests rejected, by reason", ["reason"], registry=r)
         self.retries = Counter("kvroute_retries", "Requests retried on another pod, by cause", ["cause"], registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed", registry=r)

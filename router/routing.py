@@ -238,6 +238,8 @@ class Router:
             ttft = self._clock() - booking.sent_at
             self.metrics.observed_ttft.observe(ttft)
             self.metrics.prediction_error.observe(abs(ttft - booking.predicted_ttft_s))
+            if ttft > 0:
+                self.metrics.prediction_relative_error.observe(abs(ttft - booking.predicted_ttft_s) / ttft)
             if booking.pd is None or booking.pd.mode == "local":  # remote: learnt from the sidecar's report
                 self.calibrator.observe(booking.pod_id, booking.work_tokens, ttft)
 
