@@ -19,15 +19,17 @@ What each engine is told, and why (facts measured on this 2-core machine):
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from simulator.testing import ROOT, free_port, stop_process, wait_ready
 
@@ -91,6 +93,7 @@ class Engine:
     nixl: bool = False
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: /reset_prefix_cache and the other dev endpoints
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
@@ -143,6 +146,8 @@ class Engine:
             "PYTHONHASHSEED": "0",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
         })
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         return env
@@ -182,19 +187,52 @@ class Engine:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
+@contextmanager
+def start_lock(env: RealEnv, timeout: float = 900.0) -> Iterator[None]:
+    """One engine start-up at a time on this machine, across processes.
+
+    Starting an engine is CPU-bound for tens of seconds (imports, weights, KV cache set-up); several
+    test sessions or benchmarks starting engines at once on a 2-core machine each take minutes
+    instead. Running engines do not hold the lock."""
+    with open(env.home / ".start.lock", "w") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {env.home / '.start.lock'} for {timeout:g}s")
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def start_all(engines: Sequence[Engine], timeout: float = 300.0) -> list[Engine]:
-    """Start every engine at once and wait for all; on failure stop them all and raise with the log."""
-    for e in engines:
-        e.start()
-    deadline = time.monotonic() + timeout
-    try:
+    """Start the engines together (one core each) and wait for all; on failure stop them all and raise
+    with the log. Holds ``start_lock`` meanwhile."""
+    if not engines:
+        return []
+    with start_lock(engines[0].env):
         for e in engines:
-            e.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
+            e.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for e in engines:
+                e.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            for e in engines:
+                e.stop()
+            raise
     return list(engines)
+
+
+def restart(engine: Engine, timeout: float = 300.0) -> Engine:
+    """Start a stopped or killed engine again on the same ports and wait until it is ready."""
+    with start_lock(engine.env):
+        return engine.start().wait(timeout)
 
 
 def stop_all(engines: Sequence[Engine], remove_scratch: bool = False) -> None:

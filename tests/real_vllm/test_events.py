@@ -1,0 +1,121 @@
+"""KV events from real engines into the router's index: live, replayed on connect, after a
+prefix-cache reset (AllBlocksCleared), under eviction (BlockRemoved), and across an engine restart.
+
+Each test compares what the router credits a pod for a prompt (``/debug/route``) with what the
+engine then reports as a prefix-cache hit for it (``vllm:prefix_cache_hits_total``), so a wrong
+reading of vLLM's events fails here even when our own simulator agrees with it.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from realvllm.engines import MODEL_NAME, restart, router_pod
+from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_for
+
+WORDS = ("kilo lima mike november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu "
+         "amber basalt cobalt dune ember fjord garnet harbor").split()
+
+
+def text(tag: str, words: int) -> str:
+    """Distinct per ``tag`` from its first word on, so tests sharing an engine never share a prefix."""
+    h = sum(ord(c) * 31 ** i for i, c in enumerate(tag))
+    return f"[{tag}] " + " ".join(WORDS[(h + i * (h % 7 + 2)) % len(WORDS)] for i in range(words))
+
+
+def completion(prompt: str, max_tokens: int = 2) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def send(url: str, body: dict) -> httpx.Response:
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def hits_for(url: str, body: dict) -> float:
+    """Send ``body`` straight to the engine; the prefix-cache hits it reported for it."""
+    before = engine_metric(url, "vllm:prefix_cache_hits_total")
+    send(url, body)
+    return engine_metric(url, "vllm:prefix_cache_hits_total") - before
+
+
+def index_blocks(base: str, pod: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'kvroute_pod_index_blocks{{pod="{pod}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_router_started_after_the_engine_catches_up_from_replay(agg_engines, real_env, tmp_path):
+    """Blocks the engine cached before the router existed are learnt from its replay socket."""
+    engine = agg_engines[0]
+    prompt = text("replay", 400)
+    send(engine.url, completion(prompt))  # nobody is subscribed yet
+    follow = completion(prompt + " " + text("replay-2", 200))
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        wait_for(lambda: cached_tokens(base, follow, engine.name) > 0, 15, "catch-up from the replay socket")
+        credited = cached_tokens(base, follow, engine.name)
+        observed = hits_for(engine.url, follow)
+        print(f"credited {credited}, engine hit {observed}")
+        assert credited == observed > 0
+
+
+def test_prefix_cache_reset_empties_the_pods_index(agg_engines, real_env, tmp_path):
+    """``/reset_prefix_cache`` makes the engine publish AllBlocksCleared; the pod's entries go."""
+    engine = agg_engines[0]
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        prompt = completion(text("reset", 400))
+        send(engine.url, prompt)
+        wait_for(lambda: cached_tokens(base, prompt, engine.name) > 0, 10, "the prompt indexed")
+        assert index_blocks(base, engine.name) > 0
+        r = httpx.post(engine.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        send(engine.url, completion(text("reset-step", 10)))  # the event goes out on the engine's next step
+        wait_for(lambda: cached_tokens(base, prompt, engine.name) == 0, 10, "the index emptied")
+        assert hits_for(engine.url, prompt) == 0  # the engine agrees: nothing of it was left
+
+
+def test_eviction_removes_entries_as_the_engine_evicts(agg_engines, real_env, tmp_path):
+    """With 256 blocks of KV cache, later prompts evict an earlier one (BlockRemoved); the router's
+    credit for it then matches what the engine still holds."""
+    engine = agg_engines[1]
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        victim = completion(text("victim", 500))
+        send(engine.url, victim)
+        wait_for(lambda: cached_tokens(base, victim, engine.name) > 0, 10, "the victim indexed")
+        full = cached_tokens(base, victim, engine.name)
+        for i in range(6):  # about 10,000 tokens (500 words are about 1,700 tokens), more than the engine's 8,192-token cache can keep
+            send(engine.url, completion(text(f"evict-{i}", 500)))
+        wait_for(lambda: cached_tokens(base, victim, engine.name) < full, 10, "the victim's blocks removed")
+        credited = cached_tokens(base, victim, engine.name)
+        observed = hits_for(engine.url, victim)
+        print(f"victim: {full} tokens credited before eviction, {credited} after; engine hit {observed}")
+        assert credited == observed
+
+
+def test_engine_restart_clears_the_pod_and_rebuilds_it(agg_engines, real_env, tmp_path):
+    """An engine killed and started again comes back with an empty cache and sequence numbers from 0:
+    the router clears the pod on its first new batch (not on a health timeout, which is set out of
+    reach here) and indexes what it caches from then on."""
+    engine = agg_engines[1]
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05, forget_after_s=3600, event_silence_s=0) as base:
+        before = completion(text("before-restart", 400))
+        send(engine.url, before)
+        wait_for(lambda: cached_tokens(base, before, engine.name) > 0, 10, "the prompt indexed")
+        engine.kill()
+        restart(engine)
+        after = completion(text("after-restart", 400))
+        send(engine.url, after)
+        wait_for(lambda: cached_tokens(base, before, engine.name) == 0, 15, "the pod's old entries cleared")
+        wait_for(lambda: cached_tokens(base, after, engine.name) > 0, 15, "the new prompt indexed")
+        follow = completion(after["prompt"] + " " + text("after-restart-2", 200))
+        credited = cached_tokens(base, follow, engine.name)
+        observed = hits_for(engine.url, follow)
+        print(f"after restart: credited {credited}, engine hit {observed}")
+        assert credited == observed > 0
+        assert hits_for(engine.url, before) == 0  # the engine lost it too
