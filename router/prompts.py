@@ -1,16 +1,19 @@
 """The token ids of a request's prompt, tokenized the way the pods tokenize it.
 
-Token-id prompts are used as they are. Text prompts and chat messages go through the configured
-local tokenizer (chat via its chat template, then encoded without special tokens, as vLLM does for
-chat), so the router's block keys match what the pods cache. For a batch of prompts the first one
-routes the request.
+Token-id prompts are used as they are. Text prompts go through the configured local tokenizer with
+the request's ``add_special_tokens`` (default true, as vLLM's completions); chat requests are
+rendered as vLLM 0.32 renders them (``indexer.tokens.chat_request_ids``: tools, documents,
+chat_template_kwargs, continue_final_message, add_special_tokens default false), so the router's
+block keys match what the pods cache. A request carrying its own chat template is a 400 here, as
+in vLLM without ``--trust-request-chat-template`` (the router will not run a client's template);
+with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one routes the request.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from indexer.tokens import ChatTemplateError, Tokenizer
+from indexer.tokens import ChatRequest, ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
 from router.errors import APIError
 
 
@@ -46,19 +49,37 @@ def chat_messages(body: dict[str, Any]) -> list[Any]:
     return messages
 
 
+def check_chat(body: dict[str, Any]) -> ChatRequest:
+    """The chat fields of a request checked as vLLM checks them (a 400 otherwise), for
+    ``tokenizer: remote``: a request's own chat template is left to the pod to accept or refuse."""
+    chat_messages(body)
+    try:
+        return ChatRequest.from_body(body, trust_request_template=True)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def add_special_tokens(body: dict[str, Any]) -> bool:
+    """A completion's ``add_special_tokens`` (default true); a 400 unless a boolean."""
+    try:
+        return completion_add_special_tokens(body)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
 def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     prompt = completion_prompt(body)
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens(body))
+    return prompt
 
 
 def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    messages = chat_messages(body)
-    add_generation_prompt = body.get("add_generation_prompt", True)
+    chat_messages(body)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=bool(add_generation_prompt))
+        return chat_request_ids(body, tokenizer)
     except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+        raise APIError(400, str(exc), param=exc.param) from exc
 
 
 def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:

@@ -9,7 +9,12 @@ request's own fields choose nothing but the model, which must be one the fleet s
 
 Tokenizing must never cost the client its answer: on a timeout or a bad answer the request is routed
 on load alone (no prefix keys) with a length estimate, and ``kvroute_tokenize_failures`` counts it.
-Token-id prompts are used as they are, with no round trip.
+Token-id prompts are used as they are, with no round trip. Text prompts carry the request's
+``add_special_tokens``; chat requests are checked as the local path checks them (a 400 for bad
+input) and sent with every field that changes the rendered prompt (tools, chat_template_kwargs,
+continue_final_message, add_special_tokens, chat_template; documents and reasoning_effort, which
+vLLM's /tokenize lacks, inside chat_template_kwargs where the chat endpoint merges them):
+``indexer.tokens.tokenize_chat_body``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import aiohttp
 import orjson
 
 from indexer.tokens import RemoteTokenizer
-from router.prompts import chat_messages, completion_prompt
+from router.prompts import add_special_tokens, check_chat, completion_prompt
 
 log = logging.getLogger("kvroute")
 
@@ -107,20 +112,22 @@ class RemotePrompts:
     async def prompt_ids(self, kind: str, body: dict[str, Any], model: str) -> PromptIds:
         """Token ids for ``body``; raises APIError only for a malformed prompt, never for the pod."""
         if kind == "chat":
-            ask: Any = chat_messages(body)
+            check_chat(body)
+            ask: Any = body["messages"]
         else:
             ask = completion_prompt(body)
             if isinstance(ask, list):
                 return PromptIds(ask, exact=True)
+            special = add_special_tokens(body)
         tok = self._tokenizer_for(model)
         if tok is None:
             self._on_failure("no_pod")
             return PromptIds(_estimate(ask), exact=False)
         try:
             if kind == "chat":
-                call = tok.encode_chat(ask, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                call = tok.encode_chat_request(body)
             else:
-                call = tok.encode(ask)
+                call = tok.encode(ask, add_special_tokens=special)
             return PromptIds(await asyncio.wait_for(call, self._timeout_s), exact=True)
         except asyncio.TimeoutError:
             self._on_failure("timeout")

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.tokens import ChatTemplateError, Tokenizer
+from indexer.tokens import ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout", 409: "ConflictError",
@@ -83,7 +83,11 @@ def prompt_ids_of(body: dict, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ShapeError("'prompt' must not be empty", param="prompt")
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        try:
+            add_special = completion_add_special_tokens(body)
+        except ChatTemplateError as exc:
+            raise ShapeError(str(exc), param=exc.param) from exc
+        return tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, list):
         if not prompt:
             raise ShapeError("'prompt' must not be empty", param="prompt")
@@ -96,23 +100,16 @@ def prompt_ids_of(body: dict, tokenizer: Tokenizer) -> list[int]:
     raise ShapeError("'prompt' must be a string, a list of token ids or a list of one of those", param="prompt")
 
 
-def chat_ids_of(body: dict, tokenizer: Tokenizer) -> list[int]:
+def chat_ids_of(body: dict, tokenizer: Tokenizer, api: str = "chat") -> list[int]:
+    """A chat request's prompt ids, rendered as vLLM renders them (``indexer.tokens.chat_request_ids``;
+    ``api`` "tokenize" for /tokenize's chat form, which takes no documents or reasoning_effort)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ShapeError("'messages' must be a non-empty list", param="messages")
-    add_gen = body.get("add_generation_prompt", True)
-    if not isinstance(add_gen, bool):
-        raise ShapeError("'add_generation_prompt' must be a boolean", param="add_generation_prompt")
-    if body.get("continue_final_message") and add_gen and "add_generation_prompt" in body:
-        raise ShapeError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ShapeError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
+        ids = chat_request_ids(body, tokenizer, api)
     except ChatTemplateError as exc:
-        raise ShapeError(str(exc), param="messages") from exc
-    ids = tokenizer.encode(text, add_special_tokens=False)
+        raise ShapeError(str(exc), param=exc.param) from exc
     if not ids:
         raise ShapeError("the rendered chat prompt is empty", param="messages")
     return ids

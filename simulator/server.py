@@ -267,7 +267,7 @@ def build_app(pod: Pod):
         body = await read_tokenizer_request(receive, pod.model)
         if "messages" in body:
             from simulator.openai_shapes import chat_ids_of
-            ids = chat_ids_of(body, pod.tokenizer)
+            ids = chat_ids_of(body, pod.tokenizer, api="tokenize")
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

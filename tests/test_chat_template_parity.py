@@ -1,0 +1,315 @@
+"""Chat rendering as vLLM 0.32 renders it (no engine): transformers' template environment, vLLM's
+message and tool normalisation, continue_final_message, the request fields' merge, the model
+folder's template files, and the /tokenize body the remote tokenizer sends. The expected values
+are what vLLM 0.32 with transformers 5.19 produced for the same input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from indexer.tokens import (ByteTokenizer, ChatRequest, ChatTemplateError, HFTokenizer, RemoteTokenizer,
+                            chat_request_ids, conversation, tokenize_chat_body, tool_dicts)
+from router.errors import APIError
+from router.prompts import check_chat, prompt_tokens
+from simulator.openai_shapes import ShapeError, chat_ids_of, prompt_ids_of
+from tests.helpers import free_port
+
+
+def render(template: str, messages=None, **kwargs) -> str:
+    return ByteTokenizer(template).apply_chat_template(messages or [{"role": "user", "content": "hi"}], **kwargs)
+
+
+# ---- transformers' Jinja environment ------------------------------------------------------------
+
+def test_tojson_is_json_dumps_without_html_escaping_or_key_sorting():
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": "a <b> & 'c' — café"}}]}
+    out = bytes(chat_request_ids(body, ByteTokenizer("{{ tools[0] | tojson }}"))).decode()
+    assert out == '{"type": "function", "function": {"name": "f", "description": "a <b> & \'c\' — café", ' \
+                  '"parameters": null}}'
+    assert render("{{ {'z': 1, 'a': 2} | tojson }}") == '{"z": 1, "a": 2}'  # Jinja's own would sort and escape
+    assert render("{{ {'z': 1, 'a': 'é'} | tojson(sort_keys=true, ensure_ascii=true) }}") == '{"a": "\\u00e9", "z": 1}'
+    assert render("{{ [1, 2] | tojson(indent=2) }}") == "[\n  1,\n  2\n]"
+    assert render("{{ {'a': 1} | tojson(separators=(',', ':')) }}") == '{"a":1}'
+
+
+def test_environment_has_strftime_now_loop_controls_generation_and_raise_exception():
+    assert len(render("{{ strftime_now('%Y-%m-%d') }}")) == 10
+    assert render("{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}"
+                  "{% endif %}{{ i }}{% endfor %}") == "02"
+    assert render("{% generation %}A{% endgeneration %}B") == "AB"
+    with pytest.raises(ChatTemplateError, match="no <tools> here"):
+        render("{{ raise_exception('no <tools> here') }}")
+
+
+def test_tools_and_documents_are_defined_as_none_when_absent_and_continue_final_message_is_not_a_variable():
+    assert render("{{ tools is none }}{{ documents is none }}{{ continue_final_message is defined }}") == \
+        "TrueTrueFalse"
+
+
+# ---- vLLM's normalisation -----------------------------------------------------------------------
+
+def test_messages_keep_only_vllms_fields_with_text_parts_joined_by_newlines():
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "s1", "cache_control": {}}, {"type": "text", "text": "s2"}],
+         "weird": 1},
+        {"role": "user", "content": [{"type": "input_text", "text": "p1"}, "p2", {"type": "refusal", "refusal": "no"},
+                                     {"type": "text"}], "name": "bob"},
+        {"role": "assistant", "content": None, "reasoning_content": "hmm",
+         "tool_calls": [{"type": "function", "function": {"arguments": "{\"b\": 1, \"a\": \"<x>\"}", "name": "f", "z": 1},
+                         "id": "c1"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "t1"}, {"type": "text", "text": "t2"}]},
+    ]
+    assert conversation(messages) == [
+        {"role": "system", "content": "s1\ns2"},
+        {"role": "user", "content": "p1\np2\nno", "name": "bob"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "function": {"arguments": {"b": 1, "a": "<x>"}, "name": "f", "z": 1}, "type": "function"}],
+         "reasoning": "hmm", "reasoning_content": "hmm"},
+        {"role": "tool", "content": "t1\nt2", "tool_call_id": "c1"},
+    ]
+    # key order of the tool call is pydantic's (id, function{arguments, name}, type), which tojson shows
+    assert list(conversation(messages)[2]["tool_calls"][0]) == ["id", "function", "type"]
+    # templates that loop over content parts get them as parts (tool results still joined)
+    openai = conversation(messages, "openai")
+    assert openai[0]["content"] == [{"type": "text", "text": "s1", "cache_control": {}}, {"type": "text", "text": "s2"}]
+    assert openai[3]["content"] == "t1\nt2"
+
+
+@pytest.mark.parametrize("arguments,parsed", [("not json", {}), ("[1]", {}), ("", {}), (None, {}),
+                                              ({"k": "v"}, {"k": "v"}), ("{\"k\": [1]}", {"k": [1]})])
+def test_tool_call_arguments_become_an_object(arguments, parsed):
+    msg = {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
+                                                               "function": {"name": "f", "arguments": arguments}}]}
+    assert conversation([msg])[0]["tool_calls"][0]["function"]["arguments"] == parsed
+
+
+def test_empty_tool_calls_are_dropped_and_bad_ones_are_400s():
+    assert "tool_calls" not in conversation([{"role": "assistant", "content": "x", "tool_calls": []}])[0]
+    with pytest.raises(ChatTemplateError, match="type 'function'"):
+        conversation([{"role": "assistant", "content": "x", "tool_calls": [{"type": "custom", "function": {}}]}])
+    with pytest.raises(ChatTemplateError, match="only text content parts"):
+        conversation([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_tools_are_dumped_as_vllms_pydantic_model_does():
+    tools = [{"function": {"parameters": {"z": 1, "a": 2}, "name": "f", "extra": 1}, "type": "function", "x": 2},
+             {"type": "function", "function": {"name": "g", "strict": True}, "defer_loading": True}]
+    assert tool_dicts(tools) == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": {"z": 1, "a": 2}}},
+        {"type": "function", "function": {"name": "g", "description": None, "parameters": None, "strict": True,
+                                          "defer_loading": True}, "defer_loading": True}]
+    assert list(tool_dicts(tools)[0]["function"]["parameters"]) == ["z", "a"]  # the client's order, not sorted
+    with pytest.raises(ChatTemplateError):
+        tool_dicts([{"type": "function", "function": {"description": "no name"}}])
+
+
+def test_content_format_is_detected_from_the_template():
+    loops = "{% for m in messages %}{% for c in m['content'] %}[{{ c.text }}]{% endfor %}{% endfor %}"
+    macro = ("{% macro show(x) %}{% for c in x %}<{{ c.text }}>{% endfor %}{% endmacro %}"
+             "{% for message in messages %}{{ show(message.content) }}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render(loops, parts) == "[a][b]"
+    assert render(macro, parts) == "<a><b>"
+    assert render("{% for m in messages %}{{ m.content }}{% endfor %}", parts) == "a\nb"
+
+
+def test_developer_messages_become_one_system_message_unless_the_template_knows_the_role():
+    messages = [{"role": "developer", "content": "d1"}, {"role": "user", "content": "u"},
+                {"role": "system", "content": "s2"}]
+    plain = "{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}"
+    assert render(plain, messages) == "system=d1\n\ns2;user=u;"
+    assert render(plain + "{# 'developer' #}", messages) == "developer=d1;user=u;system=s2;"
+
+
+# ---- continue_final_message ---------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is "}]
+
+
+def test_continue_final_message_cuts_right_after_the_final_message():
+    tpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    assert render(tpl, CHAT, add_generation_prompt=False, continue_final_message=True) == \
+        "<user>x</user><assistant>The answer is "
+    # a template that trims the message trims the trailing space too: so is the cut
+    assert render("{% for m in messages %}{{ m.content | trim }}END{% endfor %}", CHAT, add_generation_prompt=False,
+                  continue_final_message=True) == "xENDThe answer is"
+
+
+def test_continue_final_message_refusals():
+    with pytest.raises(ChatTemplateError, match="not compatible"):
+        render("{{ messages[-1].content }}", CHAT, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="does not appear"):
+        render("{% for m in messages %}{{ m.role }}{% endfor %}{# content #}", CHAT, add_generation_prompt=False,
+               continue_final_message=True)
+    # in a request, leaving add_generation_prompt at its default (true) is refused as vLLM refuses it
+    with pytest.raises(ChatTemplateError, match="not compatible"):
+        ChatRequest.from_body({"messages": CHAT, "continue_final_message": True})
+    with pytest.raises(ChatTemplateError, match="Cannot set both"):
+        ChatRequest.from_body({"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True})
+
+
+# ---- request fields -----------------------------------------------------------------------------
+
+VARS = "{{ enable_thinking }}|{{ reasoning_effort }}|{{ documents | tojson }}|{{ add_generation_prompt }}|{{ foo }}"
+
+
+def test_request_fields_merge_as_vllm_merges_them():
+    tok = ByteTokenizer(VARS)
+    body = {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none",
+            "chat_template_kwargs": {"documents": [{"title": "k", "text": "v"}], "add_generation_prompt": False,
+                                     "foo": None, "bar": 1},
+            "documents": [{"title": "top", "text": "wins"}]}
+    text = bytes(chat_request_ids(body, tok)).decode()
+    # reasoning_effort sets enable_thinking; top-level documents and add_generation_prompt win; None is unset
+    assert text == 'False|none|[{"title": "top", "text": "wins"}]|True|'
+    kw = {**body, "chat_template_kwargs": {"enable_thinking": True}}
+    assert bytes(chat_request_ids(kw, tok)).decode().startswith("True|none|")
+    # /tokenize's chat form has no documents or reasoning_effort
+    assert bytes(chat_request_ids(body, tok, api="tokenize")).decode() == \
+        '||[{"title": "k", "text": "v"}]|True|'  # undefined: empty
+
+
+def test_a_requests_own_template_is_refused_unless_trusted():
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "R:{{ messages[0].content }}"}
+    in_kwargs = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "K{{ 1 }}"}}
+    # vLLM with --trust-request-chat-template renders them (the kwargs one too)
+    assert bytes(chat_request_ids(body, ByteTokenizer(), trust_request_template=True)).decode() == "R:x"
+    assert bytes(chat_request_ids(in_kwargs, ByteTokenizer(), trust_request_template=True)).decode() == "K1"
+    # without it (vLLM's default) both are a 400; the router's local tokenizer never runs a client's template
+    for b in (body, in_kwargs):
+        with pytest.raises(ChatTemplateError, match="trust-request-chat-template"):
+            chat_request_ids(b, ByteTokenizer())
+        with pytest.raises(APIError) as err:
+            prompt_tokens("chat", b, ByteTokenizer())
+        assert err.value.status == 400 and err.value.param == "chat_template"
+        with pytest.raises(ShapeError):
+            chat_ids_of(b, ByteTokenizer())
+    assert check_chat(body).chat_template == body["chat_template"]  # remote: the pod decides
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "documents": [{"title": 1}]}, "documents"),
+])
+def test_bad_chat_input_is_a_400_in_router_and_simulator(body, param):
+    with pytest.raises(APIError) as err:
+        prompt_tokens("chat", body, ByteTokenizer())
+    assert err.value.status == 400 and err.value.param == param
+    with pytest.raises(ShapeError) as shape:
+        chat_ids_of(body, ByteTokenizer())
+    assert shape.value.status == 400
+
+
+def test_completion_add_special_tokens(tmp_path):
+    tok = HFTokenizer(make_folder(tmp_path))
+    with_bos = prompt_tokens("completion", {"prompt": "hello world"}, tok)
+    without = prompt_tokens("completion", {"prompt": "hello world", "add_special_tokens": False}, tok)
+    assert with_bos == [tok.encode("<s>", False)[0]] + without and len(without) == 2
+    assert prompt_ids_of({"prompt": "hello world", "add_special_tokens": False}, tok) == without
+    assert prompt_tokens("completion", {"prompt": [5, 6, 7], "add_special_tokens": False}, tok) == [5, 6, 7]
+    with pytest.raises(APIError):
+        prompt_tokens("completion", {"prompt": "x", "add_special_tokens": "no"}, tok)
+
+
+# ---- the model folder ---------------------------------------------------------------------------
+
+def make_folder(root: Path, config_template: str | None = "CONFIG {{ messages[0].content }}") -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "hello", "world", "x", "hi"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    folder = root / "model"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "image_token": "<img>"}
+    if config_template is not None:
+        cfg["chat_template"] = config_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_chat_template_jinja_beside_tokenizer_json_wins_and_named_templates_pick_tool_use(tmp_path):
+    folder = make_folder(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert HFTokenizer(folder / "tokenizer.json").apply_chat_template(msgs) == "CONFIG hi"
+    (folder / "chat_template.jinja").write_text("JINJA {{ bos_token }}{{ eos_token }}{{ image_token }} "
+                                                "{{ messages[0].content }}")
+    tok = HFTokenizer(folder / "tokenizer.json")
+    assert tok.apply_chat_template(msgs) == "JINJA <s></s><img> hi"
+    assert tok.eos_token_id == 2
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ tools | length }}")
+    tok = HFTokenizer(folder)
+    assert tok.apply_chat_template(msgs) == "JINJA <s></s><img> hi"
+    assert tok.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}]) == "TOOLS 1"
+    assert tok.apply_chat_template(msgs, chat_template="tool_use", tools=[]) == "TOOLS 0"
+
+
+def test_special_tokens_map_json_fills_in_for_an_old_config(tmp_path):
+    folder = make_folder(tmp_path, config_template="{{ pad_token }}{{ bos_token }}")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": {"content": "</s>"}, "bos_token": "<s>"}))
+    assert HFTokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "</s><s>"
+
+
+# ---- the remote path ----------------------------------------------------------------------------
+
+BODIES = [
+    {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": 2}}}], "tool_choice": "none"},
+    {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}],
+     "add_generation_prompt": False, "continue_final_message": True},
+    {"messages": [{"role": "user", "content": "u"}], "documents": [{"title": "t", "text": "x"}],
+     "reasoning_effort": "low", "chat_template_kwargs": {"foo": "bar"}, "add_special_tokens": True},
+]
+EVERYTHING = ("{% for m in messages %}{{ m | tojson }}{% endfor %}{{ tools | tojson }}{{ documents | tojson }}"
+              "{{ enable_thinking }}{{ reasoning_effort }}{{ foo }}{{ add_generation_prompt }}{# content #}")
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_tokenize_body_renders_what_the_chat_request_renders(body):
+    tok = ByteTokenizer(EVERYTHING)
+    mapped = tokenize_chat_body(body, "m")
+    assert mapped["model"] == "m" and "documents" not in mapped and "reasoning_effort" not in mapped
+    assert chat_request_ids(mapped, tok, api="tokenize") == chat_request_ids(body, tok)
+    assert chat_ids_of(mapped, tok, api="tokenize") == chat_ids_of(body, tok)  # the simulator's /tokenize agrees
+
+
+async def test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order():
+    seen: list[bytes] = []
+
+    async def tokenize(request):
+        seen.append(await request.read())
+        return web.json_response({"tokens": [1, 2, 3], "count": 3, "max_model_len": 100})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            rt = RemoteTokenizer(f"http://127.0.0.1:{port}", "m", client)
+            assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
+            assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
+            assert rt.hits == 1 and len(seen) == 1
+    finally:
+        await runner.cleanup()
+    sent = json.loads(seen[0])
+    assert list(sent["tools"][0]["function"]["parameters"]) == ["z", "a"]
+    assert sent["messages"] == BODIES[0]["messages"] and sent["model"] == "m"
