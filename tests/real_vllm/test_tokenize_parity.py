@@ -1,0 +1,161 @@
+"""The router's prompt token ids against real vLLM's, for completions and chat.
+
+Every case is sent straight to an engine (``usage.prompt_tokens``, and its ``prompt_token_ids``
+with ``return_token_ids``) and asked of two ``kvroute serve`` routers in front of the same engines,
+one tokenizing locally (the model's tokenizer.json and chat template) and one with ``tokenizer:
+remote`` (a pod's ``/tokenize``): ``/debug/route``'s ``prompt_tokens`` must equal the engine's count
+in both, and the local renderer's ids the engine's ids. Then a tool-using conversation's follow-up:
+the cached tokens the router credits the pod that served the first turn equal the engine's own
+prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from indexer.tokens import HFTokenizer, chat_request_ids
+from realvllm.engines import MODEL_NAME, router_pod
+from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
+
+M = MODEL_NAME
+SYSTEM = {"role": "system", "content": "You are a terse & careful assistant; answer in <one> line, 'no' fluff."}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather",
+        "description": "Current weather <b>now</b> & 'later' for a city — café ☀ (Zürich, Kraków, 東京)",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "a city, e.g. \"São Paulo\" <not an address>"},
+            "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search_docs", "description": "Search the manual & return <= 3 hits"}},
+]
+CALL = {"role": "assistant", "content": None, "tool_calls": [{
+    "id": "call_1", "type": "function",
+    "function": {"name": "get_weather", "arguments": "{\"unit\": \"c\", \"city\": \"Zürich <HB>\"}"}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21, \"sky\": \"☀ & clear\"}"}
+TEXT = "the router sends each request to the pod whose prefix cache already holds most of its prompt"
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completion-text": ("completion", {"prompt": TEXT}),
+    "completion-no-special-tokens": ("completion", {"prompt": TEXT, "add_special_tokens": False}),
+    "completion-token-ids": ("completion", {"prompt": [0, 11, 402, 77, 1200, 5, 5, 9, 2800, 64] * 4}),
+    "chat-system-multi-turn": ("chat", {"messages": [
+        SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, how can I help?"},
+        {"role": "user", "content": "what is a prefix cache?"}]}),
+    "chat-tools": ("chat", {"messages": [SYSTEM, {"role": "user", "content": "weather in Zürich?"}],
+                            "tools": TOOLS, "tool_choice": "none"}),
+    "chat-tool-calls-and-results": ("chat", {"messages": [SYSTEM, {"role": "user", "content": "weather in Zürich?"},
+                                                          CALL, RESULT], "tools": TOOLS, "tool_choice": "none"}),
+    "chat-template-kwargs": ("chat", {"messages": [{"role": "user", "content": "quick answer"}],
+                                      "chat_template_kwargs": {"enable_thinking": False}}),
+    "chat-no-generation-prompt": ("chat", {"messages": [{"role": "user", "content": "just the turn"}],
+                                           "add_generation_prompt": False}),
+    "chat-continue-final-message": ("chat", {"messages": [{"role": "user", "content": "finish this"},
+                                                          {"role": "assistant", "content": "The answer is "}],
+                                             "add_generation_prompt": False, "continue_final_message": True}),
+    "chat-documents": ("chat", {"messages": [{"role": "user", "content": "what do the documents say?"}],
+                                "documents": [{"title": "Cache <1>", "text": "blocks & hashes"},
+                                              {"title": "Über", "text": "prefix-aware routing"}]}),
+    "chat-text-parts": ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}]}),
+    "chat-add-special-tokens": ("chat", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}),
+    "chat-developer-role": ("chat", {"messages": [{"role": "developer", "content": "be brief"},
+                                                  {"role": "user", "content": "hi"}]}),
+}
+# answered 400 by the engine, so by the router too (by both routers, or by the local one where the
+# remote one leaves the refusal to the pod and routes on load alone)
+BAD: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "continue-with-default-generation-prompt": ("chat", {"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "continue_final_message": True},
+        ("local", "remote")),
+    "empty-tools": ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none"},
+                    ("local", "remote")),
+    "messages-not-a-list": ("chat", {"messages": "hello"}, ("local", "remote")),
+    "untrusted-request-template": ("chat", {"messages": [{"role": "user", "content": "x"}],
+                                            "chat_template": "{{ messages[0].content }}"}, ("local",)),
+}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+@pytest.fixture(scope="module")
+def routers(agg_engines, real_env, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """Two routers in front of the shared engines: the model's own tokenizer files, and remote."""
+    pods = [router_pod(e) for e in agg_engines]
+    folder = tmp_path_factory.mktemp("parity-routers")
+    with contextlib.ExitStack() as stack:
+        yield {
+            "local": stack.enter_context(running_router(folder, pods, tokenizer=str(real_env.tokenizer),
+                                                        speculative_ttl_s=0.05)),
+            "remote": stack.enter_context(running_router(folder, pods, tokenizer="remote",
+                                                         remote_tokenize_timeout_s=20, speculative_ttl_s=0.05)),
+        }
+
+
+@pytest.fixture(scope="module")
+def local_tokenizer(real_env) -> HFTokenizer:
+    return HFTokenizer(real_env.tokenizer)
+
+
+def engine_answer(url: str, kind: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + PATHS[kind], json={"model": M, **body, "max_tokens": 1, "return_token_ids": True},
+                      timeout=60)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_router_counts_the_engines_prompt_tokens(case, agg_engines, routers, local_tokenizer):
+    kind, body = CASES[case]
+    r = engine_answer(agg_engines[0].url, kind, body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    engine_count = answer["usage"]["prompt_tokens"]
+    engine_ids = answer["prompt_token_ids"] if kind == "chat" else answer["choices"][0]["prompt_token_ids"]
+    assert len(engine_ids) == engine_count
+    if kind == "chat":
+        assert chat_request_ids({"model": M, **body}, local_tokenizer) == engine_ids
+    elif isinstance(body["prompt"], str):
+        assert local_tokenizer.encode(body["prompt"], body.get("add_special_tokens", True)) == engine_ids
+    counts = {mode: debug_route(base, {"model": M, **body})["prompt_tokens"] for mode, base in routers.items()}
+    print(f"{case}: engine {engine_count} prompt tokens, router {counts}")
+    assert counts == {"local": engine_count, "remote": engine_count}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_chat_input_is_a_400_from_engine_and_router(case, agg_engines, routers):
+    kind, body, modes = BAD[case]
+    assert engine_answer(agg_engines[0].url, kind, body).status_code == 400
+    for mode in modes:
+        r = httpx.post(routers[mode] + "/debug/route", json={"model": M, **body}, timeout=30)
+        assert r.status_code == 400, (mode, r.text)
+        error = r.json()["error"]
+        assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"], (mode, error)
+
+
+def test_tool_conversation_follow_up_credited_as_the_engine_hits_it(agg_engines, routers):
+    base = routers["local"]
+    system = {"role": "system", "content": "You route weather questions for the fleet. " + " ".join(
+        f"Rule {i}: answer about city number {i} with its forecast & temperature <in celsius>." for i in range(40))}
+    first = {"model": M, "messages": [system, {"role": "user", "content": "weather in Kraków today?"}],
+             "tools": TOOLS, "tool_choice": "none", "max_tokens": 2}
+    r = httpx.post(base + "/v1/chat/completions", json=first, timeout=60)
+    assert r.status_code == 200, r.text
+    pod = r.headers["x-kvroute-pod"]
+    url = next(e.url for e in agg_engines if e.name == pod)
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Kraków\"}"}}]}
+    follow = {**first, "messages": first["messages"] + [
+        call, {"role": "tool", "tool_call_id": "call_9", "content": "{\"temp\": 3, \"sky\": \"snow\"}"},
+        {"role": "user", "content": "and tomorrow?"}]}
+    wait_for(lambda: cached_tokens(base, follow, pod) > 0, 10, "the first turn's blocks indexed")
+    predicted = cached_tokens(base, follow, pod)
+    assert cached_tokens(routers["remote"], follow, pod) == predicted  # the remote-tokenizing router agrees
+    before = engine_metric(url, "vllm:prefix_cache_hits_total")
+    r = httpx.post(base + "/v1/chat/completions", json=follow, timeout=60)
+    assert r.status_code == 200 and r.headers["x-kvroute-pod"] == pod, r.text
+    observed = engine_metric(url, "vllm:prefix_cache_hits_total") - before
+    print(f"follow-up prompt tokens {r.json()['usage']['prompt_tokens']}, router credited {predicted}, "
+          f"engine hit {observed}")
+    assert observed > 0
+    assert predicted == observed
