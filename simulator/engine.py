@@ -97,10 +97,18 @@ class EngineBase:
         m.prefix_queries.inc(req.n_prompt)
         if hit_tokens:
             m.prefix_hits.inc(hit_tokens)
-        if req.remote_tokens:
+        # a NIXL read brings the whole rest of the prompt: vLLM 0.32 counts every prompt token past
+        # the local hit as transferred (external_kv_transfer, external hits), local_compute 0, even
+        # though the decoder recomputes the last one for its logits
+        external = req.n_prompt - hit_tokens if req.remote_tokens else 0
+        if external:
             m.external_queries.inc(req.n_prompt)
-            m.external_hits.inc(req.remote_tokens)
-        # like vLLM, a request's cached tokens include KV received from a remote prefill
+            m.external_hits.inc(external)
+        m.prompt_by_source["local_cache_hit"].inc(hit_tokens)
+        m.prompt_by_source["external_kv_transfer"].inc(external)
+        m.prompt_by_source["local_compute"].inc(req.n_prompt - hit_tokens - external)
+        # like vLLM, a request's cached tokens include KV received from a remote prefill (the usage
+        # answer keeps the last token out: it is computed here)
         req.cached_tokens = max(hit_tokens, req.remote_tokens)
 
     def _record_finish(self, req: SimRequest, reason: str, now: float) -> None:

@@ -16,6 +16,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's NIXL connector histograms (nixl/stats.py): bytes 2 KiB .. 8 GiB in powers of 4, transfer seconds
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+NIXL_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 class PodMetrics:
@@ -47,6 +51,12 @@ class PodMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            lab + ("source",), registry=r)
+        # where each prompt token's KV came from, counted once per request when it is first scheduled:
+        # computed here, this pod's prefix cache, or a NIXL read (the whole rest of the prompt: vLLM
+        # counts the last token, recomputed for its logits, as transferred)
+        self.prompt_by_source = {src: by_source.labels(*v, src) for src in PROMPT_SOURCES}
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           lab + ("finished_reason",), registry=r)
         self.success = {reason: success.labels(*v, reason) for reason in ("stop", "length", "abort")}
@@ -66,6 +76,14 @@ class PodMetrics:
                                TOKEN_BUCKETS)
         self.generation_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                    TOKEN_BUCKETS)
+        # NIXL, decode side (vLLM's names: one observation per read)
+        self.nixl_bytes = hist("vllm:nixl_bytes_transferred",
+                               "Histogram of bytes transferred per NIXL KV Cache transfers.", NIXL_BYTES_BUCKETS)
+        self.nixl_xfer_time = hist("vllm:nixl_xfer_time_seconds",
+                                   "Histogram of transfer duration for NIXL KV Cache transfers.", NIXL_XFER_BUCKETS)
+        self.nixl_failed = counter("vllm:nixl_num_failed_transfers",
+                                   "Number of failed NIXL KV Cache transfers, including handshake and "
+                                   "notification failures.")
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      tuple(sorted({**(cache_info or {}), "engine": engine})), registry=r)
         info.labels(**{**(cache_info or {}), "engine": engine}).set(1)

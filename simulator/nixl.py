@@ -1,17 +1,22 @@
-"""NIXL prefill/decode as the simulated pods do it (vLLM 0.33's ``kv_transfer_params``).
+"""NIXL prefill/decode as the simulated pods do it (the ``kv_transfer_params`` of vLLM 0.32, measured).
 
 Prefill side (``do_remote_decode: true``): the request runs as usual (one token), but its blocks
-stay referenced under a *lease* until the decoder reads them or ``nixl_lease_timeout_s`` passes;
-the response carries ``kv_transfer_params`` naming this pod's engine, request and "side channel"
-(its own HTTP host and port).
+stay referenced under a *lease* until the decoder reads them or ``nixl_lease_timeout_s`` passes,
+whether its one token ended the request by length or by a stop (EOS, a stop token or string: vLLM
+0.32 leases on ``FINISHED_STOPPED`` too); the response carries ``kv_transfer_params`` naming this
+pod's engine, request and "side channel" (its own HTTP host and port), ``remote_block_ids`` as one
+list per KV-cache group, and ``remote_prefill_cached_tokens`` (its own prefix-cache hits).
 
 Decode side (``do_remote_prefill: true``): the pod asks the named prefill pod over HTTP
 (``POST /sim/nixl/read``) for the leased blocks it does not hold itself, waits the simulated link
 time (``nixl_latency_s + bytes / nixl_bandwidth_bytes_per_s``), then tells the prefill pod it is
 done (``POST /sim/nixl/release``), which ends the lease. The received blocks are then cached
-(BlockStored on the decoder) and only the last prompt token is computed locally. If the
-parameters are incomplete, the host is not allowed, or the read fails, the decoder computes the
-whole prompt itself, as vLLM falls back to local prefill.
+(BlockStored on the decoder) and only the last prompt token is computed locally; the metrics say
+what vLLM's do: every prompt token past the local hit is ``external_kv_transfer`` (the recomputed
+last one included), and each read observes ``vllm:nixl_bytes_transferred`` (whole blocks, the
+partial last one included) and ``vllm:nixl_xfer_time_seconds``. If the parameters are incomplete,
+the host is not allowed, or the read fails, the decoder computes the whole prompt itself, as vLLM
+falls back to local prefill (a failed read counts in ``vllm:nixl_num_failed_transfers``).
 """
 
 from __future__ import annotations
@@ -108,8 +113,9 @@ class LeaseTable:
 
 
 def producer_params(*, block_ids: list[int], engine_id: str, request_id: str, host: str, port: int,
-                    num_tokens: int, expires_at_unix: float) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefill pod returns (vLLM 0.33 field set; one KV-cache group)."""
+                    num_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill pod returns (the field set vLLM 0.32 answered; one KV-cache
+    group; a prefill's params carry no expiry time, only a decoder's pinned blocks do)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -122,9 +128,9 @@ def producer_params(*, block_ids: list[int], engine_id: str, request_id: str, ho
         "dcp_size": 1,
         "pp_size": 1,
         "remote_num_tokens": num_tokens,
-        "remote_blocks_expiry_time": expires_at_unix,
-        "remote_registration_generation": 0,
+        "remote_blocks_expiry_time": None,
         "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": cached_tokens,
     }
 
 
@@ -157,13 +163,20 @@ def decode_params_problem(params: dict[str, Any], allowed_hosts: list[str]) -> s
     return None
 
 
+@dataclass
+class NixlRead:
+    """One read by a decoder: how many prompt tokens now have KV here (0: it failed, compute locally),
+    the bytes moved and how long the move took."""
+
+    tokens: int
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 async def remote_read(client: httpx.AsyncClient, params: dict[str, Any], *, skip_blocks: int,
                       block_size: int, kv_bytes_per_token: int, bandwidth: float, latency: float,
-                      slowdown: float = 1.0) -> int:
-    """Read the prefill pod's leased blocks (all but the first ``skip_blocks``, already local).
-
-    Returns how many prompt tokens now have KV here (0 if the read failed: compute locally).
-    """
+                      slowdown: float = 1.0) -> NixlRead:
+    """Read the prefill pod's leased blocks (all but the first ``skip_blocks``, already local)."""
     base = f"http://{params['remote_host']}:{params['remote_port']}"
     rid = params["remote_request_id"]
     body = {"remote_request_id": rid, "remote_engine_id": params["remote_engine_id"]}
@@ -171,15 +184,15 @@ async def remote_read(client: httpx.AsyncClient, params: dict[str, Any], *, skip
         r = await client.post(f"{base}/sim/nixl/read", json=body)
         if r.status_code != 200:
             log.info("NIXL read of %s refused: %s %s", rid, r.status_code, r.text[:200])
-            return 0
+            return NixlRead(0)
         info = r.json()
         num_blocks = int(info["num_blocks"])
         num_tokens = int(info["num_tokens"])
-        moved_blocks = max(0, num_blocks - skip_blocks)
-        seconds = latency + moved_blocks * block_size * kv_bytes_per_token / bandwidth
-        await asyncio.sleep(seconds * slowdown)
+        moved = max(0, num_blocks - skip_blocks) * block_size * kv_bytes_per_token
+        seconds = (latency + moved / bandwidth) * slowdown
+        await asyncio.sleep(seconds)
         await client.post(f"{base}/sim/nixl/release", json=body)
-        return num_tokens
+        return NixlRead(num_tokens, moved, seconds)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         log.info("NIXL read of %s failed: %s", rid, exc)
-        return 0
+        return NixlRead(0)

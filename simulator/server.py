@@ -417,10 +417,12 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     producer = bool(kv.get("do_remote_decode"))
     eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
     if eos_at is not None and eos_at <= req.max_tokens:
-        # the model samples EOS: a 'stop' finish there, and (as a NIXL producer) no blocks kept
+        # the model samples EOS: a 'stop' finish there
         pod.metrics.faults.labels("eos").inc()
         req.max_tokens, req.length_capped = eos_at, False
-    elif producer:
+    if producer:
+        # the blocks stay leased for the decoder however the one token ends: vLLM 0.32 answers
+        # kv_transfer_params on a stop (EOS, stop token or string) as on a length finish
         req.keep_blocks = True
     elif kv.get("do_remote_prefill"):
         await _remote_prefill(pod, req, kv)
@@ -447,13 +449,16 @@ async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
         pod.metrics.nixl_transfers.labels("invalid").inc()
         return
     local = len(pod.engine.pool.match_prefix(req.hashes[:(req.n_prompt - 1) // s.block_size]))
-    got = await remote_read(pod.http, kv, skip_blocks=local, block_size=s.block_size,
-                            kv_bytes_per_token=s.kv_bytes_per_token, bandwidth=s.nixl_bandwidth_bytes_per_s,
-                            latency=s.nixl_latency_s, slowdown=pod.faults.slowdown)
-    if got != req.n_prompt:
-        pod.metrics.nixl_transfers.labels("failed" if got == 0 else "mismatch").inc()
+    read = await remote_read(pod.http, kv, skip_blocks=local, block_size=s.block_size,
+                             kv_bytes_per_token=s.kv_bytes_per_token, bandwidth=s.nixl_bandwidth_bytes_per_s,
+                             latency=s.nixl_latency_s, slowdown=pod.faults.slowdown)
+    if read.tokens != req.n_prompt:
+        pod.metrics.nixl_transfers.labels("failed" if read.tokens == 0 else "mismatch").inc()
+        pod.metrics.nixl_failed.inc()
         return
     pod.metrics.nixl_transfers.labels("ok").inc()
+    pod.metrics.nixl_bytes.observe(read.bytes)
+    pod.metrics.nixl_xfer_time.observe(read.seconds)
     req.remote_tokens = req.n_prompt - 1  # the last prompt token is recomputed locally for logits
 
 
@@ -489,7 +494,7 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
         if lease is not None:
             kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
                                         host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
-                                        expires_at_unix=time.time() + pod.settings.nixl_lease_timeout_s)
+                                        cached_tokens=req.cached_tokens)
     build = chat_body if gen.kind == "chat" else completion_body
     body = orjson.dumps(build(response_id, pod.model, "".join(parts), req.finish_reason, _usage_of(req), kv_params))
     headers = JSON_HEADERS + echo + _timing_headers(req)

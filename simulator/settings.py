@@ -93,8 +93,9 @@ class SimSettings(BaseSettings):
     fault_slowdown: float = Field(1.0, gt=0, description="multiply every step / prefill time by this factor")
     fault_eos_after: int | None = Field(None, ge=1, description="the Nth output token is EOS: requests without "
                                                                 "ignore_eos stop there ('stop'; not before "
-                                                                "min_tokens); a NIXL prefill that stops so keeps "
-                                                                "no blocks and answers kv_transfer_params null")
+                                                                "min_tokens); a NIXL prefill that stops so still "
+                                                                "leases its blocks and answers kv_transfer_params, "
+                                                                "as vLLM 0.32 does")
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="log level")
 

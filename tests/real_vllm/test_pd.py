@@ -1,0 +1,330 @@
+"""P/D through the router and ``kvroute sidecar`` against a real NIXL pair (vLLM CPU 0.32, nixl 1.5.1).
+
+``pd_engines`` gives a prefill engine and a decode engine joined by NIXL. Beside the decode engine
+runs a ``kvroute sidecar`` (its SSRF allowlist names the prefill engine's 127.0.0.1 port, as
+docs/sidecar.md says); in front, ``kvroute serve`` with the prefill engine as ``role: prefill`` and
+the sidecar as the decode pod (``metrics_url`` = the decode engine). Every check reads what the
+engines themselves report:
+
+* a fresh prompt decided remote goes through both legs: the decode engine reads the prompt's blocks
+  over NIXL (``vllm:nixl_bytes_transferred``, exactly the prompt's blocks), computes none of it
+  (``vllm:prompt_tokens_by_source_total``: ``external_kv_transfer`` = the prompt, ``local_compute``
+  0) and answers what the prefill engine answers greedily on its own — completions and chat,
+  streamed and not;
+* the ``predicted`` decider keeps a follow-up turn on the decode engine that holds its context: no
+  NIXL read, and the engine's own ``local_cache_hit`` is what the router predicted;
+* a prefill leg whose one token is a stop token still hands its KV over (vLLM 0.32 keeps the blocks
+  on a stop too);
+* with the prefill engine killed, the sidecar falls back to a local prefill (counted) and the request
+  succeeds; after the engine is restarted, P/D works again (that test is last: ``pd_engines`` is
+  shared by the session).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, router_pod
+from simulator.testing import free_port, spawn, stop_process, wait_ready
+from tests.helpers import metric
+from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
+
+# a loaded 2-core machine (other engines, NIXL's progress threads) can make one leg take seconds
+TIMEOUT = 300.0
+MAX_TOKENS = 12
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def text(seed: int, words: int = 350) -> str:
+    """About 5 tokens a word (350 words: ~1,800 tokens), led by a nonce so no engine holds any of it."""
+    body = " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] + str((seed + i) % 10) for i in range(words))
+    return f"[{uuid.uuid4().hex}] {body}"
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """What one token's KV takes in the engine's cache: layers x (K, V) x KV heads x head dim x 2 B (bf16)."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2
+
+
+def by_source(engine: Engine) -> dict[str, float]:
+    return {s: engine_metric(engine.url, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+
+
+def nixl_reads(engine: Engine) -> tuple[float, float]:
+    """(reads, bytes) the engine's NIXL connector observed (``vllm:nixl_bytes_transferred`` is a histogram)."""
+    return (engine_metric(engine.url, "vllm:nixl_bytes_transferred_count"),
+            engine_metric(engine.url, "vllm:nixl_bytes_transferred_sum"))
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: httpx.Headers
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any]
+
+
+def call(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Answer:
+    """POST ``body`` (completions or chat, by its shape) and read the answer, streamed or not.
+
+    A stream must look as vLLM's does: content chunks, exactly one of them with a finish_reason, then
+    (with ``include_usage``) one usage chunk without choices, then ``[DONE]``."""
+    chat = "messages" in body
+    url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+    if not body.get("stream"):
+        r = httpx.post(url, json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        choice = out["choices"][0]
+        return Answer(r.status_code, r.headers, choice["message"]["content"] if chat else choice["text"],
+                      choice["finish_reason"], out["usage"])
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=TIMEOUT) as r:
+        lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200, "\n".join(lines)
+        assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(line.startswith("data: ") for line in lines)
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"], last  # include_usage: the final chunk carries only usage
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0].get("finish_reason")]
+    assert len(finishes) == 1 and chunks[-1]["choices"][0]["finish_reason"] == finishes[0], chunks[-2:]
+    parts = [(c["choices"][0].get("delta") or {}).get("content") or "" if chat else c["choices"][0]["text"]
+             for c in chunks]
+    return Answer(r.status_code, r.headers, "".join(parts), finishes[0], last["usage"])
+
+
+@dataclass
+class Sidecar:
+    url: str
+    proc: Any
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def sidecar(pd_engines: list[Engine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    """``kvroute sidecar`` beside the decode engine; only the prefill engine's address is allowed."""
+    prefill, decode = pd_engines
+    port = free_port()
+    log = tmp_path_factory.mktemp("sidecar") / "sidecar.log"
+    proc = spawn([sys.executable, "-m", "router.cli", "sidecar", "--host", "127.0.0.1", "--port", str(port),
+                  "--vllm-url", decode.url, "--prefill-allowlist", json.dumps([f"127.0.0.1:{prefill.port}"]),
+                  "--prefill-timeout", str(TIMEOUT)], log=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/health", proc, 30, log=log)
+        yield Sidecar(url, proc, log)
+    finally:
+        stop_process(proc)
+
+
+def pd_pods(pd_engines: list[Engine], sidecar: Sidecar, **decode_extra: Any) -> list[dict[str, Any]]:
+    prefill, decode = pd_engines
+    return [router_pod(prefill, role="prefill"),
+            router_pod(decode, role="decode", url=sidecar.url, metrics_url=decode.url, **decode_extra)]
+
+
+def router_settings(real_env, **extra: Any) -> dict[str, Any]:
+    return {"tokenizer": str(real_env.tokenizer), "kv_bytes_per_token": kv_bytes_per_token(real_env.model),
+            # a busy engine can take more than the default second to answer /health
+            "health_timeout_s": 10.0,
+            # the event watchdog would drop the decode pod's entries 30 s after its last events once a
+            # request's answer ends after them (it counts answers, which come after the events)
+            "event_silence_s": 0, **extra}
+
+
+@pytest.fixture(scope="module")
+def always_router(pd_engines, sidecar, real_env, tmp_path_factory) -> Iterator[str]:
+    with running_router(tmp_path_factory.mktemp("router-always"), pd_pods(pd_engines, sidecar),
+                        **router_settings(real_env, pd_decider="always")) as base:
+        yield base
+
+
+def chat_or_prompt(kind: str, seed: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": text(seed)}]
+    else:
+        body["prompt"] = text(seed)
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+@pytest.mark.parametrize("kind,stream", [("completions", False), ("completions", True), ("chat", False),
+                                         ("chat", True)])
+def test_remote_prefill_moves_the_prompt_over_nixl_and_answers_as_the_prefill_engine(
+        pd_engines, sidecar, always_router, real_env, kind, stream):
+    prefill, decode = pd_engines
+    base = always_router
+    body = chat_or_prompt(kind, 11 + 2 * (kind == "chat") + stream, stream)
+    plan = debug_route(base, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})["pd"]
+    assert (plan["mode"], plan["decode_pod"], plan["prefill_pod"]) == ("remote", "decode", "prefill"), plan
+
+    sources, reads = by_source(decode), nixl_reads(decode)
+    side_before = metric(sidecar.url, "kvroute_sidecar_legs_total", leg="prefill", outcome="ok")
+    got = call(base, body)
+    assert got.headers["x-kvroute-pod"] == "decode"
+    assert got.headers["x-kvroute-prefill"] == "remote"  # the decoder got the prefill's kv_transfer_params
+    assert float(got.headers["x-kvroute-prefill-ms"]) > 0
+    assert metric(sidecar.url, "kvroute_sidecar_legs_total", leg="prefill", outcome="ok") == side_before + 1
+    n = got.usage["prompt_tokens"]
+    assert 1500 <= n <= 2100, n
+
+    # the decode engine read the prompt's blocks over NIXL: all of them (the partial last one too),
+    # and computed none of the prompt itself
+    wait_for(lambda: nixl_reads(decode)[0] > reads[0], 30, "the decode engine's NIXL read in its metrics")
+    count, moved = (a - b for a, b in zip(nixl_reads(decode), reads))
+    blocks = -(-n // BLOCK_SIZE)
+    assert count == 1
+    assert moved == blocks * BLOCK_SIZE * kv_bytes_per_token(real_env.model), (moved, blocks)
+    delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+    print(f"{kind} stream={stream}: {n} prompt tokens, {moved:.0f} B over NIXL in {count:.0f} read, "
+          f"decode engine by source {delta}, prefill leg {got.headers['x-kvroute-prefill-ms']} ms")
+    assert delta == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": n}
+
+    # the answer is the model's: the prefill engine's own greedy answer to the same request
+    ref = call(prefill.url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    assert got.text == ref.text
+    assert got.finish_reason == ref.finish_reason
+    assert (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == \
+        (ref.usage["prompt_tokens"], ref.usage["completion_tokens"])
+
+
+def test_predicted_decider_keeps_a_follow_up_on_the_decode_engine(pd_engines, sidecar, real_env, tmp_path):
+    """The decode pod is configured as a slow prefiller (8,000 tokens/s against the prefill pod's
+    20,000; calibration off, so the priors decide): a cold prompt is cheaper through the prefill pod,
+    a follow-up whose context the decode engine holds (it stored the blocks it read, and announced
+    them) is cheaper where it is."""
+    decode = pd_engines[1]
+    pods = pd_pods(pd_engines, sidecar, prefill_tokens_per_s=8000)
+    settings = router_settings(real_env, pd_decider="predicted", calibrate=False, speculative_ttl_s=0.05)
+    with running_router(tmp_path, pods, **settings) as base:
+        first = {"model": MODEL_NAME, "prompt": text(21), "max_tokens": MAX_TOKENS, "temperature": 0}
+        plan = debug_route(base, first)["pd"]
+        assert plan["mode"] == "remote" and "beats local" in plan["reason"], plan
+        reads = nixl_reads(decode)
+        got = call(base, first)
+        assert got.headers["x-kvroute-prefill"] == "remote"
+        n1 = got.usage["prompt_tokens"]
+        wait_for(lambda: nixl_reads(decode)[0] == reads[0] + 1, 30, "the first turn's NIXL read")
+
+        follow = {**first, "prompt": first["prompt"] + got.text + " " + " ".join(WORDS[:8])}
+        # the decode engine's own KV events (the router's speculation lapsed after 50 ms) put the blocks
+        # it read in the router's index
+        full = n1 // BLOCK_SIZE * BLOCK_SIZE
+        wait_for(lambda: cached_tokens(base, follow, "decode") >= full, 30, "the decode engine's BlockStored")
+        route = debug_route(base, follow)
+        plan = route["pd"]
+        assert (plan["mode"], plan["decode_pod"]) == ("local", "decode") and "beats remote" in plan["reason"], plan
+        predicted = cached_tokens(base, follow, "decode")
+
+        sources, reads = by_source(decode), nixl_reads(decode)
+        pd_requests = metric(sidecar.url, "kvroute_sidecar_requests_total", mode="pd")
+        again = call(base, follow)
+        assert again.headers["x-kvroute-pod"] == "decode"
+        assert "x-kvroute-prefill" not in again.headers  # straight through the sidecar, no prefill leg
+        assert metric(sidecar.url, "kvroute_sidecar_requests_total", mode="pd") == pd_requests
+        n2 = again.usage["prompt_tokens"]
+        wait_for(lambda: sum(by_source(decode).values()) >= sum(sources.values()) + n2, 30,
+                 "the follow-up in the decode engine's metrics")
+        delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+        print(f"first turn {n1} tokens (remote), follow-up {n2} tokens: router predicted {predicted} cached "
+              f"on the decode pod, engine by source {delta}; decision: {plan['reason']}")
+        assert nixl_reads(decode) == reads  # no NIXL read
+        assert delta["external_kv_transfer"] == 0
+        assert delta["local_cache_hit"] >= full
+        assert delta["local_cache_hit"] == predicted
+        assert delta["local_compute"] == n2 - delta["local_cache_hit"]
+
+
+def test_prefill_leg_that_stops_on_its_one_token_still_hands_over_the_kv(pd_engines, sidecar, always_router,
+                                                                          real_env):
+    """A request whose first greedy token is one of its stop tokens: the prefill leg ends 'stop' on
+    its one token, and vLLM 0.32 still keeps the blocks and answers kv_transfer_params (it leases on a
+    stop as on a length finish), so the sidecar's decode leg reads them; the answer is the model's."""
+    prefill, decode = pd_engines
+    body = {"model": MODEL_NAME, "prompt": text(41, 200), "max_tokens": MAX_TOKENS, "temperature": 0}
+    probe = httpx.post(prefill.url + "/v1/completions", timeout=TIMEOUT, json={
+        **body, "max_tokens": 1, "logprobs": 1, "return_tokens_as_token_ids": True})
+    assert probe.status_code == 200, probe.text
+    first = int(probe.json()["choices"][0]["logprobs"]["tokens"][0].removeprefix("token_id:"))
+    body["stop_token_ids"] = [first]
+
+    reads = nixl_reads(decode)
+    without = metric(sidecar.url, "kvroute_sidecar_prefill_without_kv_transfer_params_total")
+    started = time.monotonic()
+    got = call(always_router, body)
+    took = time.monotonic() - started
+    assert got.headers["x-kvroute-prefill"] == "remote", dict(got.headers)
+    assert metric(sidecar.url, "kvroute_sidecar_prefill_without_kv_transfer_params_total") == without
+    wait_for(lambda: nixl_reads(decode)[0] == reads[0] + 1, 30, "the decode engine's NIXL read")
+    print(f"stop token {first} first: P/D answer {got.text!r} ({got.finish_reason}, "
+          f"{got.usage['completion_tokens']} token) in {took:.1f} s, prefill leg "
+          f"{got.headers['x-kvroute-prefill-ms']} ms")
+    # what vLLM answers when the first token is a stop token: nothing, 'stop', that one token counted
+    assert (got.text, got.finish_reason, got.usage["completion_tokens"]) == ("", "stop", 1)
+
+
+def test_dead_prefill_engine_falls_back_to_a_local_prefill_then_pd_resumes(pd_engines, sidecar, real_env,
+                                                                           tmp_path):
+    """Last in the module: it kills the session's prefill engine and starts it again. The router's
+    health checks are slowed so it still names the prefill pod (the window between a crash and the
+    next check); the sidecar cannot reach it and prefills on the decode engine instead."""
+    prefill, decode = pd_engines
+    settings = router_settings(real_env, pd_decider="always", health_interval_s=600)
+    with running_router(tmp_path, pd_pods(pd_engines, sidecar), **settings) as base:
+        body = {"model": MODEL_NAME, "prompt": text(31), "max_tokens": MAX_TOKENS, "temperature": 0}
+        why = ("connect_error", "server_error", "timeout", "bad_response")
+        fallbacks = {r: metric(sidecar.url, "kvroute_sidecar_prefill_fallbacks_total", reason=r) for r in why}
+        told = metric(base, "kvroute_pd_sidecar_prefill_total", outcome="fallback")
+        prefill.kill()
+        restarting = False
+        try:
+            assert debug_route(base, body)["pd"]["mode"] == "remote"
+            sources, reads = by_source(decode), nixl_reads(decode)
+            got = call(base, body)
+            prefill.start()  # it boots while the checks run
+            restarting = True
+            assert got.headers["x-kvroute-prefill"] == "fallback"
+            n = got.usage["prompt_tokens"]
+            reasons = {r: metric(sidecar.url, "kvroute_sidecar_prefill_fallbacks_total", reason=r) - fallbacks[r]
+                       for r in why}
+            # one fallback: the connection refused (or, had a pooled one been open, reset)
+            assert sum(reasons.values()) == 1 and reasons["connect_error"] + reasons["server_error"] == 1, reasons
+            assert metric(base, "kvroute_pd_sidecar_prefill_total", outcome="fallback") == told + 1
+            # the decode engine computed the prompt itself: no NIXL read
+            wait_for(lambda: sum(by_source(decode).values()) >= sum(sources.values()) + n, 30,
+                     "the request in the decode engine's metrics")
+            delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+            print(f"prefill engine down: {n} prompt tokens prefilled on the decode engine {delta}, "
+                  f"sidecar fallbacks by reason {reasons}")
+            assert delta == {"local_compute": n, "local_cache_hit": 0, "external_kv_transfer": 0}
+            assert nixl_reads(decode) == reads
+            # and the answer is the model's (the decode engine's own greedy answer to it)
+            ref = call(decode.url, body)
+            assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
+        finally:
+            if not restarting:
+                prefill.start()
+            started = time.monotonic()
+            prefill.wait()
+            print(f"prefill engine ready again {time.monotonic() - started:.0f} s after the checks")
+        # the prefill engine is back (a new NIXL agent on the same side channel): P/D works again
+        reads = nixl_reads(decode)
+        again = call(base, {**body, "prompt": text(32)})
+        assert again.headers["x-kvroute-prefill"] == "remote"
+        wait_for(lambda: nixl_reads(decode)[0] == reads[0] + 1, 30, "a NIXL read from the restarted engine")
