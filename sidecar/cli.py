@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=settings.log_level, access_log=False, server_header=False,
                             ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
-                            timeout_keep_alive=60, timeout_graceful_shutdown=30)
+                            timeout_keep_alive=60, timeout_graceful_shutdown=30, ws="none")
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

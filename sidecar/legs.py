@@ -8,8 +8,12 @@ local vLLM with the ``kv_transfer_params`` object P returned, verbatim (current 
 
 from __future__ import annotations
 
+import json
+import posixpath
 import uuid
 from typing import Any
+
+import orjson
 
 PREFILL_HEADER = b"x-prefiller-host-port"
 LEGACY_PREFILL_HEADER = b"x-prefiller-url"
@@ -62,12 +66,72 @@ def has_prefill_header(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(key.lower() in (PREFILL_HEADER, LEGACY_PREFILL_HEADER) for key, _ in headers)
 
 
+MAX_REQUEST_ID = 200
+
+
+def sane_request_id(value: bytes) -> str | None:
+    """A client's request id if it is short and printable ASCII (else None: a 60 KB id would make the
+    decoder refuse the leg's headers)."""
+    text = value.decode("latin-1").strip()
+    if text and len(text) <= MAX_REQUEST_ID and text.isascii() and text.isprintable():
+        return text
+    return None
+
+
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's ``x-request-id`` (first value) or a fresh one; both legs carry the same id."""
+    """The client's ``x-request-id`` (first value, when sane) or a fresh one; both legs carry the same id."""
     for key, value in headers:
-        if key.lower() == REQUEST_ID_HEADER and value.strip():
-            return value.decode("latin-1").strip()
+        if key.lower() == REQUEST_ID_HEADER:
+            rid = sane_request_id(value)
+            if rid is not None:
+                return rid
+            break
     return uuid.uuid4().hex
+
+
+class BadBody(ValueError):
+    """A request body the sidecar will not forward (it cannot read it as the engine would)."""
+
+
+def engine_json(raw: bytes) -> Any:
+    """``raw`` parsed as the engine's HTTP server parses it: vLLM's FastAPI calls Starlette's
+    ``Request.json()``, which is ``json.loads`` on the bytes (NaN and Infinity, lone surrogates,
+    UTF-16/32 and a UTF-8 BOM accepted, the last of duplicate keys wins). orjson is tried first (fast,
+    and where it accepts a document the object keys are the same); raises ``BadBody``."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadBody(f"request body is not valid JSON: {type(exc).__name__}") from None
+
+
+def without_key(raw: bytes, key: str) -> bytes | None:
+    """``raw`` re-serialised without the top-level ``key`` (None when it has no such key). Parsed and
+    written with Python's json, so every other value (big integers, NaN, lone surrogates) reaches the
+    engine as the engine would have read it from the original."""
+    parsed = engine_json(raw)
+    if not isinstance(parsed, dict) or key not in parsed:
+        return None
+    exact = json.loads(raw)  # orjson reads big integers as floats: re-read exactly before writing
+    del exact[key]
+    return json.dumps(exact, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode()
+
+
+def normal_path(path: str) -> str:
+    """A request path the way a permissive server might route it: slashes collapsed, dot segments
+    resolved, trailing slashes dropped (``//v1/./completions/`` -> ``/v1/completions``)."""
+    if not path.startswith("/"):
+        path = "/" + path
+    norm = posixpath.normpath("/" + path.lstrip("/"))
+    return norm.rstrip("/") or "/"
+
+
+def is_generation_path(path: str) -> bool:
+    """Whether ``path`` may reach one of the engine's generation routes (any spelling)."""
+    return normal_path(path) in GENERATION_PATHS
 
 
 def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[bytes]:

@@ -21,8 +21,9 @@ import orjson
 
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
-from sidecar.legs import (GENERATION_PATHS, decode_body, error_payload, forward_headers, has_prefill_header,
-                          pick_prefill_target, prefill_body, request_id, response_headers)
+from sidecar.legs import (GENERATION_PATHS, BadBody, decode_body, engine_json, error_payload, forward_headers,
+                          has_prefill_header, is_generation_path, pick_prefill_target, prefill_body, request_id,
+                          response_headers, without_key)
 from sidecar.metrics import SidecarMetrics
 from sidecar.targets import Target, TargetError, parse_target
 
@@ -155,9 +156,15 @@ class SidecarApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if scope["type"] == "websocket":  # nothing here speaks WebSocket: refuse the handshake (403)
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        if not path.startswith("/"):  # "GET *" or an absolute-form target: nothing to proxy
+            await _send_error(send, 400, "the request target must be a path", "BadRequestError")
+            return
         if path == "/health" and method in ("GET", "HEAD"):
             await _send_bytes(send, 200, b"", None)
             return
@@ -185,6 +192,11 @@ class SidecarApp:
                 work = self._generate(scope, body, tracked_send)
             else:
                 self.metrics.requests.labels("proxy").inc()
+                try:
+                    body = self._engine_body(scope, body)
+                except BadBody as exc:
+                    await _send_error(send, 400, str(exc), "BadRequestError")
+                    return
                 work = self._decode_leg(scope, body, tracked_send, leg="direct")
             try:
                 await self._until_disconnect(work, receive)
@@ -220,7 +232,12 @@ class SidecarApp:
         headers = scope["headers"]
         if not has_prefill_header(headers):
             self.metrics.requests.labels("direct").inc()
-            await self._decode_leg(scope, self._strip_client_params(body), send, leg="direct")
+            try:
+                body = self._engine_body(scope, body)
+            except BadBody as exc:
+                await _send_error(send, 400, str(exc), "BadRequestError")
+                return
+            await self._decode_leg(scope, body, send, leg="direct")
             return
         self.metrics.requests.labels("pd").inc()
         rid = request_id(headers)
@@ -285,19 +302,30 @@ class SidecarApp:
         await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid,
                                extra_headers=told)
 
-    def _strip_client_params(self, body: bytes) -> bytes:
-        """Drop a client's own ``kv_transfer_params`` (cheap byte check first; unparsable bodies go as they are)."""
-        if not self.settings.strip_client_kv_transfer_params or b"kv_transfer_params" not in body:
+    def _engine_body(self, scope, body: bytes) -> bytes:
+        """The body to send the decoder for a request that goes to it directly, on any path.
+
+        The decision is made on the body as the engine will parse it (``legs.engine_json``: Python's
+        json, so ``"kv\\u005ftransfer_params"``, NaN or a lone surrogate change nothing): a client's own
+        top-level ``kv_transfer_params`` is removed and the body re-serialised. A body that cannot be
+        parsed is refused (400) when it may reach a generation route (any spelling of the path) or
+        says it is JSON; only other bodies (a multipart upload) pass as they are."""
+        if not body:
             return body
         try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            engine_json(body)
+        except BadBody:
+            ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"").lower()
+            if is_generation_path(scope["path"]) or not ctype or b"json" in ctype:
+                raise
             return body
-        if not isinstance(request, dict) or "kv_transfer_params" not in request:
+        if not self.settings.strip_client_kv_transfer_params:
             return body
-        request.pop("kv_transfer_params")
+        stripped = without_key(body, "kv_transfer_params")
+        if stripped is None:
+            return body
         self.metrics.client_params_stripped.inc()
-        return orjson.dumps(request)
+        return stripped
 
     async def _allowed_address(self, target: Target) -> str | None:
         """The address to connect to for ``target``, or None (counted) when SSRF protection refuses it."""
@@ -384,7 +412,8 @@ class SidecarApp:
         url = self.settings.vllm_url + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
         headers = forward_headers(scope["headers"])
         if rid is None:
-            rid = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
+            if any(k.lower() == b"x-request-id" for k, _ in scope["headers"]):
+                rid = request_id(scope["headers"])  # the client's when sane, else a fresh one
         if rid is not None:
             headers.append(("X-Request-Id", rid))
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
@@ -410,7 +439,7 @@ class SidecarApp:
             return
         except aiohttp.ClientError as exc:
             self.metrics.legs.labels(leg, "proxy_error").inc()
-            await _send_error(send, 502, f"the decoder failed: {exc or type(exc).__name__}", "BadGateway")
+            await _send_error(send, 502, f"the decoder failed: {type(exc).__name__}", "BadGateway")
             return
         outcome = _outcome(resp.status)
         try:
