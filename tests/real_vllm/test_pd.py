@@ -258,10 +258,12 @@ def test_prefill_leg_that_stops_on_its_one_token_still_hands_over_the_kv(pd_engi
     stop as on a length finish), so the sidecar's decode leg reads them; the answer is the model's."""
     prefill, decode = pd_engines
     body = {"model": MODEL_NAME, "prompt": text(41, 200), "max_tokens": MAX_TOKENS, "temperature": 0}
-    probe = httpx.post(prefill.url + "/v1/completions", timeout=TIMEOUT, json={
-        **body, "max_tokens": 1, "logprobs": 1, "return_tokens_as_token_ids": True})
+    started = time.monotonic()
+    probe = httpx.post(prefill.url + "/v1/completions", timeout=TIMEOUT,
+                       json={**body, "max_tokens": 1, "return_token_ids": True})
     assert probe.status_code == 200, probe.text
-    first = int(probe.json()["choices"][0]["logprobs"]["tokens"][0].removeprefix("token_id:"))
+    probed = time.monotonic() - started
+    first = probe.json()["choices"][0]["token_ids"][0]
     body["stop_token_ids"] = [first]
 
     reads = nixl_reads(decode)
@@ -272,7 +274,7 @@ def test_prefill_leg_that_stops_on_its_one_token_still_hands_over_the_kv(pd_engi
     assert got.headers["x-kvroute-prefill"] == "remote", dict(got.headers)
     assert metric(sidecar.url, "kvroute_sidecar_prefill_without_kv_transfer_params_total") == without
     wait_for(lambda: nixl_reads(decode)[0] == reads[0] + 1, 30, "the decode engine's NIXL read")
-    print(f"stop token {first} first: P/D answer {got.text!r} ({got.finish_reason}, "
+    print(f"stop token {first} first (probed in {probed:.1f} s): P/D answer {got.text!r} ({got.finish_reason}, "
           f"{got.usage['completion_tokens']} token) in {took:.1f} s, prefill leg "
           f"{got.headers['x-kvroute-prefill-ms']} ms")
     # what vLLM answers when the first token is a stop token: nothing, 'stop', that one token counted
