@@ -21,9 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from router.auth import Gate, install_reload
+from router.auth import Caller, Gate, install_reload
+from router.costs import estimate_prompt_tokens
 from router.dispatch import Opened, UpstreamError, relay, upstream_headers
 from router.errors import APIError, error_body, error_response, from_exc
 from router.pd import explain_pd, prefill_targets
@@ -82,11 +84,14 @@ async def _read_body(request: Request, limit: int, timeout_s: float | None = Non
         except ValueError:
             raise APIError(400, "invalid Content-Length") from None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body larger than the {limit}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body larger than the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody is left to answer; not a server error worth a traceback
+        raise APIError(400, "client disconnected before the request body was complete") from None
     return b"".join(chunks)
 
 
@@ -225,12 +230,17 @@ def create_app(services: Services) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         if services.started and services.registry.healthy():
-            return Response(orjson.dumps({"ready": True, "healthy_pods": len(services.registry.healthy())}),
-                            media_type="application/json")
+            answer: dict[str, Any] = {"ready": True}
+            if gate.open:  # with API keys, readiness tells a probe nothing about the fleet
+                answer["healthy_pods"] = len(services.registry.healthy())
+            return Response(orjson.dumps(answer), media_type="application/json")
         return error_response(503, "no healthy pod yet")
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        # per-pod load and cache-hit counters would let one tenant watch another's traffic
+        if not gate.open and not settings.public_metrics:
+            gate.require_admin(gate.authenticate(request.headers), "GET /metrics")
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/prefill-pods")
@@ -247,31 +257,44 @@ def create_app(services: Services) -> FastAPI:
                 for m in services.registry.models()]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
+    async def admitted_body(request: Request, caller: Caller, kind: str | None) -> tuple[bytes, dict[str, Any], str, int]:
+        """Admission before any tokenizing: a caller in prompt-token debt is refused before its body
+        is read; then the body (size and time bounded), parsed, and a cheap estimate of all its
+        prompt tokens charged (``router.costs``). Returns raw, body, kind and what was charged."""
+        gate.check_prompt_debt(caller)
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        body = _parse(raw)
+        kind = kind or ("chat" if "messages" in body else "completion")
+        charged = gate.precharge(caller, estimate_prompt_tokens(kind, body, router().chars_per_token))
+        return raw, body, kind, charged
+
     # ---- explain -------------------------------------------------------------------------------
     @app.post("/debug/route", openapi_extra=openapi_body("completion"))
     async def debug_route(request: Request) -> Response:
-        authenticate(request)
-        body = _parse(await _read_body(request, settings.max_body_bytes))
-        kind = "chat" if "messages" in body else "completion"
+        caller = gate.authenticate(request.headers)
+        gate.require_admin(caller, "POST /debug/route")  # it tells what is cached: not for tenants
+        gate.admit(request.headers)
+        _, body, kind, charged = await admitted_body(request, caller, None)
         r = router()
-        plan = r.plan(kind, body, request.headers, dry_run=True, **await prompt_ids(r, kind, body))
+        plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
+                      **await prompt_ids(r, kind, body))
+        gate.settle(caller, charged, plan.request.prompt_tokens)
         return Response(orjson.dumps(explain(plan, router().block_size, policy)), media_type="application/json")
 
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
         rid = _request_id(request)
         try:
+            # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
             caller = gate.admit(request.headers)
-            raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-            body = _parse(raw)
+            raw, body, _, charged = await admitted_body(request, caller, kind)
             stream = body.get("stream")
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            plan = r.plan(kind, body, request.headers, **await prompt_ids(r, kind, body))
+            plan = r.plan(kind, body, request.headers, grants=caller.grants, **await prompt_ids(r, kind, body))
+            gate.settle(caller, charged, plan.request.prompt_tokens)
             raw = r.pd.sanitize_body(raw, body)
-            if plan.decision.verdict.admitted:
-                gate.charge_prompt(caller, plan.request.prompt_tokens)
         except APIError as exc:
             metrics.requests.labels("", policy, str(exc.status)).inc()
             return from_exc(exc, {"x-request-id": rid})

@@ -37,12 +37,26 @@ class Limits:
     prompt_token_burst: float | None = None
 
 
+@dataclass(frozen=True)
+class Grants:
+    """What a caller may do beyond sending requests. The anonymous caller of an open router (no keys)
+    has every grant: an open router trusts whoever reaches it."""
+
+    admin: bool = False            # /debug/route, /metrics
+    priority: bool = False         # the priority header is honoured
+    objective: bool = False        # the objective header may loosen the objective
+
+
+TRUSTED = Grants(admin=True, priority=True, objective=True)
+
+
 @dataclass
 class Caller:
     """An authenticated caller (or the anonymous one when the router is open) and its buckets."""
 
     name: str
     limits: Limits
+    grants: Grants = TRUSTED
     requests: TokenBucket | None = field(default=None, repr=False)
     prompt_tokens: TokenBucket | None = field(default=None, repr=False)
 
@@ -66,8 +80,8 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
-def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits]]:
-    """(digest, name, limits) of every configured key; per-key limits override the fleet's."""
+def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants]]:
+    """(digest, name, limits, grants) of every configured key; per-key limits override the fleet's."""
     out = []
     for i, entry in enumerate(settings.api_keys):
         spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
@@ -82,7 +96,8 @@ def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits]]:
             tokens = (settings.rate_limit_prompt_tokens_per_s,
                       spec.prompt_token_burst or settings.rate_limit_prompt_token_burst)
         limits = Limits(*requests, *tokens)
-        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits))
+        grants = Grants(admin=spec.admin, priority=spec.allow_priority, objective=spec.allow_objective)
+        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits, grants))
     return out
 
 
@@ -106,9 +121,10 @@ class Gate:
         """Adopt the keys and limits of ``settings``; buckets of keys that stay keep their level."""
         now = self.clock()
         fresh: dict[bytes, Caller] = {}
-        for digest, name, limits in _keys(settings):
+        for digest, name, limits, grants in _keys(settings):
             caller = self.callers.get(digest) or Caller(name, limits)
             caller.name = name
+            caller.grants = grants
             caller.retune(limits, now)
             fresh[digest] = caller
         self.callers = fresh
@@ -142,12 +158,39 @@ class Gate:
                 self._limited("requests", caller, wait, "requests")
         return caller
 
-    def charge_prompt(self, caller: Caller, prompt_tokens: int) -> None:
-        """Charge a routed request's prompt tokens (429 when the caller's token bucket is empty)."""
-        if caller.prompt_tokens is not None and prompt_tokens > 0:
-            wait = caller.prompt_tokens.take(float(prompt_tokens), self.clock())
+    def require_admin(self, caller: Caller, what: str) -> None:
+        """403 unless the caller holds the admin grant (always held on an open router)."""
+        if not caller.grants.admin:
+            raise APIError(403, f"{what} needs an admin API key (admin: true in api_keys)")
+
+    def check_prompt_debt(self, caller: Caller) -> None:
+        """429 before the body is even read when the caller's prompt-token bucket is in debt."""
+        if caller.prompt_tokens is not None:
+            wait = caller.prompt_tokens.take(0.0, self.clock())
             if wait:
                 self._limited("prompt-tokens", caller, wait, "prompt tokens")
+
+    def precharge(self, caller: Caller, estimate: int) -> int:
+        """Charge a cheap estimate of a request's prompt tokens before any tokenizing (429 when the
+        bucket cannot take it); returns what was charged, for ``settle``."""
+        if caller.prompt_tokens is None or estimate <= 0:
+            return 0
+        wait = caller.prompt_tokens.take(float(estimate), self.clock())
+        if wait:
+            self._limited("prompt-tokens", caller, wait, "prompt tokens")
+        return estimate
+
+    def settle(self, caller: Caller, charged: int, prompt_tokens: int) -> None:
+        """The prompt was tokenized: charge what the estimate missed (the work is done, so never a
+        refusal; the bucket may go into debt) or give back what it over-charged."""
+        bucket = caller.prompt_tokens
+        if bucket is not None and prompt_tokens != charged:
+            bucket.adjust(float(prompt_tokens - charged), self.clock())
+
+    def charge_prompt(self, caller: Caller, prompt_tokens: int) -> None:
+        """Charge a routed request's prompt tokens (429 when the caller's token bucket is empty)."""
+        charged = self.precharge(caller, prompt_tokens)
+        self.settle(caller, charged, prompt_tokens)
 
     def _limited(self, kind: str, caller: Caller, wait: float, what: str) -> None:
         self.on_limited(kind)

@@ -209,6 +209,12 @@ class ApiKey(BaseModel):
     request_burst: float | None = Field(None, gt=0, description="request bucket size for this key")
     prompt_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second for this key")
     prompt_token_burst: float | None = Field(None, gt=0, description="prompt-token bucket size for this key")
+    admin: bool = Field(False, description="may use introspection: POST /debug/route, and GET /metrics unless "
+                        "public_metrics")
+    allow_priority: bool = Field(False, description="the priority header (x-priority) is honoured for this key "
+                                 "(an exempt value skips early rejection); ignored for other keys")
+    allow_objective: bool = Field(False, description="the objective header (x-slo-ttft-ms) may loosen this key's "
+                                  "objective; other keys may only tighten it")
 
 
 class RouterSettings(BaseSettings):
@@ -240,6 +246,17 @@ class RouterSettings(BaseSettings):
                                                          "(token bucket; none = unlimited)")
     rate_limit_prompt_token_burst: float | None = Field(None, gt=0, description="per API key: prompt-token bucket size "
                                                         "(none = one second's worth)")
+    slo_header_max_ms: float = Field(600_000.0, gt=0, description="largest objective the objective header may ask "
+                                     "for (400 above it)")
+    public_metrics: bool = Field(False, description="with api_keys: GET /metrics answers anyone (else admin keys "
+                                 "only); without api_keys it is always open")
+    estimate_chars_per_token: float | None = Field(None, gt=0, description="characters per token of the cheap "
+                                                   "prompt estimate charged before tokenizing (none = 1 for the "
+                                                   "byte tokenizer, 4 otherwise)")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's complete headers "
+                                    "within this long (from connecting, or from its first byte); closed after")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="largest request line plus headers (431 above)")
+    keep_alive_s: float = Field(30.0, gt=0, description="an idle keep-alive connection is closed after this long")
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
     ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest request body accepted")

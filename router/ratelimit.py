@@ -37,6 +37,11 @@ class TokenBucket:
             return 0.0
         return (need - self.level) / self.rate
 
+    def adjust(self, cost: float, now: float) -> None:
+        """Charge ``cost`` unconditionally (into debt if need be), or give it back when negative."""
+        self._refill(now)
+        self.level = min(self.burst, self.level - cost)
+
     def retune(self, rate: float, burst: float) -> None:
         """New limits (a config reload) without forgetting what was spent."""
         self.rate = float(rate)

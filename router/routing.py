@@ -18,6 +18,7 @@ from indexer.keys import block_keys, key_seed
 from indexer.tokens import Tokenizer
 from router.booking import Ledger
 from router.config import RouterSettings
+from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
@@ -53,6 +54,7 @@ class Booking:
     sent_at: float = field(default_factory=time.monotonic)
     released: bool = False
     pd: Any = None  # P/D bookings (router.pd.PDBooking)
+    new_blocks: int = 0  # full prompt blocks the pod did not hold: its engine must announce them
 
 
 def _priority_exempt(value: str | None, exempt_values: list[str]) -> bool:
@@ -77,11 +79,13 @@ class Router:
         self.state.rng.seed(settings.seed)
         self._clock = clock
         self._seeds: dict[str, int] = {}
+        self.event_sources: dict[str, int] = {}  # per pod: answered requests that stored new blocks
         self._salts = {pid: zlib.crc32(pid.encode()) for pid in registry.pods}
         self._exempt = [v.lower() for v in settings.priority_exempt_values]
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
         self.policy = settings.policy
         self.pd = PDRouting(settings, metrics.registry)
+        self.chars_per_token = settings.estimate_chars_per_token or (1.0 if settings.tokenizer == "byte" else 4.0)
         for pid, p in registry.pods.items():
             self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
 
@@ -115,19 +119,23 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
 
-    def objective_s(self, headers: Mapping[str, str]) -> float | None:
+    def objective_s(self, headers: Mapping[str, str], may_loosen: bool = True) -> float | None:
+        """The request's TTFT objective: the objective header, bounded by ``slo_header_max_ms``, else
+        the configured one. A caller without the objective grant may only tighten the configured
+        objective with the header, never loosen it."""
+        default = self.settings.ttft_objective_ms / 1000.0 if self.settings.ttft_objective_ms is not None else None
         raw = headers.get(self.settings.slo_header)
         if raw is not None:
+            name, most = self.settings.slo_header, self.settings.slo_header_max_ms
             try:
                 ms = float(raw)
             except ValueError:
-                raise APIError(400, f"header {self.settings.slo_header} must be a number of milliseconds") from None
-            if not (ms > 0) or ms == float("inf"):
-                raise APIError(400, f"header {self.settings.slo_header} must be a positive number of milliseconds")
-            return ms / 1000.0
-        if self.settings.ttft_objective_ms is not None:
-            return self.settings.ttft_objective_ms / 1000.0
-        return None
+                raise APIError(400, f"header {name} must be a number of milliseconds") from None
+            if not (0 < ms <= most):
+                raise APIError(400, f"header {name} must be a number of milliseconds above 0 and at most {most:g}")
+            asked = ms / 1000.0
+            return asked if may_loosen or default is None else min(asked, default)
+        return default
 
     def keys_for(self, model: str, tokens: list[int]) -> list[int]:
         seed = self._seeds.get(model)
@@ -166,17 +174,25 @@ class Router:
         return out
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
-             tokens: list[int] | None = None, exact: bool = True) -> Plan:
+             tokens: list[int] | None = None, exact: bool = True, grants: Any = None) -> Plan:
         """``tokens`` given: the prompt was tokenized already (a pod's /tokenize); ``exact=False``
-        when they only stand in for its length, so no prefix is looked up."""
+        when they only stand in for its length, so no prefix is looked up. ``grants`` (router.auth)
+        say whether the caller's priority and objective headers count (None: they do).
+
+        A batch of prompts is routed by its first prompt (its prefix is looked up) and counted as all
+        of them (``prompt_tokens``: the other prompts' tokens, assumed uncached)."""
         started = time.perf_counter()
         model = self.resolve_model(body)
-        objective = self.objective_s(headers)
+        objective = self.objective_s(headers, may_loosen=grants is None or grants.objective)
+        encode = None
         if tokens is None:
             tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
+            encode = self.tokenizer.encode
+        rest = batch_rest_tokens(body, encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         keys = self.keys_for(model, tokens) if exact else []
-        request = RequestView(prompt_tokens=len(tokens), objective_s=objective,
-                              exempt=_priority_exempt(headers.get(self.settings.priority_header), self._exempt),
+        exempt = (grants is None or grants.priority) and \
+            _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
+        request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
                               unknown_request_tokens=self.settings.unknown_request_tokens)
         if self.pd.active(self, model):  # prefill/decode disaggregation (router/pd.py)
             plan = self.pd.plan(self, kind, model, tokens, keys, request, body, dry_run)
@@ -224,8 +240,10 @@ class Router:
         cached = min(int(cand.effective_cached_tokens), plan.request.prompt_tokens)
         self.metrics.estimated_cached_tokens.inc(cached)
         self.metrics.predicted_ttft.observe(pred.ttft_s)
+        new_blocks = max(0, plan.request.prompt_tokens // self.block_size - cached // self.block_size)
         return Booking(pod_id=cand.pod_id, ticket=ticket, work_tokens=queue_tokens + pred.uncached_tokens,
-                       predicted_ttft_s=pred.ttft_s, cached_tokens=cached, sent_at=self._clock())
+                       predicted_ttft_s=pred.ttft_s, cached_tokens=cached, sent_at=self._clock(),
+                       new_blocks=new_blocks)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
         """The pod produced its first token: release the work and learn from the TTFT."""
@@ -234,6 +252,7 @@ class Router:
         booking.released = True
         self.ledger.release(booking.pod_id, booking.ticket)
         self.pd.release(self, booking)
+        self._count_event_source(booking)
         if observe:
             ttft = self._clock() - booking.sent_at
             self.metrics.observed_ttft.observe(ttft)
@@ -248,7 +267,15 @@ class Router:
         if not booking.released:
             booking.released = True
             self.ledger.release(booking.pod_id, booking.ticket)
+            self._count_event_source(booking)
         self.pd.release(self, booking)
+
+    def _count_event_source(self, booking: Booking) -> None:
+        """A pod that computed new full blocks has announced them (vLLM publishes BlockStored in the
+        step that fills a block, before the first token): the event watchdog counts these requests,
+        not all requests, since one answered wholly from cache publishes nothing."""
+        if booking.new_blocks > 0:
+            self.event_sources[booking.pod_id] = self.event_sources.get(booking.pod_id, 0) + 1
 
     # ---- introspection ---------------------------------------------------------------------
     def pod_snapshot(self) -> dict[str, dict[str, Any]]:

@@ -68,9 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         http = "httptools"
     except ImportError:
         http = "h11"
-    common = dict(host=settings.host, port=settings.port, loop=loop, http=http, log_level=settings.log_level.lower(),
-                  access_log=settings.access_log, lifespan="on", timeout_keep_alive=30,
-                  ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
+    from router.listener import guarded_protocol, log_config
+
+    if http == "httptools":  # header, body and idle bounds on every connection (router/listener.py)
+        body_s = settings.body_timeout_s + 2.0 if settings.body_timeout_s else None  # the app's 408 comes first
+        http = guarded_protocol(settings.header_timeout_s, body_s, settings.max_header_bytes)
+    # ws="none": nothing here speaks WebSocket, and the WebSocket library logs handshake headers
+    # (Authorization included) at debug level
+    common = dict(host=settings.host, port=settings.port, loop=loop, http=http, ws="none",
+                  log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
+                  timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
+                  ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
         import os
 

@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from router.config import load_settings
+from router.listener import guarded_protocol
 from sidecar.config import SidecarSettings
 from sidecar.proxy import SidecarApp
 
@@ -26,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         logging.getLogger("kvroute.sidecar").error("%s", exc)
         return 2
+    # header, body and idle bounds on every connection (router/listener.py); ws="none": nothing here
+    # speaks WebSocket, and the WebSocket library logs handshake headers (Authorization) at debug level
+    http = guarded_protocol(settings.header_timeout_s, settings.body_timeout_s + 2.0, settings.max_header_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=settings.log_level, access_log=False, server_header=False,
                             ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
-                            timeout_keep_alive=60, timeout_graceful_shutdown=30, ws="none")
+                            timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=30, ws="none",
+                            http=http)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -48,6 +48,13 @@ class SidecarSettings(BaseSettings):
     strip_client_kv_transfer_params: bool = Field(True, description=(
         "Drop kv_transfer_params sent by the client (they could point the decoder at any host)"))
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted, in bytes")
+    body_timeout_s: float = Field(30.0, gt=0, description=(
+        "A request body must arrive within this many seconds (408 after; bounds slow clients)"))
+    header_timeout_s: float = Field(10.0, gt=0, description=(
+        "A connection must send a request's complete headers within this many seconds (from connecting, "
+        "or from its first byte); closed after"))
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest request line plus headers (431 above)")
+    keep_alive_s: float = Field(60.0, gt=0, description="An idle keep-alive connection is closed after this long")
     max_connections: int = Field(4096, ge=0, description="Upstream connection pool size (0 = unlimited)")
 
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")

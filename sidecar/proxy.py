@@ -36,6 +36,10 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyTooSlow(Exception):
+    pass
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """How the prefill leg ended. ``kind``: ok, client_error, server_error, connect_error, timeout, bad_response."""
@@ -64,8 +68,13 @@ async def _send_error(send, status: int, message: str, err_type: str,
     await _send_bytes(send, status, orjson.dumps(error_payload(message, err_type, status)), _JSON, extra)
 
 
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The whole request body, or None if the client went away first."""
+async def _read_body(receive, limit: int, timeout_s: float | None = None) -> bytes | None:
+    """The whole request body, or None if the client went away first (``_BodyTooSlow`` past ``timeout_s``)."""
+    if timeout_s:
+        try:
+            return await asyncio.wait_for(_read_body(receive, limit), timeout_s)
+        except asyncio.TimeoutError:
+            raise _BodyTooSlow from None
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -174,10 +183,14 @@ class SidecarApp:
         self.metrics.in_flight.inc()
         try:
             try:
-                body = await _read_body(receive, self.settings.max_body_bytes)
+                body = await _read_body(receive, self.settings.max_body_bytes, self.settings.body_timeout_s)
             except _BodyTooLarge:
                 await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes",
                                   "BadRequestError")
+                return
+            except _BodyTooSlow:
+                await _send_error(send, 408, f"request body not received within {self.settings.body_timeout_s:g} s",
+                                  "RequestTimeoutError", [(b"connection", b"close")])
                 return
             if body is None:
                 return

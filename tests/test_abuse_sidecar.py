@@ -7,6 +7,8 @@ bodies with Python's json, as vLLM's FastAPI does, so each test checks what the 
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
@@ -152,3 +154,41 @@ def test_a_60_kb_request_id_is_replaced_not_a_502(sidecar, decoder):
     assert status(resp) == 200, resp[:300]
     sent = [v for k, v in decoder.received[-1]["headers"] if k == "x-request-id"]
     assert sent and len(sent[0]) <= 200
+
+
+def test_idle_slow_and_http10_chunked_clients_are_bounded(decoder):
+    from tests.test_abuse_router import _closed_within
+
+    port = free_port()
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decoder.url,
+            "--header-timeout-s", "1", "--body-timeout-s", "1", "--keep-alive-s", "1"]
+    with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        started = time.monotonic()
+        assert all(_closed_within(s, 6) for s in idle) and time.monotonic() - started < 6
+        for s in idle:
+            s.close()
+        with socket.create_connection(("127.0.0.1", port)) as s:  # headers that never end
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert _closed_within(s, 4)
+        with socket.create_connection(("127.0.0.1", port)) as s:  # a body trickled byte by byte
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+            started, answer = time.monotonic(), b""
+            s.settimeout(0.2)
+            while time.monotonic() - started < 8 and not answer:
+                try:
+                    s.sendall(b" ")
+                    answer = s.recv(4096)
+                except (socket.timeout, TimeoutError):
+                    pass
+                except OSError:
+                    break
+            assert status(answer) == 408 and time.monotonic() - started < 4, answer
+        chunked = (b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        resp = exchange(port, chunked)
+        assert status(resp) == 400 and "HTTP/1.0" in error(resp)["message"]
+        huge = exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 100_000 + b"\r\n\r\n")
+        assert status(huge) == 431
+    assert decoder.received == []

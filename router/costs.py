@@ -1,0 +1,82 @@
+"""What a request costs before and after tokenizing: a cheap estimate of its prompt tokens (charged
+to the caller's bucket before any tokenizer runs) and the size of every prompt of a batch.
+
+A completion may carry a batch of prompts (``"prompt": ["a", "<3M characters>"]``, or several
+token-id lists); vLLM serves each as its own request, so all of them count for limits and for the
+predicted prefill work, not only the first (which alone routes the request: its prefix is looked up).
+Everything here is linear in the number of prompts or messages, never in their characters (``len``
+of a str or a list is constant time).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and (not v or isinstance(v[0], int))
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a chat message's content (a string, or a list of parts with text)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    total += len(text)
+            elif isinstance(part, str):
+                total += len(part)
+        return total
+    return 0
+
+
+def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: float) -> int:
+    """A cheap estimate of every prompt token of the request: token ids counted exactly, text at
+    ``chars_per_token`` characters a token. Shapes the router will refuse count 0 (they get a 400)."""
+    chars = 0
+    ids = 0
+    if kind == "chat":
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            for m in messages:
+                if isinstance(m, dict):
+                    chars += _text_chars(m.get("content"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif isinstance(prompt, list):
+            if _is_ids(prompt):
+                ids = len(prompt)
+            else:
+                for p in prompt:
+                    if isinstance(p, str):
+                        chars += len(p)
+                    elif isinstance(p, list):
+                        ids += len(p)
+    return ids + int(chars / chars_per_token)
+
+
+def batch_rest(body: dict[str, Any]) -> list[Any]:
+    """The prompts of a completion batch after the first (empty for a single prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not _is_ids(prompt):
+        return prompt[1:]
+    return []
+
+
+def batch_rest_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None,
+                      chars_per_token: float) -> int:
+    """Prompt tokens of every prompt of a completion batch but the first: token-id lists by length,
+    text through ``encode`` (the local tokenizer), or estimated when there is none (remote)."""
+    total = 0
+    for p in batch_rest(body):
+        if isinstance(p, str):
+            total += len(encode(p)) if encode is not None else int(len(p) / chars_per_token)
+        elif isinstance(p, list):
+            total += len(p)
+    return total

@@ -1,0 +1,183 @@
+"""Bounds on what a client may hold open on a listener: uvicorn's httptools protocol with timeouts for
+the request head and body, a size limit on the head, and HTTP/1.0 framing checks. Used by the
+router (``kvroute serve``) and the sidecar (``kvroute sidecar``).
+
+uvicorn bounds only the idle time *after* a response (``timeout_keep_alive``): a connection that
+never sends a request, or sends its headers one byte a second, or its body one byte a second to a
+route that does not read it, stays open for ever. Here:
+
+- ``header_timeout_s``: from the connection (or from the first byte of a following request) to the
+  end of the request's headers; past it the connection is closed.
+- ``body_timeout_s``: from the end of the headers to the end of the body, whether the app reads it
+  or not; past it the connection is closed (apps that read bodies answer 408 first, on their own
+  deadline, which should be a little shorter).
+- ``max_header_bytes``: request line plus headers; past it a 431 and the connection is closed.
+- HTTP/1.0 with ``Transfer-Encoding``: a 400 and close (RFC 9112 6.1: the framing is faulty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+import orjson
+
+log = logging.getLogger("kvroute.listener")
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - httptools is a dependency; without it uvicorn's h11 limits apply
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def _error_json(status: int, message: str) -> bytes:
+    kind = {400: "BadRequestError", 408: "RequestTimeoutError", 431: "RequestHeaderFieldsTooLarge"}[status]
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+def _raw_error(status: int, message: str) -> bytes:
+    body = _error_json(status, message)
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, _REASONS[status], len(body))) + body
+
+
+def _error_app(status: int, message: str):
+    body = _error_json(status, message)
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return app
+
+
+_ENV = "KVROUTE_LISTENER_BOUNDS"  # carries the bounds to uvicorn's spawned workers (workers > 1)
+
+
+def guarded_protocol(header_timeout_s: float, body_timeout_s: float | None, max_header_bytes: int) -> Any:
+    """The uvicorn ``http`` protocol class with these bounds (``"h11"`` when httptools is missing).
+    The class is module-level, so uvicorn can hand it to spawned worker processes: the bounds travel
+    in an environment variable and are read again at import there."""
+    if HttpToolsProtocol is None:  # pragma: no cover
+        log.warning("httptools is not installed: header timeouts and limits are uvicorn's h11 defaults")
+        return "h11"
+    bounds = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+              "max_header_bytes": max_header_bytes}
+    os.environ[_ENV] = json.dumps(bounds)
+    _configure(bounds)
+    return GuardedHttpToolsProtocol
+
+
+def _configure(bounds: dict[str, Any]) -> None:
+    GuardedHttpToolsProtocol.header_timeout_s = bounds["header_timeout_s"]
+    GuardedHttpToolsProtocol.body_timeout_s = bounds["body_timeout_s"]
+    GuardedHttpToolsProtocol.max_header_bytes = bounds["max_header_bytes"]
+
+
+if HttpToolsProtocol is not None:
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
+        header_timeout_s: float = 10.0
+        body_timeout_s: float | None = 32.0
+        max_header_bytes: int = 64 * 1024
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._guard: asyncio.TimerHandle | None = None
+            self._in_head = True
+            self._head_bytes = 0
+            self._arm(self.header_timeout_s)  # the first request's headers must come within this
+
+        def _arm(self, delay: float | None) -> None:
+            self._disarm()
+            if delay:
+                self._guard = self.loop.call_later(delay, self._expire)
+
+        def _disarm(self) -> None:
+            if self._guard is not None:
+                self._guard.cancel()
+                self._guard = None
+
+        def _expire(self) -> None:
+            self._guard = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            limit = self.max_header_bytes
+            if self._in_head and self._head_bytes > limit and not self.transport.is_closing():
+                self.transport.write(_raw_error(431, f"request line and headers exceed {limit} bytes"))
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if not self._in_head:  # a following request on a kept-alive connection
+                self._in_head = True
+                self._head_bytes = 0
+                self._arm(self.header_timeout_s)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._head_bytes = 0
+            self._arm(self.body_timeout_s)
+            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            problem = None
+            if size > self.max_header_bytes:
+                problem = (431, f"request line and headers exceed {self.max_header_bytes} bytes")
+            elif self.parser.get_http_version() == "1.0" and any(n == b"transfer-encoding" for n, _ in self.headers):
+                problem = (400, "Transfer-Encoding is not allowed in an HTTP/1.0 request")
+            if problem is None:
+                super().on_headers_complete()
+                return
+            real = self.app  # answer from here instead of the app, and close the connection after
+            self.app = _error_app(*problem)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = real
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+    if os.environ.get(_ENV):
+        _configure(json.loads(os.environ[_ENV]))
+
+
+class RedactQuery(logging.Filter):
+    """Drops the query string from uvicorn's access-log lines: clients put keys there
+    (``?api_key=...``, ``?token=...``), and a log is no place for them. The path is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<redacted>", *args[3:])
+        return True
+
+
+def log_config() -> dict[str, Any]:
+    """uvicorn's own logging config with ``RedactQuery`` on the access log (a dict, so worker
+    processes apply it too)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_query"] = {"()": "router.listener.RedactQuery"}
+    config["handlers"]["access"]["filters"] = ["redact_query"]
+    return config
