@@ -4,9 +4,17 @@ An idle pod publishes nothing, and that is fine: its cache does not change. A po
 getting requests but whose publisher says nothing (a crashed publisher thread, a firewall, a wrong
 endpoint after a redeploy) has a cache that drifts away from the index: the router would keep
 sending prompts there for blocks long evicted. So when a pod's events have stopped for
-``silence_s`` while the router sent it requests, its index entries are dropped (it is then routed
+``silence_s`` while the router had it compute new blocks (which vLLM announces in the step that
+fills them, before the first token), its index entries are dropped (it is then routed
 on load alone until events resume, when the subscriber's gap replay refills it), a counter goes up
 and a warning says so, once per silence.
+
+What counts as serving: requests that stored at least one new full block (the router's
+``event_sources``), not every request. A request answered wholly from cache stores nothing and
+publishes nothing, and a request's answer ends after its own events were applied; counting those
+dropped the index of every pod that went idle after a request (seen against real vLLM). At least
+``min_requests`` of them must have been answered since the last batch, so one whose first token
+overtook its own batch on the way to the router does not count as silence.
 """
 
 from __future__ import annotations
@@ -33,9 +41,9 @@ class _Seen:
 class EventSilenceWatchdog:
     def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]], clear_pod: Callable[[str], None],
                  requests_to: Callable[[str], float], silence_s: float, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, min_requests: int = 2) -> None:
         self.stats, self.clear_pod, self.requests_to = stats, clear_pod, requests_to
-        self.silence_s, self.clock = silence_s, clock
+        self.silence_s, self.clock, self.min_requests = silence_s, clock, min_requests
         self.clears = Counter("kvroute_event_silence_clears", "Index entries dropped because a pod's KV-event "
                               "publisher was silent while it served requests", ["pod"], registry=registry)
         self._seen: dict[str, _Seen] = {}
@@ -58,7 +66,7 @@ class EventSilenceWatchdog:
             if seen is None or batches != seen.batches:
                 self._seen[pod] = _Seen(batches, requests, now)
                 continue
-            if seen.cleared or now - seen.since < self.silence_s or requests <= seen.requests:
+            if seen.cleared or now - seen.since < self.silence_s or requests - seen.requests < self.min_requests:
                 continue
             seen.cleared = True
             self.clears.labels(pod).inc()
@@ -90,20 +98,6 @@ class EventSilenceWatchdog:
             self._task = None
 
 
-def requests_counter_reader(counter: Counter) -> Callable[[str], float]:
-    """How many requests a ``kvroute_requests{pod,...}`` counter has counted for a pod (all labels)."""
-
-    def read(pod: str) -> float:
-        total = 0.0
-        for metric in counter.collect():
-            for s in metric.samples:
-                if s.name.endswith("_total") and s.labels.get("pod") == pod:
-                    total += s.value
-        return total
-
-    return read
-
-
 def start_for(services: Any) -> EventSilenceWatchdog | None:
     """The watchdog of a router's ``Services`` (None when ``event_silence_s`` is 0), started."""
     silence_s = services.settings.event_silence_s
@@ -117,7 +111,10 @@ def start_for(services: Any) -> EventSilenceWatchdog | None:
         if services.index is not None:
             services.index.clear_pod(pod)
 
-    dog = EventSilenceWatchdog(stats, clear, requests_counter_reader(services.metrics.requests), silence_s,
-                               registry=services.metrics.registry)
+    def event_sources(pod: str) -> float:
+        router = services.router
+        return float(router.event_sources.get(pod, 0)) if router is not None else 0.0
+
+    dog = EventSilenceWatchdog(stats, clear, event_sources, silence_s, registry=services.metrics.registry)
     dog.start()
     return dog

@@ -18,7 +18,9 @@ def test_silence_counts_only_while_the_pod_is_served_and_once_per_silence():
     assert dog.check() == []            # silent for 10 s, but idle: its cache did not change
     requests["p"] = 11.0
     now[0] = 11.0
-    assert dog.check() == ["p"]         # silent while served: dropped
+    assert dog.check() == []            # one answer since the last batch: it may have overtaken its own batch
+    requests["p"] = 12.0
+    assert dog.check() == ["p"]         # silent while it stored new blocks: dropped
     now[0] = 20.0
     requests["p"] = 30.0
     assert dog.check() == []            # once per silence
@@ -27,6 +29,44 @@ def test_silence_counts_only_while_the_pod_is_served_and_once_per_silence():
     batches["p"] = 6                    # events resume: a new silence can be noticed again
     now[0] = 21.0
     assert dog.check() == []
-    requests["p"] = 31.0
+    requests["p"] = 32.0
     now[0] = 25.0
     assert dog.check() == ["p"]
+
+
+def test_an_idle_pod_keeps_its_index_after_requests_that_stored_nothing_new(tmp_path):
+    """A pod's answers end after the events they caused, and a prompt answered wholly from cache
+    publishes nothing: neither is a silent publisher. The pod goes idle for longer than
+    ``event_silence_s`` after both kinds, and its index entries stay."""
+    import time
+
+    import httpx
+    import yaml
+
+    from simulator.testing import consecutive_free_ports, running_sims, sim_kv_events
+    from tests.helpers import free_port, kvroute_process, metric
+
+    events = consecutive_free_ports(2)
+    with running_sims(1, ["--kv-events-port", str(events), "--block-size", "16"]) as urls:
+        port = free_port()
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "event_silence_s": 1.0, "speculative_ttl_s": 0.05,
+                                       "pods": [{"id": "p", "url": urls[0], "kv_events": sim_kv_events(events, 0)}]}))
+        base = f"http://127.0.0.1:{port}"
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready"):
+            body = {"model": "sim-model", "prompt": "an idle pod keeps what it cached " * 20, "max_tokens": 2}
+
+            def cached() -> int:
+                rows = httpx.post(base + "/debug/route", json=body, timeout=10).json()["pods"]
+                return sum(rows[0]["cached_tokens_by_tier"].values()) if rows else 0
+
+            assert httpx.post(base + "/v1/completions", json=body, timeout=10).status_code == 200
+            deadline = time.monotonic() + 5
+            while cached() == 0:
+                assert time.monotonic() < deadline, "the prompt was never indexed"
+                time.sleep(0.05)
+            for _ in range(3):  # answered from cache: no new block, no event
+                assert httpx.post(base + "/v1/completions", json=body, timeout=10).status_code == 200
+            time.sleep(3.0)  # idle for three silences
+            assert metric(base, "kvroute_event_silence_clears_total") == 0
+            assert cached() > 0
