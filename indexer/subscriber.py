@@ -31,6 +31,16 @@ Replay replies are parsed by frame count, so both layouts work: ``[b"", seq, pay
 seq ``0xFFFF_FFFF_FFFF_FFFF``. Every wait has a timeout: a slow replay client's replies (even the
 end marker) may be dropped by the ROUTER.
 
+Trust boundary: the event endpoints are trusted to describe their pod's cache. A forged
+``BlockStored`` poisons the index (requests routed where the prefix is not); it cannot reach a pod
+or the router's memory beyond the bounds here: every frame is at most ``max_frame_bytes`` (ZeroMQ's
+``MAXMSGSIZE``: a bigger one drops the connection, which reconnects), and a replay answer at most
+``max_replay_batches`` batches and ``max_replay_bytes`` bytes (past either, the replay counts as
+failed and its buffer is freed). Where the publishers support it, CURVE (``curve_server_key``,
+with this subscriber's own ``curve_public_key``/``curve_secret_key``) authenticates and encrypts
+both the PUB stream and the replay socket, so only the holder of the server's secret key can
+publish events the router accepts.
+
 Socket errors recreate the socket with exponential backoff (libzmq itself reconnects a connected
 SUB). Bad input is counted (``decode_errors``) and dropped; nothing a pod sends stops the task.
 """
@@ -81,6 +91,7 @@ class StreamState:
     reconnects: int = 0
     disconnects: int = 0
     suspect: bool = False               # the connection dropped since the last batch
+    disconnected_at: float | None = None  # monotonic time of a disconnect not yet followed by a connect
     last_event_mono: float | None = None
     lag_s: float | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
@@ -262,7 +273,9 @@ class KVEventSubscriber:
     def __init__(self, index: PrefixIndex, *, context: zmq.asyncio.Context | None = None,
                  replay_timeout_s: float = 2.0, reconnect_min_s: float = 0.1, reconnect_max_s: float = 5.0,
                  rcvhwm: int = 100_000, catch_up_on_connect: bool = True,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 max_frame_bytes: int = 16 * 1024 * 1024, max_replay_batches: int = 20_000,
+                 max_replay_bytes: int = 256 * 1024 * 1024, curve: "CurveKeys | None" = None):
         self.index = index
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replay_timeout_s = replay_timeout_s
@@ -270,6 +283,7 @@ class KVEventSubscriber:
         self.reconnect_max_s = reconnect_max_s
         self.rcvhwm = rcvhwm
         self.catch_up_on_connect = catch_up_on_connect
+        self.bounds = SocketBounds(max_frame_bytes, max_replay_batches, max_replay_bytes, curve)
         self.clock = clock
         self.wall_clock = wall_clock
         self._streams: dict[tuple[str, str], StreamState] = {}
@@ -332,9 +346,12 @@ class KVEventSubscriber:
             try:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                self.bounds.apply(sock)
                 sock.setsockopt(zmq.RECONNECT_IVL, int(self.reconnect_min_s * 1000))
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.reconnect_max_s * 1000))
                 sock.setsockopt(zmq.SUBSCRIBE, st.topic.encode("utf-8"))
+                sock.setsockopt(zmq.RCVTIMEO, 1000)  # wake up once a second to notice a connection gone for good
+                st.disconnected_at = None
                 if "*" in st.endpoint or "::" in st.endpoint:
                     sock.bind(st.endpoint)
                 else:
@@ -351,7 +368,16 @@ class KVEventSubscriber:
                         await catch_up_on_connect(st, lambda s, b: self._apply(st, b), self._replay_fn(st))
                 first = False
                 while True:
-                    frames = await sock.recv_multipart()
+                    try:
+                        frames = await sock.recv_multipart()
+                    except zmq.Again:
+                        # libzmq does not reconnect after a protocol error (a frame over
+                        # max_frame_bytes): recreate the socket when no connect follows a disconnect
+                        gone = st.disconnected_at
+                        if gone is not None and self.clock() - gone > self.reconnect_max_s + 1.0:
+                            raise zmq.ZMQError(msg="disconnected and not reconnected (a protocol error such as "
+                                                   "a frame over max_frame_bytes)") from None
+                        continue
                     backoff = self.reconnect_min_s
                     await self._on_frames(st, frames)
             except asyncio.CancelledError:
@@ -387,7 +413,10 @@ class KVEventSubscriber:
             if msg.get("event") == zmq.EVENT_DISCONNECTED:
                 st.disconnects += 1
                 st.suspect = True
-            elif msg.get("event") == zmq.EVENT_CONNECTED and st.suspect and st.replay_endpoint:
+                st.disconnected_at = self.clock()
+                continue
+            st.disconnected_at = None
+            if msg.get("event") == zmq.EVENT_CONNECTED and st.suspect and st.replay_endpoint:
                 async with st.lock:
                     if st.suspect:
                         await verify_after_reconnect(st, lambda s, b: self._apply(st, b),
@@ -412,7 +441,7 @@ class KVEventSubscriber:
     def _replay_fn(self, st: StreamState) -> ReplayFn:
         async def replay(start: int) -> list[tuple[int, EventBatch]] | None:
             return await request_replay(self._ctx, st.replay_endpoint, start, self.replay_timeout_s,
-                                        on_decode_error=lambda: _count_decode_error(st))
+                                        on_decode_error=lambda: _count_decode_error(st), bounds=self.bounds)
         return replay
 
     def _rank(self, st: StreamState, batch: EventBatch) -> int:
@@ -430,16 +459,48 @@ def _count_decode_error(st: StreamState) -> None:
     st.decode_errors += 1
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys (Z85 text, 40 characters each): the publishers' public key, and this subscriber's pair."""
+
+    server_public: str
+    public: str
+    secret: str
+
+
+@dataclass(frozen=True)
+class SocketBounds:
+    """What one event endpoint may make the subscriber hold (see the module docstring)."""
+
+    max_frame_bytes: int = 16 * 1024 * 1024
+    max_replay_batches: int = 20_000
+    max_replay_bytes: int = 256 * 1024 * 1024
+    curve: CurveKeys | None = None
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public.encode("ascii")
+            sock.curve_publickey = self.curve.public.encode("ascii")
+            sock.curve_secretkey = self.curve.secret.encode("ascii")
+
+
 async def request_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float,
-                         on_decode_error: Callable[[], None] | None = None) -> list[tuple[int, EventBatch]] | None:
+                         on_decode_error: Callable[[], None] | None = None,
+                         bounds: SocketBounds | None = None) -> list[tuple[int, EventBatch]] | None:
     """DEALER ``[b"", start]`` to a replay ROUTER; the replies until the end marker, decoded.
 
     Returns None if the end marker does not come within ``timeout_s`` of the previous reply
-    (nothing reliable can be said then). Both reply layouts are accepted.
+    (nothing reliable can be said then), or once more than ``bounds.max_replay_batches`` replies or
+    ``bounds.max_replay_bytes`` bytes came without it (a broken or hostile endpoint). Both reply
+    layouts are accepted.
     """
+    bounds = bounds or SocketBounds()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    bounds.apply(sock)
     out: list[tuple[int, EventBatch]] = []
+    replies = size = 0
     try:
         sock.connect(endpoint)
         await sock.send_multipart([b"", encode_seq(start)])
@@ -447,6 +508,12 @@ async def request_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, ti
             if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
                 return None
             frames = await sock.recv_multipart()
+            replies += 1
+            size += sum(len(f) for f in frames)
+            if replies > bounds.max_replay_batches + 1 or size > bounds.max_replay_bytes:
+                log.warning("replay from %s: no end marker after %d replies (%d bytes); giving up", endpoint,
+                            replies, size)
+                return None
             if frames and frames[0] == b"":
                 frames = frames[1:]
             if len(frames) == 3:

@@ -292,6 +292,15 @@ class RouterSettings(BaseSettings):
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
     speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    kv_event_max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest KV-event frame accepted "
+                                          "(ZeroMQ MAXMSGSIZE: a bigger one drops that connection)")
+    kv_event_max_replay_batches: int = Field(20_000, ge=1, description="a replay answer without its end marker "
+                                             "after this many batches counts as failed")
+    kv_event_max_replay_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="... or after this many bytes")
+    kv_event_curve_server_key: str | None = Field(None, description="CURVE: the event publishers' public key (Z85); "
+                                                  "set with the two below to authenticate and encrypt KV events")
+    kv_event_curve_public_key: str | None = Field(None, description="CURVE: the router's public key (Z85)")
+    kv_event_curve_secret_key: str | None = Field(None, description="CURVE: the router's secret key (Z85)")
     event_silence_s: float = Field(30.0, ge=0, description="drop a pod's index entries when its KV events stop this "
                                    "long while it keeps serving requests (0 = never)")
     discovery: DiscoveryMode = Field("static", description="where the fleet comes from: 'static' (the pods list), "
@@ -350,6 +359,13 @@ class RouterSettings(BaseSettings):
     def _tls_pair(self) -> "RouterSettings":
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
+        return self
+
+    @model_validator(mode="after")
+    def _curve_keys(self) -> "RouterSettings":
+        keys = (self.kv_event_curve_server_key, self.kv_event_curve_public_key, self.kv_event_curve_secret_key)
+        if any(keys) and not all(k and len(k) == 40 for k in keys):
+            raise ValueError("kv_event_curve_server_key, _public_key and _secret_key go together, 40 Z85 characters each")
         return self
 
     @model_validator(mode="after")

@@ -107,9 +107,16 @@ class Services:
         endpoints = [(p.id, e) for p in (s.config for s in self.registry.pods.values()) for e in p.kv_events]
         if not endpoints and self.discovery is None:
             return
-        from indexer.subscriber import KVEventSubscriber
+        from indexer.subscriber import CurveKeys, KVEventSubscriber
 
-        self.subscriber = KVEventSubscriber(self.index)
+        settings = self.settings
+        curve = None
+        if settings.kv_event_curve_server_key:
+            curve = CurveKeys(settings.kv_event_curve_server_key, settings.kv_event_curve_public_key or "",
+                              settings.kv_event_curve_secret_key or "")
+        self.subscriber = KVEventSubscriber(self.index, max_frame_bytes=settings.kv_event_max_frame_bytes,
+                                            max_replay_batches=settings.kv_event_max_replay_batches,
+                                            max_replay_bytes=settings.kv_event_max_replay_bytes, curve=curve)
         for pod_id, e in endpoints:
             self.subscriber.add_endpoint(pod_id, e.endpoint, replay_endpoint=e.replay, topic=e.topic)
         await self.subscriber.start()
