@@ -284,6 +284,7 @@ def create_app(services: Services) -> FastAPI:
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
         rid = _request_id(request)
+        raw = None
         try:
             # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
             caller = gate.admit(request.headers)
@@ -297,7 +298,10 @@ def create_app(services: Services) -> FastAPI:
             raw = r.pd.sanitize_body(raw, body)
         except APIError as exc:
             metrics.requests.labels("", policy, str(exc.status)).inc()
-            return from_exc(exc, {"x-request-id": rid})
+            extra = {"x-request-id": rid}
+            if raw is None:  # refused before its body was read: close rather than read and discard it
+                extra["connection"] = "close"
+            return from_exc(exc, extra)
         decision = plan.decision
         if not decision.verdict.admitted:
             return reject(plan, rid)
