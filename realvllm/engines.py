@@ -57,7 +57,7 @@ class RealEnv:
 
 
 def install(quiet: bool = False) -> RealEnv:
-    """Build the environment if it is not built yet (idempotent; about 2 minutes the first time)."""
+    """Build the environment if it is not built yet (idempotent; about 3 minutes the first time)."""
     out = subprocess.run(["bash", str(INSTALL_SCRIPT)], check=False, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None)
     if out.returncode != 0:

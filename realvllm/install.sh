@@ -41,7 +41,7 @@ if [[ ! -f "$venv/.installed" ]]; then
     echo "real-vllm: needs Python 3.11 (the torch $TORCH_VERSION CPU wheel on this machine is for 3.11); set PYTHON=" >&2
     exit 1
   }
-  echo "real-vllm: building $venv (about 2 minutes, about 4 GiB)" >&2
+  echo "real-vllm: building $venv (about 3 minutes, about 4 GiB)" >&2
   rm -rf "$venv"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \

@@ -150,7 +150,7 @@ def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> i
     try:
         env = rv.find()
     except rv.RealVLLMUnavailable as exc:
-        out(f"kvroute demo --real: {exc} (about 2 minutes and 4 GiB, once)")
+        out(f"kvroute demo --real: {exc} (about 3 minutes and 4 GiB, once)")
         return 2
     workdir = Path(args.out) / "real"
     workdir.mkdir(parents=True, exist_ok=True)

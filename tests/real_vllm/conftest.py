@@ -10,14 +10,22 @@ Deselect them with ``-m "not real_vllm"``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+import httpx
 import pytest
+import yaml
 
 from realvllm import engines as rv
+from simulator.testing import spawn, stop_process, wait_ready
+from tests.helpers import free_port
+from tests.helpers import metric as engine_metric  # noqa: F401 - an engine's samples, by vLLM's names
 
 # 256 blocks of 32 tokens: 8,192 tokens of KV cache per engine, so a test can force eviction
 AGG_BLOCKS = 256
@@ -78,31 +86,6 @@ def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Eng
 # the router (and sidecars) in front of real engines
 # ---------------------------------------------------------------------------------------------
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import httpx  # noqa: E402
-import yaml  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-import sys  # noqa: E402
-
-from simulator.testing import spawn, stop_process, wait_ready  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
-
-
-def engine_metric(url: str, name: str, **labels: str) -> float:
-    """Sum of an engine's samples called ``name`` (vLLM's names, e.g. ``vllm:prefix_cache_hits_total``)."""
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition", interval: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -144,6 +127,3 @@ def cached_tokens(base: str, body: dict[str, Any], pod: str) -> int:
     row = next(p for p in debug_route(base, body)["pods"] if p["pod"] == pod)
     return int(sum(row["cached_tokens_by_tier"].values()))
 
-
-def run(coro):
-    return asyncio.run(coro)
