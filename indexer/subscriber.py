@@ -17,7 +17,8 @@ another. Per stream, by sequence number:
   restarted engine, so its replay buffer is asked at once whether it still holds our last batch;
   if not, the pod's rank is cleared and rebuilt from the buffer. Waiting for the next live batch
   instead would leave an idle restarted engine's old entries in place, and the first batch after a
-  reconnect can be lost before the subscription reaches the new publisher.
+  reconnect can be lost before the subscription reaches the new publisher; so a second look at the
+  buffer a moment later (``settle_after_reconnect``) applies what the live stream dropped.
 * on connect (``catch_up_on_connect``): catch up from the replay buffer (from 0) at once, not
   on the pod's next batch: an idle pod publishes nothing, and a router restarted beside it would
   otherwise never learn what it holds. Live batches already covered by that replay are dropped
@@ -228,6 +229,23 @@ async def verify_after_reconnect(st: StreamState, apply: ApplyFn, clear: ClearFn
     st.suspect = False
 
 
+async def settle_after_reconnect(st: StreamState, apply: ApplyFn, replay: ReplayFn) -> None:
+    """A moment after a reconnect: apply what the replay buffer holds past our last batch (batches
+    the live stream dropped before our subscription reached the publisher). Only when the buffer
+    still holds our last batch as we saw it; anything else is left to the live ordering rules."""
+    start = 0 if st.applied is None else st.applied
+    got = await _replay(st, start, replay)
+    if not got:
+        return
+    if st.applied is None:
+        _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+    elif got[0][0] == st.applied and got[0][1].ts == st.last_ts:
+        _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
+    else:
+        return
+    st.caught_up_ts = {**(st.caught_up_ts or {}), **{s: b.ts for s, b in got}}
+
+
 async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, replay: ReplayFn) -> None:
     got = await _replay(st, start, replay)
     if got:
@@ -279,6 +297,7 @@ class KVEventSubscriber:
         self.index = index
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replay_timeout_s = replay_timeout_s
+        self.settle_s = 1.0  # after a reconnect: when to look for batches the live stream dropped
         self.reconnect_min_s = reconnect_min_s
         self.reconnect_max_s = reconnect_max_s
         self.rcvhwm = rcvhwm
@@ -422,6 +441,11 @@ class KVEventSubscriber:
                         await verify_after_reconnect(st, lambda s, b: self._apply(st, b),
                                                      lambda: self.index.clear_pod(st.pod_id, st.dp_rank or 0),
                                                      self._replay_fn(st))
+                # a batch published while our subscription was still on its way to the publisher
+                # never reaches the SUB: once that has settled, take it from the replay buffer
+                await asyncio.sleep(self.settle_s)
+                async with st.lock:
+                    await settle_after_reconnect(st, lambda s, b: self._apply(st, b), self._replay_fn(st))
 
     async def _on_frames(self, st: StreamState, frames: list[bytes]) -> None:
         try:

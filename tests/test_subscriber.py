@@ -331,6 +331,25 @@ async def test_idle_restarted_engine_is_cleared_on_reconnect_without_a_live_batc
         await teardown(ctx, pub, sub)
 
 
+async def test_batch_lost_while_the_subscription_settles_after_a_restart_is_replayed():
+    """After a reconnect, a batch the publisher sent before our subscription reached it never arrives
+    live; a second look at the replay buffer a moment later applies it."""
+    ctx, pub, ix, sub = await setup()
+    try:
+        await connected(pub, sub, ix)
+        old = toks(2)
+        await pub.publish([wire.stored([1, 2], None, old, BS)])
+        await until(lambda: blocks(ix, old) == 2)
+        await pub.stop()
+        pub._start()
+        await until(lambda: blocks(ix, old) == 0, timeout=10)  # the reconnect check cleared the pod
+        new = toks(2, base=100)
+        await pub.publish([wire.stored([7, 8], None, new, BS)], drop=True)  # in the buffer, never live
+        await until(lambda: blocks(ix, new) == 2, timeout=10)
+    finally:
+        await teardown(ctx, pub, sub)
+
+
 async def test_restart_landing_exactly_on_the_next_sequence_is_detected():
     ctx, pub, ix, sub = await setup()
     try:
