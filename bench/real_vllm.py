@@ -50,7 +50,7 @@ from realvllm import engines as rv  # noqa: E402
 from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute  # noqa: E402
 from replay.arrivals import poisson  # noqa: E402
 from replay.runner import run  # noqa: E402
-from router.trial import Target, format_rows, row  # noqa: E402
+from fleet.trial import Target, format_rows, row  # noqa: E402
 from simulator.testing import consecutive_free_ports, free_port, running_sims, sim_kv_events, spawn, stop_process, \
     wait_ready  # noqa: E402
 

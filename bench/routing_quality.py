@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from replay.arrivals import poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
-from router.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot  # noqa: E402
+from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot  # noqa: E402
 
 OURS = [
     Target("kvroute random", policy="random"),

@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("sidecar.cli", "run the prefill/decode sidecar beside a decode pod"),
     "sim": ("simulator.cli", "run simulated vLLM pods (HTTP, KV events, NIXL, metrics; no GPU)"),
     "replay": ("replay.cli", "replay a trace or synthetic workload against a target and report"),
-    "demo": ("router.demo", "start a local simulated fleet and the router, replay, print a report"),
+    "demo": ("fleet.demo", "start a local simulated fleet and the router, replay, print a report"),
     "events": ("indexer.cli", "print a pod's decoded KV-cache event stream as JSON lines"),
 }
 

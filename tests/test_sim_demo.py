@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.demo import prefix_cache_demo
+from fleet.demo import prefix_cache_demo
 from simulator.testing import running_sims
 
 

@@ -100,7 +100,7 @@ DEMO_POLICIES = [
 def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     from replay.arrivals import poisson
     from replay.workloads import multiturn
-    from router.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
+    from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
 
     n = int(args.rate * args.seconds)
     turns = max(2, -(-n // args.sessions))
@@ -144,7 +144,7 @@ def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> i
     from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute
     from replay.arrivals import poisson
     from replay.runner import run
-    from router.trial import Target, format_rows, row
+    from fleet.trial import Target, format_rows, row
     from simulator.testing import stop_process
 
     try:
