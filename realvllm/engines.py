@@ -156,6 +156,8 @@ class Engine:
         """Start the process (not waiting for it to be ready: see ``wait``)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         self.scratch.mkdir(parents=True, exist_ok=True)
+        if self.starts:  # a restart: a fresh NIXL side-channel port (see ``restart``)
+            self.nixl_port = free_port()
         self.starts += 1
         with open(self.log, "ab") as out:
             out.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
@@ -229,10 +231,26 @@ def start_all(engines: Sequence[Engine], timeout: float = 300.0) -> list[Engine]
     return list(engines)
 
 
-def restart(engine: Engine, timeout: float = 300.0) -> Engine:
-    """Start a stopped or killed engine again on the same ports and wait until it is ready."""
+def restart(engine: Engine, timeout: float = 300.0, attempts: int = 2) -> Engine:
+    """Start a stopped or killed engine again on the same HTTP and KV-event ports and wait until it is
+    ready; a start that hangs is killed and tried again (up to ``attempts``), its log tail printed.
+
+    Each start after the first takes a fresh NIXL side-channel port (``Engine.start``): nothing
+    outside the engine is configured with it (a prefill engine names it in the
+    ``kv_transfer_params`` it returns), and vLLM 0.32 waits forever,
+    without a word in its log, when that port cannot be bound (the handshake listener's thread dies
+    before it sets the event the worker waits on)."""
     with start_lock(engine.env):
-        return engine.start().wait(timeout)
+        for attempt in range(1, attempts + 1):
+            engine.start()
+            try:
+                return engine.wait(timeout)
+            except TimeoutError as exc:
+                engine.kill()
+                if attempt == attempts:
+                    raise
+                print(f"{engine.name}: start {engine.starts} hung, trying again: {exc}", flush=True)
+    raise AssertionError("unreachable")
 
 
 def stop_all(engines: Sequence[Engine], remove_scratch: bool = False) -> None:

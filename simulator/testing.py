@@ -1,7 +1,7 @@
 """Small helpers for tests, demos and benchmarks that start simulated pods, routers and sidecars.
 
 One copy of the process plumbing (free ports, starting a child in its own process group, waiting
-until it answers, stopping its whole group) so the tests, ``router.trial`` and the ``bench/``
+until it answers, stopping its whole group) so the tests, ``fleet.trial`` and the ``bench/``
 scripts all launch and tear down fleets the same way.
 """
 
@@ -119,7 +119,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
         if time.monotonic() >= deadline:
             break
         time.sleep(interval)
-    raise TimeoutError(f"{url} did not answer within {timeout:g}s: {last}")
+    tail = f"; the process's output ends:\n{_output_tail(proc, log)}" if log is not None else ""
+    raise TimeoutError(f"{url} did not answer within {timeout:g}s: {last}{tail}")
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -136,7 +137,10 @@ def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.wait(timeout=grace)
+            try:  # a process stuck in the kernel can outlive SIGKILL for a while; do not fail over it
+                proc.wait(timeout=max(grace, 30.0))
+            except subprocess.TimeoutExpired:
+                print(f"process {proc.pid} still not reaped 30 s after SIGKILL", file=sys.stderr)
     for pipe in (proc.stdout, proc.stderr):
         if pipe:
             pipe.close()

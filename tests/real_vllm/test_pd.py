@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, router_pod
+from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, restart, router_pod
 from simulator.testing import free_port, spawn, stop_process, wait_ready
 from tests.helpers import metric
 from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
@@ -320,12 +320,18 @@ def test_dead_prefill_engine_falls_back_to_a_local_prefill_then_pd_resumes(pd_en
             ref = call(decode.url, body)
             assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
         finally:
-            if not restarting:
-                prefill.start()
             started = time.monotonic()
-            prefill.wait()
+            try:
+                if not restarting:
+                    raise TimeoutError("not started: a check failed first")
+                prefill.wait()
+            except TimeoutError as exc:  # the start that overlapped the checks hung: start it again
+                print(f"prefill engine: {exc}", flush=True)
+                prefill.kill()
+                restart(prefill)
             print(f"prefill engine ready again {time.monotonic() - started:.0f} s after the checks")
-        # the prefill engine is back (a new NIXL agent on the same side channel): P/D works again
+        # the prefill engine is back (a new NIXL agent on a new side-channel port, which it names in
+        # the kv_transfer_params it returns): P/D works again
         reads = nixl_reads(decode)
         again = call(base, {**body, "prompt": text(32)})
         assert again.headers["x-kvroute-prefill"] == "remote"
