@@ -1,4 +1,8 @@
-"""The HTTP surface: OpenAI routes in, one pod out; built by ``create_app(services)``.
+"""The HTTP surface, built by ``create_app(services)``: a thin adapter around the router.
+
+One request's path, top-down: ``proxy`` here (authenticate, rate and cost limits, read and parse
+the body) -> ``Router.plan`` (``routing.py``: tokenize, snapshot the fleet, a planner decides) ->
+``Lifecycle.serve`` (``lifecycle.py``: book, dispatch with retries, relay, release, metrics).
 
 Proxy routes read the raw body, parse it once with orjson for the few fields routing needs
 (model, prompt or messages, stream) and forward the original bytes. There is no
@@ -9,31 +13,34 @@ function calls in the handlers. Every failure answers with OpenAI-style error JS
 from __future__ import annotations
 
 import asyncio
-import time
 import itertools
 import os
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any
 
-import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
+from kvcommon.asgi import read_body
 from router.auth import Caller, Gate, install_reload
 from router.costs import estimate_prompt_tokens
-from router.dispatch import Opened, UpstreamError, relay, upstream_headers
-from router.errors import APIError, error_body, error_response, from_exc
-from router.pd import explain_pd, prefill_targets
+from router.disagg import prefill_targets, sanitize_body
+from router.dispatch import upstream_headers
+from router.errors import APIError, error_response, from_exc
+from router.explain import explain
+from router.lifecycle import POD_HEADER, Lifecycle
 from router.openapi import openapi_body
-from router.routing import Booking, Plan
+from router.routing import Router
 from router.service import Services
 
-POD_HEADER = "x-kvroute-pod"
+__all__ = ["POD_HEADER", "create_app"]
 
 
 _RID_PREFIX = os.urandom(6).hex()
@@ -56,7 +63,7 @@ class KVRouteApp(FastAPI):
 
     fast_routes: dict[str, Callable[[Request], Any]]
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             handler = self.fast_routes.get(scope["path"])
             if handler is not None:
@@ -68,31 +75,6 @@ class KVRouteApp(FastAPI):
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
-    if timeout_s:
-        try:
-            return await asyncio.wait_for(_read_body(request, limit), timeout_s)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"request body not received within {timeout_s:g} s") from None
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise APIError(413, f"request body larger than the {limit}-byte limit")
-        except ValueError:
-            raise APIError(400, "invalid Content-Length") from None
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body larger than the {limit}-byte limit")
-            chunks.append(chunk)
-    except ClientDisconnect:  # nobody is left to answer; not a server error worth a traceback
-        raise APIError(400, "client disconnected before the request body was complete") from None
-    return b"".join(chunks)
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -107,74 +89,14 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _max_tokens(body: dict[str, Any]) -> Any:
-    return body.get("max_completion_tokens", body.get("max_tokens"))
-
-
-class RelayResponse(Response):
-    """Streams an upstream SSE response chunk by chunk; a client that leaves cancels the upstream."""
-
-    def __init__(self, opened: Opened, headers: list[tuple[str, str]], on_done: Callable[[str], None]):
-        self.status_code = opened.resp.status
-        self.background = None
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        self._opened = opened
-        self._on_done = on_done
-
-    async def __call__(self, scope, receive, send) -> None:
-        opened = self._opened
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def out(chunk: bytes) -> None:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-        async def listen() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        pump = asyncio.ensure_future(relay(opened, out))
-        watch = asyncio.ensure_future(listen())
-        outcome = "ok"
-        try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if pump in done:
-                exc = pump.exception()
-                if exc is None:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                elif isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
-                    outcome = "disconnect"  # the client's socket went away while we wrote
-                else:
-                    outcome = "upstream-error"
-                    msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
-                    try:
-                        await out(b"data: " + msg + b"\n\ndata: [DONE]\n\n")
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    except OSError:
-                        pass
-            else:
-                outcome = "disconnect"
-        finally:
-            for t in (pump, watch):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
-            if outcome == "ok":
-                opened.resp.release()
-            else:
-                opened.resp.close()  # drop the connection: the pod sees the client go and aborts
-            self._on_done(outcome)
-
-
 def create_app(services: Services) -> FastAPI:
     settings = services.settings
     metrics = services.metrics
     gate = Gate(settings, on_limited=lambda kind: metrics.rejections.labels("rate-limit").inc())
-    policy = settings.policy
+    lifecycle = Lifecycle(settings, services.registry, services.dispatcher, metrics)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         reload_settings = getattr(app.state, "reload_settings", None)  # set by kvroute serve
         if reload_settings is not None:
             install_reload(gate, reload_settings, asyncio.get_running_loop())
@@ -191,13 +113,13 @@ def create_app(services: Services) -> FastAPI:
     def authenticate(request: Request) -> None:
         gate.authenticate(request.headers)
 
-    def router():
+    def router() -> Router:
         r = services.router
         if r is None:
             raise APIError(503, "router is starting")
         return r
 
-    async def prompt_ids(r, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def prompt_ids(r: Router, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """tokenizer remote: the pod-tokenized prompt for plan; otherwise plan tokenizes locally."""
         if services.remote_prompts is None:
             return {}
@@ -257,12 +179,13 @@ def create_app(services: Services) -> FastAPI:
                 for m in services.registry.models()]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    async def admitted_body(request: Request, caller: Caller, kind: str | None) -> tuple[bytes, dict[str, Any], str, int]:
+    async def admitted_body(request: Request, caller: Caller,
+                            kind: str | None) -> tuple[bytes, dict[str, Any], str, int]:
         """Admission before any tokenizing: a caller in prompt-token debt is refused before its body
         is read; then the body (size and time bounded), parsed, and a cheap estimate of all its
         prompt tokens charged (``router.costs``). Returns raw, body, kind and what was charged."""
         gate.check_prompt_debt(caller)
-        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s)
         body = _parse(raw)
         kind = kind or ("chat" if "messages" in body else "completion")
         charged = gate.precharge(caller, estimate_prompt_tokens(kind, body, router().chars_per_token))
@@ -279,10 +202,11 @@ def create_app(services: Services) -> FastAPI:
         plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
                       **await prompt_ids(r, kind, body))
         gate.settle(caller, charged, plan.request.prompt_tokens)
-        return Response(orjson.dumps(explain(plan, router().block_size, policy)), media_type="application/json")
+        return Response(orjson.dumps(explain(plan, r.block_size, lifecycle.policy)), media_type="application/json")
 
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
+        """Admit, plan, then hand over to the lifecycle (router/lifecycle.py)."""
         rid = _request_id(request)
         raw = None
         try:
@@ -295,122 +219,15 @@ def create_app(services: Services) -> FastAPI:
             r = router()
             plan = r.plan(kind, body, request.headers, grants=caller.grants, **await prompt_ids(r, kind, body))
             gate.settle(caller, charged, plan.request.prompt_tokens)
-            raw = r.pd.sanitize_body(raw, body)
+            raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
         except APIError as exc:
-            metrics.requests.labels("", policy, str(exc.status)).inc()
+            metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
             extra = {"x-request-id": rid}
             if raw is None:  # refused before its body was read: close rather than read and discard it
                 extra["connection"] = "close"
             return from_exc(exc, extra)
-        decision = plan.decision
-        if not decision.verdict.admitted:
-            return reject(plan, rid)
         fwd = upstream_headers(request.headers.raw, rid, drop_authorization=not gate.open)
-        last: tuple[str, UpstreamError] | None = None
-        opened = booking = None
-        for cand in decision.ranked[: 1 + max(settings.retries, 0)]:
-            booking = r.book(plan, cand)
-            url = plan.pods[cand.pod_id].config.url + path
-            opening = asyncio.ensure_future(services.dispatcher.open(url, raw, r.pd.headers_for(plan, cand.pod_id, fwd),
-                                                                            on_first_byte=_first(r, booking)))
-            watch = asyncio.ensure_future(_until_disconnect(request))
-            try:
-                await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
-                if not opening.done():
-                    # the client left while the pod was still queueing or prefilling its request:
-                    # cancelling the open closes that connection, so the pod aborts it too
-                    opening.cancel()
-                    await asyncio.gather(opening, return_exceptions=True)
-                    r.finish(booking)
-                    metrics.client_disconnects.inc()
-                    metrics.requests.labels(cand.pod_id, policy, "499").inc()
-                    return Response(b"", status_code=499)
-                opened = opening.result()
-                break
-            except UpstreamError as exc:
-                r.finish(booking)
-                if exc.status is None:
-                    services.registry.mark(cand.pod_id, False)
-                metrics.retries.labels("5xx" if exc.status else "connect").inc()
-                last = (cand.pod_id, exc)
-                opened = None
-            except BaseException:
-                opening.cancel()
-                r.finish(booking)
-                raise
-            finally:
-                watch.cancel()
-        if opened is None:
-            pod_id, exc = last  # type: ignore[misc]
-            metrics.requests.labels(pod_id, policy, str(exc.status or 502)).inc()
-            if exc.status:
-                return Response(exc.body, status_code=exc.status,
-                                headers={**dict(exc.headers), POD_HEADER: pod_id, "x-request-id": rid})
-            return error_response(502, f"pod {pod_id} could not be reached ({exc.cause})",
-                                  headers={POD_HEADER: pod_id, "x-request-id": rid})
-        assert booking is not None
-        return await respond(r, opened, booking, body, rid)
-
-    def reject(plan: Plan, rid: str) -> Response:
-        verdict = plan.decision.verdict
-        metrics.rejections.labels(verdict.reason).inc()
-        if verdict.reason == "kv":
-            metrics.requests.labels("", policy, "429").inc()
-            return error_response(429, "overloaded: no decode pod has KV cache room for the prompt and the expected "
-                                  "output", headers={"retry-after": str(settings.retry_after_s), "x-request-id": rid})
-        if verdict.reason == "no-pods":
-            metrics.requests.labels("", policy, "503").inc()
-            return error_response(503, f"no healthy pod serves model `{plan.model}`", headers={"x-request-id": rid})
-        best = plan.decision.best_prediction
-        objective = plan.request.objective_s or 0.0
-        metrics.requests.labels("", policy, "429").inc()
-        return error_response(
-            429, f"overloaded: the best predicted time to first token is {best.ttft_s * 1000:.0f} ms, over the "
-            f"{objective * 1000:.0f} ms objective",
-            headers={"retry-after": str(settings.retry_after_s), "x-request-id": rid})
-
-    async def respond(r, opened: Opened, booking: Booking, body: dict[str, Any], rid: str) -> Response:
-        resp = opened.resp
-        headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP]
-        headers += [(POD_HEADER, booking.pod_id), ("x-request-id", rid)]
-        r.pd.observe_answer(r, booking, resp.headers)
-        pod_id, status = booking.pod_id, str(resp.status)
-        if opened.streaming:
-            headers += [("cache-control", "no-cache"), ("x-accel-buffering", "no")]
-
-            def done(outcome: str) -> None:
-                r.finish(booking)
-                if outcome == "disconnect":
-                    metrics.client_disconnects.inc()
-                metrics.requests.labels(pod_id, policy, status if outcome != "upstream-error" else "502").inc()
-
-            return RelayResponse(opened, headers, done)
-        # non-streaming: the whole answer is the first byte; release the booking once the prefill
-        # should be over even if decoding goes on, so one long answer does not block the queue view
-        handle = asyncio.get_running_loop().call_later(max(booking.predicted_ttft_s, 0.0) * 1.5 + 0.05,
-                                                       r.finish, booking)
-        try:
-            payload = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            resp.close()
-            r.finish(booking)
-            metrics.requests.labels(pod_id, policy, "502").inc()
-            return error_response(502, f"pod {pod_id} failed mid-response ({type(exc).__name__})",
-                                  headers={POD_HEADER: pod_id, "x-request-id": rid})
-        except BaseException:
-            resp.close()
-            r.finish(booking)
-            raise
-        finally:
-            handle.cancel()
-        resp.release()
-        r.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
-        r.finish(booking)
-        metrics.requests.labels(pod_id, policy, status).inc()
-        out = Response(payload, status_code=resp.status)
-        out.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        out.raw_headers.append((b"content-length", str(len(payload)).encode()))
-        return out
+        return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
 
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(request: Request) -> Response:
@@ -422,50 +239,3 @@ def create_app(services: Services) -> FastAPI:
 
     app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
     return app
-
-
-_RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date",
-                            "x-kvroute-pod", "x-request-id", "trailer", "upgrade", "proxy-authenticate"})
-
-
-async def _until_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so only a disconnect can come)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _first(r, booking: Booking) -> Callable[[], None]:
-    return lambda: r.first_token(booking)
-
-
-def explain(plan: Plan, block_size: int, policy: str) -> dict[str, Any]:
-    """The decision as JSON: per pod what it holds, what is pending, what is predicted, the verdict."""
-    d = plan.decision
-    chosen = d.chosen.pod_id if d.chosen else None
-    order = {c.pod_id: i for i, c in enumerate(d.ranked)}
-    pods = []
-    for c in sorted(d.ranked, key=lambda c: order[c.pod_id]):
-        p = d.predictions[c.pod_id]
-        pods.append({
-            "pod": c.pod_id, "rank": order[c.pod_id] + 1,
-            "verdict": "chosen" if c.pod_id == chosen else ("rejected" if not d.verdict.admitted else "candidate"),
-            "cached_tokens": c.cached_tokens, "cached_tokens_by_tier": c.cached_by_tier,
-            "effective_cached_tokens": c.effective_cached_tokens, "uncached_tokens": p.uncached_tokens,
-            "pending_requests": c.inflight_requests, "pending_prefill_tokens": round(c.queue_tokens, 1),
-            "waiting": c.waiting, "running": c.running, "kv_usage": c.kv_usage,
-            "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
-            "predicted_ttft_ms": round(p.ttft_s * 1000, 3), "queue_ms": round(p.queue_s * 1000, 3),
-            "prefill_ms": round(p.prefill_s * 1000, 3), "overhead_ms": round(p.overhead_s * 1000, 3),
-        })
-    best = d.best_prediction
-    return {
-        "policy": policy, "model": plan.model, "prompt_tokens": plan.request.prompt_tokens,
-        "block_size": block_size, "blocks": len(plan.keys),
-        "objective_ms": plan.request.objective_s * 1000 if plan.request.objective_s is not None else None,
-        "admitted": d.verdict.admitted, "reason": d.verdict.reason, "chosen": chosen,
-        "best_predicted_ttft_ms": round(best.ttft_s * 1000, 3) if best else None,
-        "pods": pods,
-        **({"pd": explain_pd(plan.pd)} if plan.pd is not None else {}),
-    }

@@ -1,32 +1,55 @@
 """The router's state and its per-request decision, independent of HTTP.
 
 ``Router`` owns the pieces one decision reads (fleet registry, prefix index, booking ledger,
-calibrator, policy state) and exposes three steps: ``plan`` (tokenize, look up, build the snapshot,
-decide; the same call serves ``/debug/route`` with ``dry_run=True``), ``book`` (account the work on
-the chosen pod at once and credit the index speculatively) and ``first_token``/``finish`` (release
-the work and feed the calibrator).
+calibrator, the planners) and exposes the steps of a request (``router/lifecycle.py`` calls them):
+
+1. ``plan``: tokenize, look up the prefix index, ``take_snapshot`` of the fleet, and let a planner
+   decide (``scheduling/planners.py``: aggregated, or P/D when decode pods are up); the same call
+   serves ``/debug/route`` with ``dry_run=True``;
+2. ``book``: hold the chosen route in the ledger at once and credit the index speculatively;
+3. ``first_token`` / ``finish``: release the booking (once) and feed the calibrator.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from indexer.keys import block_keys, key_seed
 from indexer.tokens import Tokenizer
-from router.booking import Ledger
-from router.config import RouterSettings
+from router.booking import Booking, Ledger
+from router.config import PodConfig, RouterSettings
 from router.costs import batch_rest_tokens
+from router.disagg import params_from_settings, pd_metrics, sidecar_prefill_seconds
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
-from router.pd import PDRouting
 from router.prompts import prompt_tokens
-from router.scheduling import Calibrator, Candidate, Decision, PolicyState, RequestView, decide
+from router.scheduling import (
+    AggregatedPlanner,
+    Calibrator,
+    Candidate,
+    Decision,
+    FleetSnapshot,
+    KVRoom,
+    PDPlanner,
+    Planner,
+    PolicyState,
+    RequestView,
+    build_scoring,
+    presets,
+)
+from router.scheduling.scorers import Scoring
 
-AGGREGATED_ROLES = ("both",)
+
+def scoring_from_settings(settings: RouterSettings) -> Scoring:
+    """The configured ``scorers`` list, or else the named ``policy`` preset."""
+    if settings.scorers is not None:
+        return build_scoring([s.model_dump() for s in settings.scorers])
+    return build_scoring(presets(settings.work_weight, settings.affinity_bonus_ms)[settings.policy])
 
 
 @dataclass
@@ -39,26 +62,49 @@ class Plan:
     keys: list[int]
     request: RequestView
     decision: Decision
-    pods: dict[str, PodState]
+    snapshot: FleetSnapshot
+    pods: dict[str, PodConfig]  # every healthy pod of the model: where to send, where to prefill
     routing_s: float = 0.0
-    pd: Any = None  # the P/D decision (router.pd) when the model has decode pods
 
-
-@dataclass
-class Booking:
-    pod_id: str
-    ticket: int
-    work_tokens: float
-    predicted_ttft_s: float
-    cached_tokens: int
-    sent_at: float = field(default_factory=time.monotonic)
-    released: bool = False
-    pd: Any = None  # P/D bookings (router.pd.PDBooking)
-    new_blocks: int = 0  # full prompt blocks the pod did not hold: its engine must announce them
+    def url(self, pod_id: str, path: str) -> str:
+        return self.pods[pod_id].url + path
 
 
 def _priority_exempt(value: str | None, exempt_values: list[str]) -> bool:
     return value is not None and value.strip().lower() in exempt_values
+
+
+def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: list[int], *, index: Any,
+                  ledger: Ledger, calibrator: Calibrator, block_size: int, salts: Mapping[str, int]) -> FleetSnapshot:
+    """The fleet as one decision sees it: per pod its scraped load, the router's bookings, its
+    calibrated speed and the prefix index's answer for this prompt, plus decode pods' KV room."""
+    matches = index.match(keys, pods=[p.id for p in pods]) if keys and pods else {}
+    anchor = keys[-1] if keys else hash(tuple(tokens))
+    bs = block_size
+    cands, kv = [], {}
+    for p in pods:
+        cal = calibrator.pod(p.id)
+        m = matches.get(p.id)
+        if m is not None:
+            cached = int(m.blocks) * bs
+            by_tier = {str(t): int(b) * bs for t, b in (m.by_tier or {}).items()}
+            effective = float(m.weighted) * bs
+        else:
+            cached, by_tier, effective = 0, {}, 0.0
+        cands.append(Candidate(
+            pod_id=p.id, role=p.config.role, model=p.config.model,
+            waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
+            inflight_requests=ledger.inflight(p.id),
+            queue_tokens=ledger.queued_tokens(p.id, cal.rate),
+            prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s,
+            cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
+            tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
+        ))
+        if p.config.role == "decode":
+            active, booked = ledger.kv_booked(p.id)
+            capacity = p.num_gpu_blocks * (p.block_size or bs) if p.num_gpu_blocks else None
+            kv[p.id] = KVRoom(capacity_tokens=capacity, booked_tokens=booked, active_requests=active)
+    return FleetSnapshot(model=model, candidates=tuple(cands), kv=kv)
 
 
 class Router:
@@ -75,16 +121,19 @@ class Router:
                                                    settings.calibration_halflife, settings.calibrate)
         self.block_size = block_size
         self.subscriber = subscriber
-        self.state = PolicyState(affinity_bonus_s=settings.affinity_bonus_ms / 1000.0, work_weight=settings.work_weight)
-        self.state.rng.seed(settings.seed)
+        self.policy = settings.policy if settings.scorers is None else "custom"
+        state = PolicyState()
+        state.rng.seed(settings.seed)
+        self.planner = AggregatedPlanner(scoring_from_settings(settings), state, settings.admission,
+                                         settings.admission_slack)
+        self.pd_planner = PDPlanner(params_from_settings(settings), settings.admission, settings.admission_slack)
+        self.pd_metrics = pd_metrics(metrics.registry)
         self._clock = clock
         self._seeds: dict[str, int] = {}
         self.event_sources: dict[str, int] = {}  # per pod: answered requests that stored new blocks
         self._salts = {pid: zlib.crc32(pid.encode()) for pid in registry.pods}
         self._exempt = [v.lower() for v in settings.priority_exempt_values]
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
-        self.policy = settings.policy
-        self.pd = PDRouting(settings, metrics.registry)
         self.chars_per_token = settings.estimate_chars_per_token or (1.0 if settings.tokenizer == "byte" else 4.0)
         for pid, p in registry.pods.items():
             self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
@@ -137,45 +186,29 @@ class Router:
             return asked if may_loosen or default is None else min(asked, default)
         return default
 
+    def output_tokens(self, body: Mapping[str, Any]) -> int:
+        """The request's expected output: its ``max_tokens``, else ``pd_expected_output_tokens``."""
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return self.settings.pd_expected_output_tokens
+
     def keys_for(self, model: str, tokens: list[int]) -> list[int]:
         seed = self._seeds.get(model)
         if seed is None:
             seed = self._seeds[model] = key_seed(model)
         return block_keys(tokens, self.block_size, seed)
 
-    def candidate_pods(self, model: str) -> list[PodState]:
-        healthy = [p for p in self.registry.healthy() if p.config.model == model]
-        aggregated = [p for p in healthy if p.config.role in AGGREGATED_ROLES]
-        return aggregated or healthy
-
-    def candidates(self, pods: list[PodState], keys: list[int], tokens: list[int]) -> list[Candidate]:
-        matches = self.index.match(keys, pods=[p.id for p in pods]) if keys and pods else {}
-        anchor = keys[-1] if keys else hash(tuple(tokens))
-        bs = self.block_size
-        out = []
-        for p in pods:
-            cal = self.calibrator.pod(p.id)
-            m = matches.get(p.id)
-            if m is not None:
-                cached = int(m.blocks) * bs
-                by_tier = {str(t): int(b) * bs for t, b in (m.by_tier or {}).items()}
-                effective = float(m.weighted) * bs
-            else:
-                cached, by_tier, effective = 0, {}, 0.0
-            out.append(Candidate(
-                pod_id=p.id, role=p.config.role, model=p.config.model,
-                waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
-                inflight_requests=self.ledger.inflight(p.id),
-                queue_tokens=self.ledger.queued_tokens(p.id, cal.rate),
-                prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s,
-                cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
-                tiebreak=((anchor ^ self._salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
-            ))
-        return out
+    def snapshot(self, model: str, keys: list[int], tokens: list[int]) -> FleetSnapshot:
+        pods = [p for p in self.registry.healthy() if p.config.model == model]
+        return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
+                             calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
              tokens: list[int] | None = None, exact: bool = True, grants: Any = None) -> Plan:
-        """``tokens`` given: the prompt was tokenized already (a pod's /tokenize); ``exact=False``
+        """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
+
+        ``tokens`` given: the prompt was tokenized already (a pod's /tokenize); ``exact=False``
         when they only stand in for its length, so no prefix is looked up. ``grants`` (router.auth)
         say whether the caller's priority and objective headers count (None: they do).
 
@@ -193,22 +226,20 @@ class Router:
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
-                              unknown_request_tokens=self.settings.unknown_request_tokens)
-        if self.pd.active(self, model):  # prefill/decode disaggregation (router/pd.py)
-            plan = self.pd.plan(self, kind, model, tokens, keys, request, body, dry_run)
-            plan.routing_s = time.perf_counter() - started
-            if not dry_run:
-                self.metrics.routing_seconds.observe(plan.routing_s)
-            return plan
-        pods = self.candidate_pods(model)
-        cands = self.candidates(pods, keys, tokens)
-        decision = decide(cands, request, self.policy, self.state, admission=self.settings.admission,
-                          slack=self.settings.admission_slack, dry_run=dry_run)
+                              unknown_request_tokens=self.settings.unknown_request_tokens,
+                              output_tokens=self.output_tokens(body))
+        snap = self.snapshot(model, keys, tokens)
+        planner: Planner = self.pd_planner if snap.disaggregated else self.planner
+        decision = planner.decide(snap, request, dry_run)
         elapsed = time.perf_counter() - started
         if not dry_run:
             self.metrics.routing_seconds.observe(elapsed)
+            if decision.pd is not None:
+                chosen = decision.pd.chosen
+                self.pd_metrics.decisions.labels(decision.pd.decider, chosen.mode if chosen else "rejected").inc()
+        pods = {p.id: p.config for p in self.registry.healthy() if p.config.model == model}
         return Plan(kind=kind, model=model, tokens=tokens, keys=keys, request=request, decision=decision,
-                    pods={p.id: p for p in pods}, routing_s=elapsed)
+                    snapshot=snap, pods=pods, routing_s=elapsed)
 
     # ---- accounting ------------------------------------------------------------------------
     def speculate(self, pod_id: str, keys: list[int]) -> None:
@@ -223,35 +254,34 @@ class Router:
                 pass
 
     def book(self, plan: Plan, cand: Candidate) -> Booking:
-        if plan.pd is not None:
-            return self.pd.book(self, plan, cand.pod_id)
-        pred = plan.decision.predictions[cand.pod_id]
-        queue_tokens = pred.queue_s * cand.prefill_tokens_per_s
-        ticket = self.ledger.book(cand.pod_id, pred.uncached_tokens)
-        if plan.keys:
-            try:
-                if cand.pod_id in self._with_events:
-                    self.index.speculate(cand.pod_id, plan.keys)
-                else:
-                    self.index.record_route(cand.pod_id, plan.keys)
-            except Exception:  # the index is advisory; never fail a request over it
-                pass
+        """Hold the route through ``cand`` in the ledger (prefill work where the prompt is computed,
+        KV room on a decode pod) and credit the prompt's blocks to the pods that will store them."""
+        route = plan.decision.routes[cand.pod_id]
+        pred = route.prediction
+        rate = plan.snapshot.candidate(route.prefill_pod).prefill_tokens_per_s
+        ticket = self.ledger.book(route.prefill_pod, pred.uncached_tokens)
+        kv_ticket = self.ledger.book_kv(route.pod_id, route.kv_tokens) if route.kv_tokens else None
+        self.speculate(route.prefill_pod, plan.keys)
+        if route.pod_id != route.prefill_pod:
+            self.speculate(route.pod_id, plan.keys)  # the decode pod stores the blocks it reads
         self.metrics.prompt_tokens.inc(plan.request.prompt_tokens)
-        cached = min(int(cand.effective_cached_tokens), plan.request.prompt_tokens)
-        self.metrics.estimated_cached_tokens.inc(cached)
-        self.metrics.predicted_ttft.observe(pred.ttft_s)
-        new_blocks = max(0, plan.request.prompt_tokens // self.block_size - cached // self.block_size)
-        return Booking(pod_id=cand.pod_id, ticket=ticket, work_tokens=queue_tokens + pred.uncached_tokens,
-                       predicted_ttft_s=pred.ttft_s, cached_tokens=cached, sent_at=self._clock(),
-                       new_blocks=new_blocks)
+        self.metrics.estimated_cached_tokens.inc(route.cached_tokens)
+        self.metrics.predicted_ttft.observe(route.ttft_s)
+        if route.mode == "remote":
+            self.pd_metrics.transfer_predicted.observe(route.transfer_s)
+            self.pd_metrics.transfer_tokens.inc(route.transfer_tokens)
+        bs = self.block_size
+        new_blocks = max(0, plan.request.prompt_tokens // bs - route.cached_tokens // bs) \
+            if route.mode == "aggregated" else 0
+        return Booking(pod_id=route.pod_id, prefill_pod=route.prefill_pod, prefill_ticket=ticket,
+                       work_tokens=pred.queue_s * rate + pred.uncached_tokens, predicted_ttft_s=route.ttft_s,
+                       cached_tokens=route.cached_tokens, mode=route.mode, kv_ticket=kv_ticket,
+                       sent_at=self._clock(), new_blocks=new_blocks)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
-        """The pod produced its first token: release the work and learn from the TTFT."""
-        if booking.released:
+        """The pod produced its first token: release the booking and learn from the TTFT."""
+        if not booking.release(self.ledger):
             return
-        booking.released = True
-        self.ledger.release(booking.pod_id, booking.ticket)
-        self.pd.release(self, booking)
         self._count_event_source(booking)
         if observe:
             ttft = self._clock() - booking.sent_at
@@ -259,16 +289,21 @@ class Router:
             self.metrics.prediction_error.observe(abs(ttft - booking.predicted_ttft_s))
             if ttft > 0:
                 self.metrics.prediction_relative_error.observe(abs(ttft - booking.predicted_ttft_s) / ttft)
-            if booking.pd is None or booking.pd.mode == "local":  # remote: learnt from the sidecar's report
-                self.calibrator.observe(booking.pod_id, booking.work_tokens, ttft)
+            if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
+                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft)
 
     def finish(self, booking: Booking) -> None:
         """The request ended without a usable first-token time (error, non-streaming, cancelled)."""
-        if not booking.released:
-            booking.released = True
-            self.ledger.release(booking.pod_id, booking.ticket)
+        if booking.release(self.ledger):
             self._count_event_source(booking)
-        self.pd.release(self, booking)
+
+    def observe_answer(self, booking: Booking, headers: Mapping[str, str]) -> None:
+        """A decode pod's sidecar answered: learn the prefill pod's speed from its prefill-leg report."""
+        if booking.mode == "aggregated":
+            return
+        seconds = sidecar_prefill_seconds(headers, self.pd_metrics, booking.remote)
+        if seconds is not None:
+            self.calibrator.observe(booking.prefill_pod, booking.work_tokens, seconds)
 
     def _count_event_source(self, booking: Booking) -> None:
         """A pod that computed new full blocks has announced them (vLLM publishes BlockStored in the
@@ -302,19 +337,20 @@ class Router:
                 pass
             lags = [s for key, s in _stats_for_pod(sub_stats, pid)]
             if lags:
-                lag = [s.get("lag_s") for s in lags if isinstance(s, dict) and s.get("lag_s") is not None]
-                age = [s.get("last_event_age_s") for s in lags if isinstance(s, dict) and s.get("last_event_age_s") is not None]
+                lag: list[float] = [s["lag_s"] for s in lags if isinstance(s, dict) and s.get("lag_s") is not None]
+                age: list[float] = [s["last_event_age_s"] for s in lags
+                                    if isinstance(s, dict) and s.get("last_event_age_s") is not None]
                 row["event_lag_seconds"] = max(lag) if lag else None
                 row["event_age_seconds"] = min(age) if age else None
             out[pid] = row
         return out
 
 
-def _stats_for_pod(stats: Any, pod_id: str):
+def _stats_for_pod(stats: Any, pod_id: str) -> list[tuple[Any, Any]]:
     """Subscriber stats entries that belong to ``pod_id`` (keyed by pod, or by (pod, endpoint))."""
     if not isinstance(stats, dict):
         return []
-    found = []
+    found: list[tuple[Any, Any]] = []
     for key, value in stats.items():
         if key == pod_id or (isinstance(key, tuple) and key and key[0] == pod_id) or \
                 (isinstance(key, str) and key.startswith(pod_id + "|")) or \

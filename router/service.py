@@ -156,8 +156,9 @@ class Services:
             except Exception:
                 log.exception("stopping discovery failed")
         await self.dispatcher.stop()
-        if getattr(self, "watchdog", None) is not None:
-            await self.watchdog.stop()
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            await watchdog.stop()
         if self.subscriber is not None:
             try:
                 await self.subscriber.stop()

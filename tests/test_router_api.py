@@ -19,8 +19,9 @@ import pytest
 import uvicorn
 from aiohttp import web
 
+from kvcommon.settings import build_settings
 from router.api import create_app
-from router.config import RouterSettings, build_settings
+from router.config import RouterSettings
 from router.service import Services
 from tests.helpers import free_port
 
@@ -425,3 +426,52 @@ async def test_openai_sdk_works_through_the_router():
             await bad.completions.create(model="m", prompt="x", max_tokens=1)
         await client.close()
         await bad.close()
+
+
+async def test_every_booking_is_released_exactly_once_whichever_way_the_request_ends(monkeypatch):
+    from router.booking import Booking
+
+    releases: dict[int, int] = {}
+    original = Booking.release
+
+    def counting(self, ledger):
+        first = original(self, ledger)
+        releases[id(self)] = releases.get(id(self), 0) + (1 if first else 0)
+        return first
+
+    monkeypatch.setattr(Booking, "release", counting)
+    async with pods_running(2, chunks=2) as pods, running_router(settings_for(pods, retries=1)) as (base, services):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            assert (await c.post("/v1/completions", json=completion(stream=True))).status_code == 200
+            pods[0].fail_status, pods[0].fail_times = 503, 1
+            pods[1].fail_status, pods[1].fail_times = 503, 1
+            assert (await c.post("/v1/completions", json=completion(prompt="retried"))).status_code == 503
+            pods[0].first_delay = pods[1].first_delay = 5.0
+        async with aiohttp.ClientSession() as s:  # a client that leaves before the first token
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(base + "/v1/completions", json=completion(stream=True),
+                             timeout=aiohttp.ClientTimeout(total=0.3))
+        deadline = time.monotonic() + 5
+        while sum(p.cancelled for p in pods) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        # 1 + 1 + 2 (a 5xx on both pods) + 1 bookings, each released once, and nothing left booked
+        assert sorted(releases.values()) == [1] * 5, releases
+        assert services.router.ledger.empty()
+        text = (await httpx.AsyncClient(base_url=base).get("/metrics")).text
+        assert 'status="499"} 1.0' in text and 'status="503"} 1.0' in text
+
+
+async def test_a_custom_scorer_list_routes_and_is_labelled_custom():
+    async with pods_running(2) as pods:
+        pods[0].waiting = 7  # a queue the router did not send: the load scorer avoids pod-0
+        settings = settings_for(pods, scorers=[{"type": "load", "weight": 2.0}, {"type": "cache", "weight": 0.5}])
+        async with running_router(settings) as (base, services):
+            async with httpx.AsyncClient(base_url=base) as c:
+                await asyncio.sleep(0.3)  # a scrape
+                explained = (await c.post("/debug/route", json=completion())).json()
+                assert explained["policy"] == "custom" and explained["chosen"] == "pod-1"
+                r = await c.post("/v1/completions", json=completion())
+                assert r.headers["x-kvroute-pod"] == "pod-1"
+                assert 'policy="custom",status="200"} 1.0' in (await c.get("/metrics")).text

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from router.config import RouterSettings, build_settings, load_settings
+from kvcommon.settings import build_settings, load_settings
+from router.config import RouterSettings
 from router.dispatch import forwardable, upstream_headers
 from router.pods import PodRegistry, parse_vllm_metrics
 from tests.helpers import ROOT
@@ -62,6 +63,18 @@ def test_pod_config_validation_and_shorthands():
         build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://h:1", "role": "boss"}]})
     with pytest.raises(ValueError):
         build_settings(RouterSettings, {"policy": "fastest"})
+
+
+def test_scorer_lists_are_validated_when_the_settings_load():
+    ok = build_settings(RouterSettings, {"scorers": [{"type": "predicted-ttft"},
+                                                     {"type": "cache-affinity", "params": {"bonus_ms": 20}}]})
+    assert [s.type for s in ok.scorers] == ["predicted-ttft", "cache-affinity"]
+    with pytest.raises(ValueError, match="unknown scorer 'fastest'; known: cache, cache-affinity"):
+        build_settings(RouterSettings, {"scorers": [{"type": "fastest"}]})
+    with pytest.raises(ValueError, match="bad params"):
+        build_settings(RouterSettings, {"scorers": [{"type": "cache-affinity", "params": {"bonus": 1}}]})
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {"scorers": [{"type": "load", "wieght": 2}]})
 
 
 def test_settings_layers_yaml_env_flags(tmp_path, monkeypatch):

@@ -5,8 +5,25 @@ import random
 import pytest
 
 from router.booking import Ledger
-from router.scheduling import Calibrator, Candidate, PolicyState, RequestView, admit, decide, predict
+from router.scheduling import (
+    Calibrator,
+    Candidate,
+    PolicyState,
+    RequestView,
+    ScoreInput,
+    Scorer,
+    admit,
+    build_scoring,
+    decide,
+    predict,
+    presets,
+    register,
+)
 from router.scheduling.scorers import SCORERS
+
+
+def policy(name, work_weight=0.0, affinity_bonus_ms=0.0):
+    return build_scoring(presets(work_weight, affinity_bonus_ms)[name])
 
 
 def cand(pid, **kw):
@@ -48,27 +65,27 @@ def test_predicted_ttft_prefers_cache_until_its_queue_costs_more():
     warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0)
     cold = cand("cold")
     state = PolicyState()
-    assert decide([cold, warm], req, "predicted-ttft", state).chosen.pod_id == "warm"
+    assert decide([cold, warm], req, policy("predicted-ttft"), state).chosen.pod_id == "warm"
     busy_warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=20000,
                      inflight_requests=4)
-    assert decide([cold, busy_warm], req, "predicted-ttft", state).chosen.pod_id == "cold"
+    assert decide([cold, busy_warm], req, policy("predicted-ttft"), state).chosen.pod_id == "cold"
 
 
 def test_cache_only_ignores_queue_and_breaks_ties_by_load():
     req = RequestView(prompt_tokens=4000)
     warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=10**6, inflight_requests=50)
     cold = cand("cold")
-    assert decide([cold, warm], req, "cache-only", PolicyState()).chosen.pod_id == "warm"
+    assert decide([cold, warm], req, policy("cache-only"), PolicyState()).chosen.pod_id == "warm"
     a = cand("a", cached_tokens=64, effective_cached_tokens=64.0, inflight_requests=3)
     b = cand("b", cached_tokens=64, effective_cached_tokens=64.0, inflight_requests=1)
-    assert decide([a, b], req, "cache-only", PolicyState()).chosen.pod_id == "b"
+    assert decide([a, b], req, policy("cache-only"), PolicyState()).chosen.pod_id == "b"
 
 
 def test_least_load_counts_own_and_foreign_requests():
     a = cand("a", inflight_requests=2)
     b = cand("b", waiting=5)
     c = cand("c", inflight_requests=1, waiting=1)
-    ranked = decide([a, b, c], RequestView(prompt_tokens=10), "least-load", PolicyState()).ranked
+    ranked = decide([a, b, c], RequestView(prompt_tokens=10), policy("least-load"), PolicyState()).ranked
     assert [x.pod_id for x in ranked] == ["c", "a", "b"]
 
 
@@ -76,11 +93,11 @@ def test_round_robin_cycles_and_random_uses_the_seeded_rng():
     pods = [cand(p) for p in "abc"]
     state = PolicyState()
     req = RequestView(prompt_tokens=10)
-    picks = [decide(pods, req, "round-robin", state).chosen.pod_id for _ in range(6)]
+    picks = [decide(pods, req, policy("round-robin"), state).chosen.pod_id for _ in range(6)]
     assert picks == ["a", "b", "c", "a", "b", "c"]
     s1, s2 = PolicyState(rng=random.Random(7)), PolicyState(rng=random.Random(7))
-    seq1 = [decide(pods, req, "random", s1).chosen.pod_id for _ in range(20)]
-    seq2 = [decide(pods, req, "random", s2).chosen.pod_id for _ in range(20)]
+    seq1 = [decide(pods, req, policy("random"), s1).chosen.pod_id for _ in range(20)]
+    seq2 = [decide(pods, req, policy("random"), s2).chosen.pod_id for _ in range(20)]
     assert seq1 == seq2 and len(set(seq1)) == 3
 
 
@@ -88,40 +105,44 @@ def test_dry_run_leaves_stateful_policies_untouched():
     pods = [cand(p) for p in "abc"]
     state = PolicyState()
     req = RequestView(prompt_tokens=10)
-    peek = decide(pods, req, "round-robin", state, dry_run=True).chosen.pod_id
-    assert decide(pods, req, "round-robin", state).chosen.pod_id == peek
+    peek = decide(pods, req, policy("round-robin"), state, dry_run=True).chosen.pod_id
+    assert decide(pods, req, policy("round-robin"), state).chosen.pod_id == peek
     state = PolicyState(rng=random.Random(3))
-    peek = decide(pods, req, "random", state, dry_run=True).chosen.pod_id
-    assert decide(pods, req, "random", state).chosen.pod_id == peek
+    peek = decide(pods, req, policy("random"), state, dry_run=True).chosen.pod_id
+    assert decide(pods, req, policy("random"), state).chosen.pod_id == peek
 
 
 def test_ties_break_by_stable_per_prompt_number_not_order():
     req = RequestView(prompt_tokens=100)
     pods = [cand("a", tiebreak=9), cand("b", tiebreak=3), cand("c", tiebreak=5)]
-    for policy in ("predicted-ttft", "least-load", "cache-only"):
-        assert decide(pods, req, policy, PolicyState()).chosen.pod_id == "b"
-        assert decide(list(reversed(pods)), req, policy, PolicyState()).chosen.pod_id == "b"
+    for name in ("predicted-ttft", "least-load", "cache-only"):
+        assert decide(pods, req, policy(name), PolicyState()).chosen.pod_id == "b"
+        assert decide(list(reversed(pods)), req, policy(name), PolicyState()).chosen.pod_id == "b"
 
 
-def test_every_policy_is_registered():
-    assert set(SCORERS) == {"random", "round-robin", "least-load", "cache-only", "predicted-ttft"}
+def test_every_policy_is_a_preset_of_registered_scorers():
+    names = set(presets())
+    assert names == {"random", "round-robin", "least-load", "cache-only", "predicted-ttft"}
+    for name in names:
+        assert all(spec.type in SCORERS for spec in presets()[name])
+        assert build_scoring(presets()[name]).names
 
 
 def test_admission_rejects_only_when_the_best_pod_misses():
     req = RequestView(prompt_tokens=15000, objective_s=2.0)
     slow = cand("slow", queue_tokens=30000)
     fast = cand("fast")
-    d = decide([slow, fast], req, "predicted-ttft", PolicyState())
+    d = decide([slow, fast], req, policy("predicted-ttft"), PolicyState())
     assert d.verdict.admitted and d.chosen.pod_id == "fast"
-    d = decide([slow, cand("slow2", queue_tokens=25000)], req, "predicted-ttft", PolicyState())
+    d = decide([slow, cand("slow2", queue_tokens=25000)], req, policy("predicted-ttft"), PolicyState())
     assert not d.verdict.admitted and d.verdict.reason == "slo" and d.chosen is None
     exempt = RequestView(prompt_tokens=15000, objective_s=2.0, exempt=True)
-    d = decide([slow], exempt, "predicted-ttft", PolicyState())
+    d = decide([slow], exempt, policy("predicted-ttft"), PolicyState())
     assert d.verdict.admitted and d.verdict.reason == "exempt"
     no_slo = RequestView(prompt_tokens=20000)
-    assert decide([slow], no_slo, "predicted-ttft", PolicyState()).verdict.reason == "no-objective"
-    assert not decide([], req, "predicted-ttft", PolicyState()).verdict.admitted
-    assert decide([], req, "predicted-ttft", PolicyState()).verdict.reason == "no-pods"
+    assert decide([slow], no_slo, policy("predicted-ttft"), PolicyState()).verdict.reason == "no-objective"
+    assert not decide([], req, policy("predicted-ttft"), PolicyState()).verdict.admitted
+    assert decide([], req, policy("predicted-ttft"), PolicyState()).verdict.reason == "no-pods"
     assert admit(predict(slow, req), req, enabled=False).admitted
 
 
@@ -129,9 +150,9 @@ def test_affinity_bonus_keeps_a_session_on_its_pod_when_nearly_tied():
     req = RequestView(prompt_tokens=3000)
     cold_fast = cand("cold")  # predicted 0.31 s; warm 0.36 s
     warm = cand("warm", cached_tokens=2000, effective_cached_tokens=2000.0, queue_tokens=2500)
-    assert decide([cold_fast, warm], req, "predicted-ttft", PolicyState()).chosen.pod_id == "cold"
-    assert decide([cold_fast, warm], req, "predicted-ttft",
-                  PolicyState(affinity_bonus_s=0.1)).chosen.pod_id == "warm"
+    assert decide([cold_fast, warm], req, policy("predicted-ttft"), PolicyState()).chosen.pod_id == "cold"
+    assert decide([cold_fast, warm], req, policy("predicted-ttft", affinity_bonus_ms=100),
+                  PolicyState()).chosen.pod_id == "warm"
 
 
 def test_calibrator_learns_rate_and_overhead():
@@ -181,9 +202,63 @@ def test_work_weight_keeps_affinity_but_never_at_the_cost_of_the_objective():
     cold = cand("cold")
     # a warm pod with a longer queue (0.83 s) loses on TTFT alone, wins once its lighter work counts
     busier = cand("warm", cached_tokens=5700, effective_cached_tokens=5700.0, queue_tokens=8000)
-    assert decide([cold, busier], req, "predicted-ttft", PolicyState()).chosen.pod_id == "cold"
-    assert decide([cold, busier], req, "predicted-ttft", PolicyState(work_weight=1.0)).chosen.pod_id == "warm"
-    assert decide([cold, warm], req, "predicted-ttft", PolicyState(work_weight=1.0)).chosen.pod_id == "warm"
+    assert decide([cold, busier], req, policy("predicted-ttft"), PolicyState()).chosen.pod_id == "cold"
+    assert decide([cold, busier], req, policy("predicted-ttft", work_weight=1.0), PolicyState()).chosen.pod_id == "warm"
+    assert decide([cold, warm], req, policy("predicted-ttft", work_weight=1.0), PolicyState()).chosen.pod_id == "warm"
     # but a warm pod predicted to miss the objective never beats a cold one that meets it
     swamped = cand("warm", cached_tokens=5700, effective_cached_tokens=5700.0, queue_tokens=21000)
-    assert decide([cold, swamped], req, "predicted-ttft", PolicyState(work_weight=100.0)).chosen.pod_id == "cold"
+    heavy = policy("predicted-ttft", work_weight=100.0)
+    assert decide([cold, swamped], req, heavy, PolicyState()).chosen.pod_id == "cold"
+
+
+def test_scorers_combine_by_weight():
+    req = RequestView(prompt_tokens=4000)
+    # warm holds the prompt but has a queue; cold is idle
+    warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=4000, inflight_requests=2)
+    cold = cand("cold")
+    ttft_only = build_scoring([{"type": "predicted-ttft"}])
+    assert decide([cold, warm], req, ttft_only, PolicyState()).chosen.pod_id == "cold"  # 0.41 s vs 0.51 s
+    # the request's own prefill counted 3x more: warm adds 0.1 s of work, cold 0.4 s
+    with_work = build_scoring([{"type": "predicted-ttft"}, {"type": "prefill-work", "weight": 3}])
+    assert decide([cold, warm], req, with_work, PolicyState()).chosen.pod_id == "warm"
+    # a large weight on load alone sends it to the idle pod whatever the cache says
+    by_load = build_scoring([{"type": "cache", "weight": 1}, {"type": "load", "weight": 10}])
+    assert decide([cold, warm], req, by_load, PolicyState()).chosen.pod_id == "cold"
+    assert decide([cold, warm], req, build_scoring([{"type": "cache"}]), PolicyState()).chosen.pod_id == "warm"
+
+
+def test_the_objective_ranks_pods_that_meet_it_first_whatever_the_other_scorers_say():
+    req = RequestView(prompt_tokens=4000, objective_s=0.45)
+    warm = cand("warm", cached_tokens=3000, effective_cached_tokens=3000.0, queue_tokens=4000, inflight_requests=2)
+    cold = cand("cold")
+    with_work = build_scoring([{"type": "predicted-ttft"}, {"type": "prefill-work", "weight": 3}])
+    assert with_work.objective_first
+    # warm (0.51 s) misses the 0.45 s objective, cold (0.41 s) meets it
+    assert decide([cold, warm], req, with_work, PolicyState()).chosen.pod_id == "cold"
+    off = build_scoring([{"type": "predicted-ttft"}, {"type": "prefill-work", "weight": 3}], objective_first=False)
+    assert decide([cold, warm], req, off, PolicyState(), admission=False).chosen.pod_id == "warm"
+
+
+def test_a_new_scorer_is_one_class_and_one_registration():
+    @register
+    class FewestRunning(Scorer):
+        name = "test-fewest-running"
+
+        def __init__(self, per_sequence_s: float = 1.0):
+            self.per_sequence_s = per_sequence_s
+
+        def costs(self, x: ScoreInput) -> dict[str, float]:
+            return {c.pod_id: c.running * self.per_sequence_s for c in x.candidates}
+
+    try:
+        busy, idle = cand("busy", running=9), cand("idle", running=1, tiebreak=99)
+        scoring = build_scoring([{"type": "test-fewest-running", "params": {"per_sequence_s": 0.5}}])
+        assert decide([busy, idle], RequestView(prompt_tokens=10), scoring, PolicyState()).chosen.pod_id == "idle"
+        with pytest.raises(ValueError, match="bad params"):
+            build_scoring([{"type": "test-fewest-running", "params": {"nope": 1}}])
+    finally:
+        SCORERS.pop("test-fewest-running")
+    with pytest.raises(ValueError, match="unknown scorer 'test-fewest-running'"):
+        build_scoring([{"type": "test-fewest-running"}])
+    with pytest.raises(ValueError, match="at least one scorer"):
+        build_scoring([{"type": "load", "weight": 0}])

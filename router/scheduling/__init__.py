@@ -1,16 +1,32 @@
-"""Scheduling: pure functions that rank pods for a request from a snapshot.
+"""Scheduling: pure functions that rank pods for a request from a snapshot of the fleet.
 
-``snapshot`` (the inputs), ``predictor`` (TTFT per pod), ``scorers`` (one function per policy),
-``admission`` (early rejection), ``decide`` (all of it together), ``calibrator`` (learning each
-pod's speed from what was observed).
+``snapshot`` (the inputs: candidates, the request, the fleet), ``predictor`` (TTFT per pod),
+``scorers`` (cost plugins and the named policies built from them), ``admission`` (early
+rejection), ``decide`` (the aggregated decision and the ``Decision``/``Route`` both planners
+return), ``pd`` (prefill/decode disaggregation), ``planners`` (the two planners behind one
+interface), ``calibrator`` (learning each pod's speed from what was observed).
 """
 
 from .admission import Verdict, admit
 from .calibrator import Calibrator
-from .decide import Decision, decide
+from .decide import Decision, Route, decide
+from .planners import AggregatedPlanner, PDPlanner, Planner
 from .predictor import predict, uncached_tokens
-from .scorers import SCORERS, PolicyState
-from .snapshot import Candidate, Prediction, RequestView
+from .scorers import (
+           SCORERS,
+           PolicyState,
+           ScoreInput,
+           Scorer,
+           ScorerSpec,
+           Scoring,
+           build_scoring,
+           presets,
+           rank,
+           register,
+)
+from .snapshot import Candidate, FleetSnapshot, KVRoom, Prediction, RequestView
 
-__all__ = ["Calibrator", "Candidate", "Decision", "PolicyState", "Prediction", "RequestView", "SCORERS",
-           "Verdict", "admit", "decide", "predict", "uncached_tokens"]
+__all__ = ["AggregatedPlanner", "Calibrator", "Candidate", "Decision", "FleetSnapshot", "KVRoom", "PDPlanner",
+           "Planner", "PolicyState", "Prediction", "RequestView", "Route", "SCORERS", "ScoreInput", "Scorer",
+           "ScorerSpec", "Scoring", "Verdict", "admit", "build_scoring", "decide", "predict", "presets", "rank", "register",
+           "uncached_tokens"]

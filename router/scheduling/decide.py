@@ -1,19 +1,41 @@
-"""One routing decision: predict on every candidate, rank by the policy, admit or reject.
+"""One aggregated routing decision: predict on every candidate, rank by the scorers, admit or reject.
 
-The live router and ``/debug/route`` both call ``decide``; only the live router then books the
-work and sends the request.
+The output, ``Decision``, is what both planners (aggregated here, P/D in ``pd.py``) return: the
+pods best first, a ``Route`` per pod saying what to book there, and the verdict. The live router
+and ``/debug/route`` both call the planners; only the live router then books and sends.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from .admission import Verdict, admit
+from .pd import PDDecision
 from .predictor import predict
-from .scorers import SCORERS, STATEFUL, PolicyState
+from .scorers import PolicyState, Scoring, rank
 from .snapshot import Candidate, Prediction, RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How the request would be served through one pod: what to book there and what to expect.
+
+    ``pod_id`` receives the request; ``prefill_pod`` computes the prompt (``pod_id`` itself, or a
+    prefill pod under P/D) and ``prediction`` is its queue and prefill there; ``ttft_s`` is the
+    whole predicted time to first token (a KV transfer included); ``kv_tokens`` the KV room the
+    request takes on ``pod_id`` (P/D decode pods; 0 when not tracked)."""
+
+    pod_id: str
+    prefill_pod: str
+    prediction: Prediction
+    ttft_s: float
+    cached_tokens: int
+    mode: str = "aggregated"  # "aggregated", or under P/D "local" / "remote"
+    kv_tokens: int = 0
+    transfer_tokens: int = 0
+    transfer_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +43,8 @@ class Decision:
     ranked: list[Candidate]              # best first; the router tries them in this order
     predictions: dict[str, Prediction]   # per pod id
     verdict: Verdict
+    routes: dict[str, Route] = field(default_factory=dict)  # per pod id in ``ranked``
+    pd: PDDecision | None = None         # the P/D planner's reasoning, for /debug/route
 
     @property
     def chosen(self) -> Candidate | None:
@@ -31,13 +55,16 @@ class Decision:
         return min(self.predictions.values(), key=lambda p: p.ttft_s, default=None)
 
 
-def decide(candidates: Sequence[Candidate], request: RequestView, policy: str, state: PolicyState,
+def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scoring, state: PolicyState,
            admission: bool = True, slack: float = 1.0, dry_run: bool = False) -> Decision:
-    """Rank ``candidates`` for ``request`` under ``policy``; ``dry_run`` leaves ``state`` untouched."""
-    scorer = SCORERS[policy]
-    if dry_run and policy in STATEFUL:
+    """Rank ``candidates`` for ``request`` by ``scoring``; ``dry_run`` leaves ``state`` untouched."""
+    if dry_run and scoring.stateful:
         state = copy.deepcopy(state)
     predictions = {c.pod_id: predict(c, request) for c in candidates}
-    ranked = scorer(candidates, request, predictions, state) if candidates else []
+    ranked = rank(candidates, request, predictions, scoring, state)
     verdict = admit(min(predictions.values(), key=lambda p: p.ttft_s, default=None), request, admission, slack)
-    return Decision(ranked=ranked, predictions=predictions, verdict=verdict)
+    routes = {c.pod_id: Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=predictions[c.pod_id],
+                              ttft_s=predictions[c.pod_id].ttft_s,
+                              cached_tokens=min(int(c.effective_cached_tokens), request.prompt_tokens))
+              for c in candidates}
+    return Decision(ranked=ranked, predictions=predictions, verdict=verdict, routes=routes)

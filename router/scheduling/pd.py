@@ -22,8 +22,8 @@ Prefill-side and local predictions reuse ``predictor.predict`` (each pod one FIF
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .admission import Verdict
 from .predictor import predict
@@ -138,7 +138,7 @@ def predicted_tpot(view: DecodeView, request_tokens: int, params: PDParams) -> f
     """
     c = view.candidate
     batch = max(c.running, view.active_requests) + 1
-    resident = request_tokens
+    resident = float(request_tokens)
     if view.kv_capacity_tokens:
         resident += min(max(c.kv_usage, 0.0), 1.0) * view.kv_capacity_tokens + view.kv_booked_tokens
     return params.decode_step_s + params.step_s_per_seq * batch + params.step_s_per_kv_token * resident
@@ -163,7 +163,7 @@ def remote_choices(decode: DecodeView, prefills: Sequence[Candidate], request: R
     objective = request.objective_s
     tiebreak = {p.pod_id: (p.load, p.tiebreak) for p in prefills}
 
-    def key(r: RemoteChoice) -> tuple:
+    def key(r: RemoteChoice) -> tuple[bool, float, int, int]:
         misses = objective is not None and r.ttft_s > objective
         cost = r.ttft_s + params.work_weight * r.prediction.prefill_s
         return (misses, round(r.ttft_s if misses else cost, 6)) + tiebreak[r.prefill_pod]
@@ -232,7 +232,7 @@ def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], requ
     own_work = {o.decode_pod: (o.remote.prediction.prefill_s + o.remote.transfer_s if o.mode == "remote" and o.remote
                                else o.local.prefill_s) for o in options}
 
-    def key(o: Option) -> tuple:
+    def key(o: Option) -> tuple[int, bool | int, bool | int, float, int, int]:
         if not o.has_room:  # least short of room first, for requests that may not be refused
             short = o.kv_needed_tokens - (o.kv_free_tokens or 0.0)
             return (1, 0, 0, short) + tiebreak[o.decode_pod]

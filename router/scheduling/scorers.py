@@ -1,93 +1,241 @@
-"""Routing policies as small named scorers: each ranks the candidates, best first.
+"""Scorers: small named plugins, each giving every candidate pod a cost (lower is better).
 
-A scorer is a pure function ``(candidates, request, predictions, state) -> ranked candidates``.
-``SCORERS`` maps the policy names used in config to them, so a new policy is a new function and
-one line here. Ties never fall to chance (except in ``random``): they go by load, then by a stable
-per-(prompt, pod) number, so ``/debug/route`` and the real decision agree and cold prefixes spread
-over the fleet the way rendezvous hashing spreads keys.
+A policy is a weighted list of scorers; the candidates are ranked by the weighted sum of their
+costs. Config names either a preset (``policy: predicted-ttft``, the names kept from before) or
+the list itself::
+
+    scorers:
+      - {type: predicted-ttft}
+      - {type: prefill-work, weight: 3}
+      - {type: cache-affinity, params: {bonus_ms: 20}}
+
+**Writing one**: subclass ``Scorer`` in any module imported at start-up, give it a ``name``,
+take its parameters as keyword arguments of ``__init__`` (they come from ``params``), and return a
+cost per pod id from ``costs``; decorate the class with ``@register``. Costs are in seconds where
+they can be (so weights stay comparable); a scorer that keeps state between requests sets
+``stateful = True`` and keeps it in ``PolicyState`` (``/debug/route`` runs it on a copy).
+
+Ties never fall to chance (except in ``random``): they go by load, then by a stable per-(prompt,
+pod) number, so ``/debug/route`` and the real decision agree and cold prefixes spread over the
+fleet the way rendezvous hashing spreads keys. When the ranking uses the objective
+(``objective_first``, on whenever ``predicted-ttft`` is listed), pods predicted to meet the
+request's objective rank before pods predicted to miss it, and those go by predicted TTFT alone,
+so no other scorer can cause a miss by itself.
 """
 
 from __future__ import annotations
 
 import random as _random
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, ClassVar
 
 from .snapshot import Candidate, Prediction, RequestView
 
 
 @dataclass
 class PolicyState:
-    """The little state some policies keep between requests (owned by the router, passed in)."""
+    """The little state some scorers keep between requests (owned by the router, passed in)."""
 
     rng: _random.Random = field(default_factory=lambda: _random.Random(0))
     rr_next: int = 0
-    affinity_bonus_s: float = 0.0
-    work_weight: float = 0.0
 
 
-Ranked = list[Candidate]
-Scorer = Callable[[Sequence[Candidate], RequestView, dict[str, Prediction], PolicyState], Ranked]
+@dataclass(frozen=True, slots=True)
+class ScoreInput:
+    """What a scorer may read for one request."""
+
+    candidates: Sequence[Candidate]
+    request: RequestView
+    predictions: Mapping[str, Prediction]
+    state: PolicyState
 
 
-def _by_load(c: Candidate) -> tuple:
+class Scorer:
+    """Base class of scorers; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    stateful: ClassVar[bool] = False
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        raise NotImplementedError
+
+
+SCORERS: dict[str, type[Scorer]] = {}
+
+
+def register(cls: type[Scorer]) -> type[Scorer]:
+    if not cls.name or cls.name in SCORERS:
+        raise ValueError(f"scorer name {cls.name!r} is empty or taken")
+    SCORERS[cls.name] = cls
+    return cls
+
+
+@register
+class PredictedTTFT(Scorer):
+    """The predicted time to first token on the pod (queue + uncached prefill + overhead)."""
+
+    name = "predicted-ttft"
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        return {c.pod_id: x.predictions[c.pod_id].ttft_s for c in x.candidates}
+
+
+@register
+class PrefillWork(Scorer):
+    """The prefill work this request adds to the pod (its own uncached prefill time): weighted, it
+    keeps sessions on the pod holding their context unless that pod's queue really costs more,
+    sparing the fleet's capacity and cache space for later requests."""
+
+    name = "prefill-work"
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        return {c.pod_id: x.predictions[c.pod_id].prefill_s for c in x.candidates}
+
+
+@register
+class CacheAffinity(Scorer):
+    """A credit of ``bonus_ms`` for the pods holding the longest cached prefix of the prompt."""
+
+    name = "cache-affinity"
+
+    def __init__(self, bonus_ms: float = 0.0):
+        self.bonus_s = float(bonus_ms) / 1000.0
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        best = max((c.effective_cached_tokens for c in x.candidates), default=0.0)
+        return {c.pod_id: -self.bonus_s if best > 0 and c.effective_cached_tokens >= best else 0.0
+                for c in x.candidates}
+
+
+@register
+class Cache(Scorer):
+    """The share of the prompt the pod does NOT hold (0 = all of it cached, 1 = none)."""
+
+    name = "cache"
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        n = max(x.request.prompt_tokens, 1)
+        return {c.pod_id: 1.0 - min(c.effective_cached_tokens / n, 1.0) for c in x.candidates}
+
+
+@register
+class Load(Scorer):
+    """Requests queued or prefilling on the pod: the router's own plus any it did not send."""
+
+    name = "load"
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        return {c.pod_id: float(c.load) for c in x.candidates}
+
+
+@register
+class Random(Scorer):
+    """A fresh random number per pod and request (seeded: ``seed`` in the settings)."""
+
+    name = "random"
+    stateful = True
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        return {c.pod_id: x.state.rng.random() for c in x.candidates}
+
+
+@register
+class RoundRobin(Scorer):
+    """Each request starts one pod further along the pods in id order."""
+
+    name = "round-robin"
+    stateful = True
+
+    def costs(self, x: ScoreInput) -> dict[str, float]:
+        ordered = sorted(c.pod_id for c in x.candidates)
+        if not ordered:
+            return {}
+        start = x.state.rr_next % len(ordered)
+        x.state.rr_next = start + 1
+        return {pid: float((i - start) % len(ordered)) for i, pid in enumerate(ordered)}
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerSpec:
+    """One entry of a policy: a scorer by name, its weight and its parameters."""
+
+    type: str
+    weight: float = 1.0
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+def presets(work_weight: float = 3.0, affinity_bonus_ms: float = 0.0) -> dict[str, list[ScorerSpec]]:
+    """The named policies as scorer lists (``work_weight`` and ``affinity_bonus_ms`` are the
+    settings of the same names, kept for configs written before scorers were plugins)."""
+    return {
+        "random": [ScorerSpec("random")],
+        "round-robin": [ScorerSpec("round-robin")],
+        "least-load": [ScorerSpec("load")],
+        "cache-only": [ScorerSpec("cache")],
+        "predicted-ttft": [ScorerSpec("predicted-ttft"), ScorerSpec("prefill-work", work_weight),
+                           ScorerSpec("cache-affinity", 1.0, {"bonus_ms": affinity_bonus_ms})],
+    }
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """A built policy: scorers with their weights, and whether the objective splits the ranking."""
+
+    scorers: tuple[tuple[Scorer, float], ...]
+    objective_first: bool = False
+
+    @property
+    def stateful(self) -> bool:
+        return any(s.stateful for s, _ in self.scorers)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s, _ in self.scorers]
+
+
+def build_scoring(specs: Iterable[ScorerSpec | Mapping[str, Any]], objective_first: bool | None = None) -> Scoring:
+    """Instantiate ``specs``; a ``ValueError`` names an unknown scorer or a bad parameter."""
+    built = []
+    for raw in specs:
+        spec = raw if isinstance(raw, ScorerSpec) else ScorerSpec(**raw)
+        cls = SCORERS.get(spec.type)
+        if cls is None:
+            raise ValueError(f"unknown scorer {spec.type!r}; known: {', '.join(sorted(SCORERS))}")
+        try:
+            scorer = cls(**dict(spec.params))
+        except TypeError as exc:
+            raise ValueError(f"scorer {spec.type!r}: bad params {dict(spec.params)!r} ({exc})") from None
+        if spec.weight != 0:
+            built.append((scorer, float(spec.weight)))
+    if not built:
+        raise ValueError("a policy needs at least one scorer with a non-zero weight")
+    if objective_first is None:
+        objective_first = any(s.name == PredictedTTFT.name for s, _ in built)
+    return Scoring(tuple(built), objective_first)
+
+
+def _by_load(c: Candidate) -> tuple[int, float, int, int]:
     return (c.load, c.queue_tokens, c.running, c.tiebreak)
 
 
-def score_random(cands, request, predictions, state: PolicyState) -> Ranked:
-    ranked = list(cands)
-    state.rng.shuffle(ranked)
-    return ranked
-
-
-def score_round_robin(cands, request, predictions, state: PolicyState) -> Ranked:
-    ordered = sorted(cands, key=lambda c: c.pod_id)
-    if not ordered:
+def rank(candidates: Sequence[Candidate], request: RequestView, predictions: Mapping[str, Prediction],
+         scoring: Scoring, state: PolicyState) -> list[Candidate]:
+    """The candidates best first by the weighted sum of the scorers' costs (see the module docstring)."""
+    if not candidates:
         return []
-    start = state.rr_next % len(ordered)
-    state.rr_next = start + 1
-    return ordered[start:] + ordered[:start]
+    x = ScoreInput(candidates, request, predictions, state)
+    total = {c.pod_id: 0.0 for c in candidates}
+    for scorer, weight in scoring.scorers:
+        for pid, cost in scorer.costs(x).items():
+            total[pid] += weight * cost
+    objective = request.objective_s if scoring.objective_first else None
 
+    def key(c: Candidate) -> tuple[Any, ...]:
+        if objective is not None:
+            ttft = predictions[c.pod_id].ttft_s
+            if ttft > objective:
+                return (1, round(ttft, 6)) + _by_load(c)
+        return (0, round(total[c.pod_id], 6)) + _by_load(c)
 
-def score_least_load(cands, request, predictions, state) -> Ranked:
-    return sorted(cands, key=_by_load)
-
-
-def score_cache_only(cands, request, predictions, state) -> Ranked:
-    return sorted(cands, key=lambda c: (-c.effective_cached_tokens,) + _by_load(c))
-
-
-def score_predicted_ttft(cands, request, predictions, state: PolicyState) -> Ranked:
-    """Lowest predicted TTFT first.
-
-    With ``work_weight`` > 0 the cost also counts the prefill work a pod would have to add
-    (``work_weight`` x this request's own prefill time), which keeps sessions on the pod that
-    holds their context unless its queue really costs more; that spares the fleet's capacity
-    and cache space for later requests. Pods predicted to meet the request's objective always
-    rank before pods predicted to miss it, so the extra term never causes a miss by itself.
-    """
-    best_cached = max((c.effective_cached_tokens for c in cands), default=0.0)
-    objective = request.objective_s
-
-    def key(c: Candidate) -> tuple:
-        p = predictions[c.pod_id]
-        ttft = p.ttft_s
-        cost = ttft + state.work_weight * p.prefill_s
-        if state.affinity_bonus_s and best_cached > 0 and c.effective_cached_tokens >= best_cached:
-            cost -= state.affinity_bonus_s
-        misses = objective is not None and ttft > objective
-        return (misses, round(ttft if misses else cost, 6)) + _by_load(c)
-
-    return sorted(cands, key=key)
-
-
-SCORERS: dict[str, Scorer] = {
-    "random": score_random,
-    "round-robin": score_round_robin,
-    "least-load": score_least_load,
-    "cache-only": score_cache_only,
-    "predicted-ttft": score_predicted_ttft,
-}
-
-# Policies whose ranking changes state; /debug/route runs them on a copy.
-STATEFUL = frozenset({"random", "round-robin"})
+    return sorted(candidates, key=key)

@@ -8,6 +8,7 @@ explained (``/debug/route``) and tested on hand-built snapshots.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -49,6 +50,7 @@ class RequestView:
     objective_s: float | None = None
     exempt: bool = False
     unknown_request_tokens: int = 512
+    output_tokens: int = 0  # expected output (max_tokens, else a default): the KV a decode pod must hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +65,33 @@ class Prediction:
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.prefill_s + self.overhead_s
+
+
+@dataclass(frozen=True, slots=True)
+class KVRoom:
+    """A decode pod's KV: its capacity (when it reports one) and what the router has booked there."""
+
+    capacity_tokens: int | None = None
+    booked_tokens: float = 0.0
+    active_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """Every healthy pod of one model as one decision sees it, built from the live state by
+    ``router.routing.take_snapshot`` (or by hand in tests and the offline simulator)."""
+
+    model: str
+    candidates: tuple[Candidate, ...]
+    kv: Mapping[str, KVRoom] = field(default_factory=dict)  # decode pods
+
+    def by_role(self, role: str) -> list[Candidate]:
+        return [c for c in self.candidates if c.role == role]
+
+    def candidate(self, pod_id: str) -> Candidate:
+        return next(c for c in self.candidates if c.pod_id == pod_id)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Decode pods are up: requests go through the P/D planner."""
+        return any(c.role == "decode" for c in self.candidates)

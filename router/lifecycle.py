@@ -1,0 +1,238 @@
+"""One admitted request's life: book -> dispatch (with retries) -> first token -> finish.
+
+``api.py`` authenticates, reads and parses the body and asks ``Router.plan`` for a decision; then
+``Lifecycle.serve`` carries it out:
+
+1. a rejected plan answers 429/503 at once (nothing is booked);
+2. for each pod in the plan's ranking (the first, then up to ``retries`` more): ``Router.book``
+   holds the route in the ledger and the request is sent (``Dispatcher.open``); a connection
+   failure or a 5xx before the first byte ends that attempt and the next pod is tried; a client
+   that leaves meanwhile ends the request (499, and the pod's connection is dropped so it aborts);
+3. the answer is relayed: a stream chunk by chunk (the first chunk is the first token), a
+   non-streaming answer whole.
+
+Every attempt ends in exactly one ``Outcome``, and ``_end`` is the one place that releases its
+booking and records its metrics (``Booking.release`` is idempotent besides, because the first
+token releases a booking before the request has ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvcommon.asgi import wait_for_disconnect
+from router.booking import Booking
+from router.config import RouterSettings
+from router.disagg import prefill_header
+from router.dispatch import Dispatcher, Opened, UpstreamError, relay, response_headers
+from router.errors import error_body, error_response
+from router.metrics import RouterMetrics
+from router.pods import PodRegistry
+from router.routing import Plan, Router
+
+POD_HEADER = "x-kvroute-pod"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended: the pod, the status the client saw ("" for a retried attempt), and
+    whether the client left."""
+
+    pod_id: str
+    status: str
+    disconnect: bool = False
+
+
+class Lifecycle:
+    def __init__(self, settings: RouterSettings, registry: PodRegistry, dispatcher: Dispatcher,
+                 metrics: RouterMetrics):
+        self.settings = settings
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.policy = settings.policy if settings.scorers is None else "custom"
+
+    def _end(self, router: Router, booking: Booking | None, outcome: Outcome) -> None:
+        """The end of an attempt: release its booking (if the first token has not) and count it."""
+        if booking is not None:
+            router.finish(booking)
+        if outcome.disconnect:
+            self.metrics.client_disconnects.inc()
+        if outcome.status:
+            self.metrics.requests.labels(outcome.pod_id, self.policy, outcome.status).inc()
+
+    async def serve(self, router: Router, plan: Plan, path: str, raw: bytes, headers: dict[str, str],
+                    request: Request, body: Mapping[str, Any], rid: str) -> Response:
+        """Carry out ``plan``: send ``raw`` to ``path`` on the chosen pod (``headers`` already
+        filtered for upstream) and answer the client."""
+        if not plan.decision.verdict.admitted:
+            return self.reject(router, plan, rid)
+        failure: tuple[str, UpstreamError] | None = None
+        for cand in plan.decision.ranked[: 1 + max(self.settings.retries, 0)]:
+            route = plan.decision.routes[cand.pod_id]
+            booking = router.book(plan, cand)
+            try:
+                opened = await self._open(router, booking, plan.url(cand.pod_id, path), raw,
+                                          {**headers, **prefill_header(route, plan.pods)}, request)
+            except UpstreamError as failed:
+                self._end(router, booking, Outcome(cand.pod_id, ""))
+                if failed.status is None:
+                    self.registry.mark(cand.pod_id, False)
+                self.metrics.retries.labels("5xx" if failed.status else "connect").inc()
+                failure = (cand.pod_id, failed)
+                continue
+            except BaseException:
+                self._end(router, booking, Outcome(cand.pod_id, ""))
+                raise
+            if opened is None:  # the client left while the pod was still queueing or prefilling
+                self._end(router, booking, Outcome(cand.pod_id, "499", disconnect=True))
+                return Response(b"", status_code=499)
+            return await self._respond(router, opened, booking, body, rid)
+        assert failure is not None
+        pod_id, exc = failure
+        self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
+        if exc.status:
+            return Response(exc.body, status_code=exc.status,
+                            headers={**dict(exc.headers), POD_HEADER: pod_id, "x-request-id": rid})
+        return error_response(502, f"pod {pod_id} could not be reached ({exc.cause})",
+                              headers={POD_HEADER: pod_id, "x-request-id": rid})
+
+    async def _open(self, router: Router, booking: Booking, url: str, raw: bytes, headers: dict[str, str],
+                    request: Request) -> Opened | None:
+        """Send the request; None if the client went away before the pod answered (cancelling the
+        open closes that connection, so the pod aborts the request too)."""
+        opening = asyncio.ensure_future(self.dispatcher.open(url, raw, headers,
+                                                             on_first_byte=lambda: router.first_token(booking)))
+        watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        try:
+            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
+                return None
+            return opening.result()
+        except BaseException:
+            opening.cancel()
+            raise
+        finally:
+            watch.cancel()
+
+    def reject(self, router: Router, plan: Plan, rid: str) -> Response:
+        verdict = plan.decision.verdict
+        self.metrics.rejections.labels(verdict.reason).inc()
+        retry = {"retry-after": str(self.settings.retry_after_s), "x-request-id": rid}
+        if verdict.reason == "no-pods":
+            self._end(router, None, Outcome("", "503"))
+            return error_response(503, f"no healthy pod serves model `{plan.model}`", headers={"x-request-id": rid})
+        self._end(router, None, Outcome("", "429"))
+        if verdict.reason == "kv":
+            return error_response(429, "overloaded: no decode pod has KV cache room for the prompt and the "
+                                  "expected output", headers=retry)
+        best = plan.decision.best_prediction
+        objective = plan.request.objective_s or 0.0
+        best_ms = best.ttft_s * 1000 if best else 0.0
+        return error_response(429, f"overloaded: the best predicted time to first token is {best_ms:.0f} ms, over "
+                              f"the {objective * 1000:.0f} ms objective", headers=retry)
+
+    async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
+                       rid: str) -> Response:
+        resp = opened.resp
+        headers = response_headers(resp) + [(POD_HEADER, booking.pod_id), ("x-request-id", rid)]
+        router.observe_answer(booking, resp.headers)
+        pod_id, status = booking.pod_id, str(resp.status)
+        if opened.streaming:
+            headers += [("cache-control", "no-cache"), ("x-accel-buffering", "no")]
+
+            def done(how: str) -> None:
+                self._end(router, booking, Outcome(pod_id, "502" if how == "upstream-error" else status,
+                                                   disconnect=how == "disconnect"))
+
+            return RelayResponse(opened, headers, done)
+        # non-streaming: the whole answer is the first byte; release the booking once the prefill
+        # should be over even if decoding goes on, so one long answer does not block the queue view
+        handle = asyncio.get_running_loop().call_later(max(booking.predicted_ttft_s, 0.0) * 1.5 + 0.05,
+                                                       router.finish, booking)
+        try:
+            payload = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            resp.close()
+            self._end(router, booking, Outcome(pod_id, "502"))
+            return error_response(502, f"pod {pod_id} failed mid-response ({type(exc).__name__})",
+                                  headers={POD_HEADER: pod_id, "x-request-id": rid})
+        except BaseException:
+            resp.close()
+            self._end(router, booking, Outcome(pod_id, ""))
+            raise
+        finally:
+            handle.cancel()
+        resp.release()
+        # a one-token answer's duration is its time to first token: learn from it
+        router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
+        self._end(router, booking, Outcome(pod_id, status))
+        out = Response(payload, status_code=resp.status)
+        out.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        out.raw_headers.append((b"content-length", str(len(payload)).encode()))
+        return out
+
+
+def _max_tokens(body: Mapping[str, Any]) -> Any:
+    return body.get("max_completion_tokens", body.get("max_tokens"))
+
+
+class RelayResponse(Response):
+    """Streams an upstream SSE response chunk by chunk; a client that leaves cancels the upstream.
+    ``on_done`` is called once with how it ended: "ok", "disconnect" or "upstream-error"."""
+
+    def __init__(self, opened: Opened, headers: list[tuple[str, str]], on_done: Callable[[str], None]):
+        self.status_code = opened.resp.status
+        self.background = None
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self._opened = opened
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        opened = self._opened
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+
+        async def out(chunk: bytes) -> None:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        pump = asyncio.ensure_future(relay(opened, out))
+        watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        how = "ok"
+        try:
+            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if pump in done:
+                exc = pump.exception()
+                if exc is None:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                elif isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
+                    how = "disconnect"  # the client's socket went away while we wrote
+                else:
+                    how = "upstream-error"
+                    msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
+                    try:
+                        await out(b"data: " + msg + b"\n\ndata: [DONE]\n\n")
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass
+            else:
+                how = "disconnect"
+        finally:
+            for t in (pump, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            if how == "ok":
+                opened.resp.release()
+            else:
+                opened.resp.close()  # drop the connection: the pod sees the client go and aborts
+            self._on_done(how)
