@@ -30,11 +30,13 @@ COPY deploy/requirements.lock deploy/requirements.lock
 RUN python -m venv "$VENV" \
  && "$VENV/bin/pip" install --no-cache-dir --require-virtualenv -r deploy/requirements.lock
 COPY pyproject.toml README.md ./
+COPY kvcommon kvcommon
 COPY router router
 COPY indexer indexer
 COPY sidecar sidecar
 COPY simulator simulator
 COPY replay replay
+COPY fleet fleet
 RUN "$VENV/bin/pip" install --no-cache-dir --require-virtualenv --no-deps . \
  && "$VENV/bin/pip" check \
  && "$VENV/bin/kvroute" --version

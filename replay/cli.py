@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.config import ConfigError, add_settings_arguments, settings_from_args
+from kvcommon.settings import ConfigError, add_settings_arguments, settings_from_args
 from replay.settings import ReplaySettings
 
 DESCRIPTION = ("Replay a trace (mooncake:PATH, azure:PATH) or a synthetic workload (multiturn, shared-prefix) "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from router.config import RouterSettings, load_settings
+from kvcommon.settings import load_settings
+from router.config import RouterSettings
 
 
 def build_app(settings: RouterSettings):
@@ -24,7 +25,7 @@ def worker_app():
     import json
     import os
 
-    from router.config import build_settings
+    from kvcommon.settings import build_settings
 
     return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])))
 
@@ -34,7 +35,7 @@ def _reloader(argv: list[str] | None):
     since a bad file's values may be secrets."""
     import argparse
 
-    from router.config import add_settings_arguments, settings_from_args
+    from kvcommon.settings import add_settings_arguments, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kvroute serve")
     add_settings_arguments(parser, RouterSettings)
@@ -68,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         http = "httptools"
     except ImportError:
         http = "h11"
-    from router.listener import guarded_protocol, log_config
+    from kvcommon.listener import guarded_protocol, log_config
 
-    if http == "httptools":  # header, body and idle bounds on every connection (router/listener.py)
+    if http == "httptools":  # header, body and idle bounds on every connection (kvcommon/listener.py)
         body_s = settings.body_timeout_s + 2.0 if settings.body_timeout_s else None  # the app's 408 comes first
         http = guarded_protocol(settings.header_timeout_s, body_s, settings.max_header_bytes)
     # ws="none": nothing here speaks WebSocket, and the WebSocket library logs handshake headers

@@ -6,8 +6,8 @@ import logging
 
 import uvicorn
 
-from router.config import load_settings
-from router.listener import guarded_protocol
+from kvcommon.listener import guarded_protocol
+from kvcommon.settings import load_settings
 from sidecar.config import SidecarSettings
 from sidecar.proxy import SidecarApp
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         logging.getLogger("kvroute.sidecar").error("%s", exc)
         return 2
-    # header, body and idle bounds on every connection (router/listener.py); ws="none": nothing here
+    # header, body and idle bounds on every connection (kvcommon/listener.py); ws="none": nothing here
     # speaks WebSocket, and the WebSocket library logs handshake headers (Authorization) at debug level
     http = guarded_protocol(settings.header_timeout_s, settings.body_timeout_s + 2.0, settings.max_header_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",

@@ -175,8 +175,3 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     else:
         out.pop("kv_transfer_params", None)
     return out
-
-
-def error_payload(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """An OpenAI/vLLM-style error object (vLLM >= 0.10.1 shape)."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}

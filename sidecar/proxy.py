@@ -19,9 +19,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvcommon.asgi import read_body, wait_for_disconnect
+from kvcommon.errors import APIError, ClientDisconnected, error_body
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
-from sidecar.legs import (GENERATION_PATHS, BadBody, decode_body, engine_json, error_payload, forward_headers,
+from sidecar.legs import (GENERATION_PATHS, BadBody, decode_body, engine_json, forward_headers,
                           has_prefill_header, is_generation_path, pick_prefill_target, prefill_body, request_id,
                           response_headers, without_key)
 from sidecar.metrics import SidecarMetrics
@@ -30,14 +32,6 @@ from sidecar.targets import Target, TargetError, parse_target
 log = logging.getLogger("kvroute.sidecar")
 
 _JSON = b"application/json"
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _BodyTooSlow(Exception):
-    pass
 
 
 @dataclass(slots=True)
@@ -63,36 +57,9 @@ async def _send_bytes(send, status: int, body: bytes, content_type: bytes | None
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _send_error(send, status: int, message: str, err_type: str,
+async def _send_error(send, status: int, message: str, err_type: str | None = None,
                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    await _send_bytes(send, status, orjson.dumps(error_payload(message, err_type, status)), _JSON, extra)
-
-
-async def _read_body(receive, limit: int, timeout_s: float | None = None) -> bytes | None:
-    """The whole request body, or None if the client went away first (``_BodyTooSlow`` past ``timeout_s``)."""
-    if timeout_s:
-        try:
-            return await asyncio.wait_for(_read_body(receive, limit), timeout_s)
-        except asyncio.TimeoutError:
-            raise _BodyTooSlow from None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    await _send_bytes(send, status, error_body(status, message, err_type=err_type), _JSON, extra)
 
 
 def prefill_ssl_context(settings: SidecarSettings) -> ssl.SSLContext | bool:
@@ -183,16 +150,12 @@ class SidecarApp:
         self.metrics.in_flight.inc()
         try:
             try:
-                body = await _read_body(receive, self.settings.max_body_bytes, self.settings.body_timeout_s)
-            except _BodyTooLarge:
-                await _send_error(send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes",
-                                  "BadRequestError")
+                body = await read_body(scope, receive, self.settings.max_body_bytes, self.settings.body_timeout_s)
+            except ClientDisconnected:  # nobody is left to answer
                 return
-            except _BodyTooSlow:
-                await _send_error(send, 408, f"request body not received within {self.settings.body_timeout_s:g} s",
-                                  "RequestTimeoutError", [(b"connection", b"close")])
-                return
-            if body is None:
+            except APIError as exc:  # 413, 400 (Content-Length) or 408; after 408 the rest of the body is not read
+                close = [(b"connection", b"close")] if exc.status == 408 else None
+                await _send_error(send, exc.status, exc.message, extra=close)
                 return
             started = False
 
@@ -223,7 +186,7 @@ class SidecarApp:
     async def _until_disconnect(self, work, receive) -> None:
         """Run ``work``; if the client disconnects first, cancel it (which aborts the running leg upstream)."""
         task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if task in done:
@@ -391,7 +354,7 @@ class SidecarApp:
             result = PrefillResult("connect_error", detail=str(exc) or type(exc).__name__)
         except aiohttp.ClientError as exc:
             result = PrefillResult("server_error", status=502, detail=str(exc) or type(exc).__name__,
-                                   body=orjson.dumps(error_payload(f"prefill failed: {exc}", "BadGateway", 502)))
+                                   body=error_body(502, f"prefill failed: {exc}", err_type="BadGateway"))
         result.seconds = time.perf_counter() - started
         self.metrics.leg_seconds.labels("prefill").observe(result.seconds)
         self.metrics.legs.labels("prefill", result.kind).inc()
@@ -468,8 +431,8 @@ class SidecarApp:
                 outcome = "stream_error"
                 log.warning("decoder stream broke: %s", exc or type(exc).__name__)
                 if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    err = orjson.dumps(error_payload(f"the decoder stream broke: {exc or type(exc).__name__}",
-                                                     "InternalServerError", 502))
+                    err = error_body(502, f"the decoder stream broke: {exc or type(exc).__name__}",
+                                     err_type="InternalServerError")
                     await send({"type": "http.response.body", "body": b"data: " + err + b"\n\ndata: [DONE]\n\n",
                                 "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from router.config import load_settings
+from kvcommon.settings import load_settings
 from simulator.events import KVEventsConfigError
 from simulator.settings import SimSettings
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from indexer.tokens import ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
 
+# vLLM's error type names, passed to kvcommon's one error builder (kvcommon/errors.py) by the server
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout", 409: "ConflictError",
                413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 429: "RateLimitError",
@@ -27,12 +28,6 @@ class ShapeError(ValueError):
         self.message = message
         self.status = status
         self.param = param
-
-
-def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict:
-    """vLLM >= 0.10.1's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": err_type or ERROR_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
 
 
 @dataclass

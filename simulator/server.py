@@ -27,6 +27,9 @@ import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from indexer.tokens import Tokenizer, load_tokenizer
+from kvcommon import asgi
+from kvcommon.asgi import header
+from kvcommon.errors import APIError, ClientDisconnected, error_body
 from simulator.block_pool import none_hash
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
@@ -34,8 +37,8 @@ from simulator.faults import FaultError, Faults, RequestFaults
 from simulator.metrics import PodMetrics
 from simulator.nixl import (LeaseTable, decode_params_problem, flat_block_ids, producer_params,
                             remote_read)
-from simulator.openai_shapes import (GenRequest, ShapeError, chat_body, chat_chunk, completion_body,
-                                     completion_chunk, error_body, models_body, parse_generation, usage,
+from simulator.openai_shapes import (ERROR_TYPES, GenRequest, ShapeError, chat_body, chat_chunk, completion_body,
+                                     completion_chunk, models_body, parse_generation, usage,
                                      usage_chunk)
 from simulator.publisher import EventPublisher
 from simulator.request import FINISH, SimRequest
@@ -144,27 +147,15 @@ Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
 
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionResetError("client went away")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ShapeError("request body too large", status=413)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def header(scope: dict, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v.decode("latin-1")
-    return None
+async def read_body(scope: dict, receive: Receive) -> bytes:
+    """The request body: a ``ShapeError`` past ``MAX_BODY_BYTES`` (413), ``ConnectionResetError`` when
+    the client leaves first."""
+    try:
+        return await asgi.read_body(scope, receive, MAX_BODY_BYTES)
+    except ClientDisconnected:
+        raise ConnectionResetError("client went away") from None
+    except APIError as exc:
+        raise ShapeError(exc.message, status=exc.status) from None
 
 
 async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -179,7 +170,8 @@ async def respond_json(send: Send, status: int, obj: Any, extra: list[tuple[byte
 
 async def respond_error(send: Send, status: int, message: str, param: str | None = None,
                         extra: list[tuple[bytes, bytes]] = ()) -> None:
-    await respond_json(send, status, error_body(status, message, param), extra)
+    body = error_body(status, message, param, err_type=ERROR_TYPES.get(status, "Error"))
+    await respond(send, status, body, JSON_HEADERS + list(extra))
 
 
 def parse_json(raw: bytes) -> Any:
@@ -189,9 +181,9 @@ def parse_json(raw: bytes) -> Any:
         raise ShapeError(f"JSON decode error: {exc}") from exc
 
 
-async def read_tokenizer_request(receive: Receive, model: str) -> dict:
+async def read_tokenizer_request(scope: dict, receive: Receive, model: str) -> dict:
     """The JSON object body of /tokenize or /detokenize, naming this pod's model or none (vLLM's checks)."""
-    body = parse_json(await read_body(receive))
+    body = parse_json(await read_body(scope, receive))
     if not isinstance(body, dict):
         raise ShapeError("request body must be a JSON object")
     name = body.get("model")
@@ -200,9 +192,9 @@ async def read_tokenizer_request(receive: Receive, model: str) -> dict:
     return body
 
 
-async def read_lease_request(receive: Receive) -> tuple[dict, str]:
+async def read_lease_request(scope: dict, receive: Receive) -> tuple[dict, str]:
     """The JSON body of a NIXL read or release and the request id whose lease it names."""
-    body = parse_json(await read_body(receive))
+    body = parse_json(await read_body(scope, receive))
     rid = body.get("remote_request_id") if isinstance(body, dict) else None
     if not isinstance(rid, str):
         raise ShapeError("'remote_request_id' must be a string", param="remote_request_id")
@@ -210,11 +202,8 @@ async def read_lease_request(receive: Receive) -> tuple[dict, str]:
 
 
 async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            on_gone()
-            return
+    await asgi.wait_for_disconnect(receive)
+    on_gone()
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -258,13 +247,13 @@ def build_app(pod: Pod):
 
     @route("POST", "/reset_prefix_cache")
     async def reset(scope, receive, send):
-        await read_body(receive)
+        await read_body(scope, receive)
         pod.engine.reset_prefix_cache()
         await respond(send, 200, b"", [])
 
     @route("POST", "/tokenize")
     async def tokenize(scope, receive, send):
-        body = await read_tokenizer_request(receive, pod.model)
+        body = await read_tokenizer_request(scope, receive, pod.model)
         if "messages" in body:
             from simulator.openai_shapes import chat_ids_of
             ids = chat_ids_of(body, pod.tokenizer, api="tokenize")
@@ -284,7 +273,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/detokenize")
     async def detokenize(scope, receive, send):
-        body = await read_tokenizer_request(receive, pod.model)
+        body = await read_tokenizer_request(scope, receive, pod.model)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
             raise ShapeError("'tokens' must be a list of non-negative integers", param="tokens")
@@ -296,7 +285,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/sim/faults")
     async def set_faults(scope, receive, send):
-        body = parse_json(await read_body(receive))
+        body = parse_json(await read_body(scope, receive))
         try:
             pod.faults.update(body)
         except FaultError as exc:
@@ -315,7 +304,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/sim/nixl/read")
     async def nixl_read(scope, receive, send):
-        body, rid = await read_lease_request(receive)
+        body, rid = await read_lease_request(scope, receive)
         if body.get("remote_engine_id") != pod.engine_id:
             raise ShapeError(f"this is engine {pod.engine_id!r}, not {body.get('remote_engine_id')!r}",
                              status=404, param="remote_engine_id")
@@ -329,7 +318,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/sim/nixl/release")
     async def nixl_release(scope, receive, send):
-        _, rid = await read_lease_request(receive)
+        _, rid = await read_lease_request(scope, receive)
         await respond_json(send, 200, {"released": pod.leases.end(rid)})
 
     known_paths = {p for _, p in routes}
@@ -393,7 +382,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
     except FaultError as exc:
         raise ShapeError(str(exc)) from exc
-    raw = await read_body(receive)
+    raw = await read_body(scope, receive)
     arrival = loop.time()
     if faults.delay_s:
         pod.metrics.faults.labels("delay").inc()

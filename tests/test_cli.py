@@ -6,8 +6,8 @@ import sys
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvcommon.settings import load_settings
 from router.cli import COMMANDS
-from router.config import load_settings
 from tests.helpers import ROOT
 
 

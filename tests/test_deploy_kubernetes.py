@@ -23,7 +23,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from router.config import RouterSettings, add_settings_arguments, build_settings, settings_from_args
+from kvcommon.settings import add_settings_arguments, build_settings, settings_from_args
+from router.config import RouterSettings
 from sidecar.config import SidecarSettings
 from simulator.settings import SimSettings
 from tests.helpers import ROOT

@@ -10,7 +10,8 @@ import struct
 import httpx
 import pytest
 
-from router.config import RouterSettings, build_settings
+from kvcommon.settings import build_settings
+from router.config import RouterSettings
 from router.discovery.dns import ResolveError, decode_answer, encode_query, system_resolve, udp_resolver
 from simulator.testing import consecutive_free_ports, running_sims
 from tests.helpers import free_port, until

@@ -22,7 +22,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from router.config import RouterSettings, build_settings
+from kvcommon.settings import build_settings
+from router.config import RouterSettings
 from router.discovery.kubernetes import is_ready, pod_from_object
 from simulator.testing import consecutive_free_ports, running_sims
 from tests.helpers import free_port, until

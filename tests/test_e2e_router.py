@@ -10,7 +10,8 @@ import httpx
 import orjson
 import yaml
 
-from router.config import RouterSettings, build_settings
+from kvcommon.settings import build_settings
+from router.config import RouterSettings
 from simulator.testing import consecutive_free_ports, running_sims
 from tests.helpers import free_port, kvroute_process, until
 from tests.test_router_api import running_router

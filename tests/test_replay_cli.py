@@ -93,7 +93,7 @@ def test_settings_layering(tmp_path, monkeypatch):
                               "--pod-metrics", "http://a:1", "http://b:2"])
     args.workload = args.workload_arg
     args.pod_metrics = cli._normalise_pod_metrics(args.pod_metrics)
-    from router.config import settings_from_args
+    from kvcommon.settings import settings_from_args
 
     s = settings_from_args(ReplaySettings, args)
     assert (s.rate, s.slo_ttft, s.label, s.workload) == (3.5, 0.4, "from-flag", "azure:x.csv")

@@ -12,7 +12,8 @@ import asyncio
 import httpx
 from aiohttp import web
 
-from router.config import RouterSettings, build_settings
+from kvcommon.settings import build_settings
+from router.config import RouterSettings
 from simulator.testing import consecutive_free_ports, running_sims
 from tests.helpers import free_port
 from tests.test_e2e_router import fleet

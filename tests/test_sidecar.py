@@ -554,7 +554,8 @@ def test_an_oversized_body_is_a_413(pods, published_sidecar):
     r = httpx.post(published_sidecar + "/v1/completions", timeout=10,
                    json={"model": "fake-model", "prompt": "x" * 200_000})
     assert r.status_code == 413
-    assert "exceeds" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert "larger than" in err["message"] and err["type"] == "RequestTooLargeError"
     assert decode.received == []
 
 

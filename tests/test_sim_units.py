@@ -83,7 +83,7 @@ def test_kv_events_config_parsing_and_offsets():
 
 
 def test_every_setting_is_a_documented_flag_and_env_and_yaml_work(tmp_path, monkeypatch, capsys):
-    from router.config import load_settings
+    from kvcommon.settings import load_settings
     from simulator.settings import SimSettings
 
     with pytest.raises(SystemExit):

@@ -10,7 +10,8 @@ callbacks the router's wiring provides (registry, prefix index, KV-event subscri
 
 from __future__ import annotations
 
-from router.config import ConfigError, RouterSettings
+from kvcommon.settings import ConfigError
+from router.config import RouterSettings
 from router.discovery.fleet import DiscoveredPod, DiscoveryStats, FleetSync
 
 __all__ = ["DiscoveredPod", "DiscoveryStats", "FleetSync", "build_discovery", "discovery_problem"]

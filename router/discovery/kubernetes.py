@@ -31,7 +31,8 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from router.config import ConfigError, EventEndpoint, PodConfig, RouterSettings
+from kvcommon.settings import ConfigError
+from router.config import EventEndpoint, PodConfig, RouterSettings
 from router.discovery.fleet import DiscoveredPod, FleetSync
 
 log = logging.getLogger("kvroute.discovery")

@@ -23,7 +23,7 @@ import logging
 import os
 from typing import Any
 
-import orjson
+from kvcommon.errors import error_body
 
 log = logging.getLogger("kvroute.listener")
 
@@ -35,19 +35,14 @@ except ImportError:  # pragma: no cover - httptools is a dependency; without it 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def _error_json(status: int, message: str) -> bytes:
-    kind = {400: "BadRequestError", 408: "RequestTimeoutError", 431: "RequestHeaderFieldsTooLarge"}[status]
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
-
-
 def _raw_error(status: int, message: str) -> bytes:
-    body = _error_json(status, message)
+    body = error_body(status, message)
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (status, _REASONS[status], len(body))) + body
 
 
 def _error_app(status: int, message: str):
-    body = _error_json(status, message)
+    body = error_body(status, message)
 
     async def app(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": status,
@@ -178,6 +173,6 @@ def log_config() -> dict[str, Any]:
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
-    config.setdefault("filters", {})["redact_query"] = {"()": "router.listener.RedactQuery"}
+    config.setdefault("filters", {})["redact_query"] = {"()": "kvcommon.listener.RedactQuery"}
     config["handlers"]["access"]["filters"] = ["redact_query"]
     return config
