@@ -1,0 +1,107 @@
+"""kvcommon's ASGI body reader, disconnect wait and error builder, on hand-made ASGI messages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from kvcommon.asgi import header, read_body, wait_for_disconnect
+from kvcommon.errors import APIError, ClientDisconnected, error_body, error_payload
+
+
+def scope(content_length: str | None = None) -> dict:
+    headers = [(b"host", b"x")]
+    if content_length is not None:
+        headers.append((b"content-length", content_length.encode()))
+    return {"type": "http", "headers": headers}
+
+
+def receiver(*messages: dict, then_wait: bool = False):
+    queue = list(messages)
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        if then_wait:
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def chunk(data: bytes, more: bool) -> dict:
+    return {"type": "http.request", "body": data, "more_body": more}
+
+
+async def test_the_body_arrives_whole_from_its_chunks():
+    got = await read_body(scope("6"), receiver(chunk(b"abc", True), chunk(b"", True), chunk(b"def", False)), 6)
+    assert got == b"abcdef"
+    assert await read_body(scope(), receiver(chunk(b"", False)), 0) == b""
+
+
+@pytest.mark.parametrize("declared", ["7", "100000000000"])
+async def test_a_declared_length_over_the_limit_is_413_before_reading(declared):
+    def never():
+        raise AssertionError("the body must not be read")
+
+    with pytest.raises(APIError) as err:
+        await read_body(scope(declared), never, 6)
+    assert err.value.status == 413 and "6-byte limit" in err.value.message
+
+
+async def test_more_bytes_than_the_limit_is_413_even_without_a_declared_length():
+    with pytest.raises(APIError) as err:
+        await read_body(scope(), receiver(chunk(b"abcd", True), chunk(b"efg", False)), 6)
+    assert err.value.status == 413
+
+
+async def test_an_invalid_content_length_is_400():
+    with pytest.raises(APIError) as err:
+        await read_body(scope("12x"), receiver(chunk(b"a", False)), 6)
+    assert err.value.status == 400 and err.value.message == "invalid Content-Length"
+
+
+async def test_a_body_slower_than_the_deadline_is_408():
+    with pytest.raises(APIError) as err:
+        await read_body(scope(), receiver(chunk(b"a", True), then_wait=True), 6, timeout_s=0.05)
+    assert err.value.status == 408 and not isinstance(err.value, ClientDisconnected)
+
+
+async def test_a_client_that_leaves_mid_body_is_client_disconnected_a_400():
+    with pytest.raises(ClientDisconnected) as err:
+        await read_body(scope(), receiver(chunk(b"a", True)), 6, timeout_s=5)
+    assert isinstance(err.value, APIError) and err.value.status == 400
+
+
+async def test_wait_for_disconnect_returns_on_the_disconnect_only():
+    seen = []
+    messages = [chunk(b"", False), {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        seen.append(messages[len(seen)])
+        return seen[-1]
+
+    await asyncio.wait_for(wait_for_disconnect(receive), 1)
+    assert len(seen) == 2
+
+
+def test_one_error_shape_with_a_type_per_status_unless_named():
+    assert orjson.loads(error_body(413, "too big")) == {
+        "error": {"message": "too big", "type": "RequestTooLargeError", "param": None, "code": 413}}
+    assert error_payload(503, "down", err_type="ServiceUnavailable")["error"]["type"] == "ServiceUnavailable"
+    assert error_payload(400, "bad", param="prompt", code="x")["error"] == {
+        "message": "bad", "type": "BadRequestError", "param": "prompt", "code": "x"}
+    assert error_payload(599, "?")["error"]["type"] == "APIError"
+
+
+def test_router_errors_are_kvcommons():
+    from router import errors
+
+    assert errors.APIError is APIError and errors.error_body is error_body
+
+
+def test_header_is_the_first_value_or_none():
+    s = {"headers": [(b"a", b"1"), (b"a", b"2")]}
+    assert header(s, b"a") == "1" and header(s, b"b") is None
