@@ -19,11 +19,21 @@ from typing import Any, TextIO
 import orjson
 import zmq
 
-from indexer.events import END_SEQ, DecodeError, EventBatch, decode_frame, decode_payload, decode_seq, encode_seq, event_to_dict
+from indexer.events import (
+    END_SEQ,
+    DecodeError,
+    EventBatch,
+    decode_frame,
+    decode_payload,
+    decode_seq,
+    encode_seq,
+    event_to_dict,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute events", description="Print a pod's decoded KV-cache event stream, one JSON line per batch.",
+    p = argparse.ArgumentParser(prog="kvroute events",
+                                description="Print a pod's decoded KV-cache event stream, one JSON line per batch.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("endpoint", help="the pod's KV event PUB endpoint, e.g. tcp://10.0.0.5:5557 "
                                     "(an endpoint with '*' binds, for a publisher that connects in)")
@@ -53,7 +63,7 @@ def _default(obj: Any) -> Any:
     raise TypeError
 
 
-def replay(ctx: zmq.Context, endpoint: str, start: int, timeout_s: float, out: TextIO, err: TextIO) -> int:
+def replay(ctx: zmq.Context[Any], endpoint: str, start: int, timeout_s: float, out: TextIO, err: TextIO) -> int:
     """Print every buffered batch from ``start``; returns how many were printed."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

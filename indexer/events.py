@@ -21,7 +21,7 @@ generic decode and a tolerant hand conversion.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -37,22 +37,22 @@ class DecodeError(ValueError):
 # Shared by the map-form types below and the array-form decoder targets, so both wire forms accept
 # exactly the same fields; the order here is the array form's (and the map form's field order).
 class _StoredFields(msgspec.Struct, gc=False):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None] = None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
     token_ids: list[int] = msgspec.field(default_factory=list)
     block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _RemovedFields(msgspec.Struct, gc=False):
-    block_hashes: list[Union[int, bytes]]
-    medium: Union[str, None] = None
-    group_idx: Union[int, None] = None
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 # --- public event types (also the typed decoder's targets for the map form) -------------------------
@@ -77,7 +77,7 @@ class AllBlocksCleared(_Event, tag="AllBlocksCleared"):
     """The engine's prefix cache was reset: drop everything this publisher announced."""
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, gc=False):
@@ -85,14 +85,14 @@ class EventBatch(msgspec.Struct, gc=False):
 
     ts: float
     events: list[Event]
-    dp_rank: Union[int, None] = None
+    dp_rank: int | None = None
 
 
 # --- typed wire decoders ----------------------------------------------------------------------------
 class _MapBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Event]
-    data_parallel_rank: Union[int, None] = None
+    data_parallel_rank: int | None = None
 
 
 class _ArrEvent(msgspec.Struct, array_like=True, gc=False):
@@ -113,8 +113,8 @@ class _ArrCleared(_ArrEvent, tag="AllBlocksCleared"):
 
 class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Union[_ArrStored, _ArrRemoved, _ArrCleared]]
-    data_parallel_rank: Union[int, None] = None
+    events: list[_ArrStored | _ArrRemoved | _ArrCleared]
+    data_parallel_rank: int | None = None
 
 
 _map_decoder = msgspec.msgpack.Decoder(_MapBatch)
@@ -137,7 +137,7 @@ def normalize_hash(h: Any) -> int:
     raise DecodeError(f"block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def normalize_hashes(hashes: list) -> list[int]:
+def normalize_hashes(hashes: list[Any]) -> list[int]:
     """A list of hashes as uint64; the all-unsigned-int list (the common case) is returned as is."""
     if not hashes:
         return hashes
@@ -160,14 +160,14 @@ def _fix_hashes(ev: Any) -> None:
 # --- batch decoding ---------------------------------------------------------------------------------
 def decode_payload(payload: bytes) -> EventBatch:
     """A msgpack batch as an :class:`EventBatch`; raises :class:`DecodeError` if it is not one."""
+    raw: _MapBatch | _ArrBatch
     try:
         raw = _map_decoder.decode(payload)
         events = raw.events
     except (msgspec.ValidationError, msgspec.DecodeError):
         try:
-            araw = _arr_decoder.decode(payload)
-            events = [_from_array_struct(e) for e in araw.events]
-            raw = araw
+            raw = _arr_decoder.decode(payload)
+            events = [_from_array_struct(e) for e in raw.events]
         except (msgspec.ValidationError, msgspec.DecodeError):
             return _decode_generic(payload)
     for ev in events:

@@ -27,9 +27,10 @@ import logging
 import time
 import types
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import accumulate, islice, repeat, takewhile
 from operator import and_, neg, or_
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.keys import block_keys, key_seed
@@ -54,11 +55,12 @@ class PodMatch:
         self.dp_rank = dp_rank
 
     def __repr__(self) -> str:
-        return f"PodMatch(blocks={self.blocks}, by_tier={dict(self.by_tier)}, weighted={self.weighted}, dp_rank={self.dp_rank})"
+        return (f"PodMatch(blocks={self.blocks}, by_tier={dict(self.by_tier)}, weighted={self.weighted}, "
+                f"dp_rank={self.dp_rank})")
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, PodMatch) and self.blocks == other.blocks and dict(self.by_tier) == dict(other.by_tier)
-                and self.weighted == other.weighted)
+        return (isinstance(other, PodMatch) and self.blocks == other.blocks
+                and dict(self.by_tier) == dict(other.by_tier) and self.weighted == other.weighted)
 
 
 NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
@@ -69,7 +71,7 @@ class _Source:
 
     __slots__ = ("pod", "rank", "bit", "blocks", "pred", "stored", "removed", "evicted", "orphans", "dead")
 
-    def __init__(self, pod: "_Pod", rank: int, bit: int):
+    def __init__(self, pod: _Pod, rank: int, bit: int):
         self.pod = pod
         self.rank = rank
         self.bit = bit
@@ -271,7 +273,8 @@ class PrefixIndex:
         if ev.kv_cache_spec_kind not in INDEXED_KINDS:
             self.counters["skipped_kind"] += 1
             return True
-        hashes = ev.block_hashes
+        # block hashes arrive as int or bytes; decode_payload has made them uint64 ints (events._fix_hashes)
+        hashes = cast(list[int], ev.block_hashes)
         tokens = ev.token_ids
         medium = ev.medium
         tier = DEFAULT_TIER if not medium or medium == DEFAULT_TIER else medium.upper()
@@ -280,7 +283,8 @@ class PrefixIndex:
         if len(tokens) != len(hashes) * bs:
             self.counters["malformed_events"] += 1
             return False
-        parent = ev.parent_block_hash
+        parent = cast(int | None, ev.parent_block_hash)
+        seed: int | None
         if parent is None:
             seed = self._seed(pod, ev)
         else:
@@ -375,7 +379,7 @@ class PrefixIndex:
         bit = src.bit
         blocks = src.blocks
         multi = len(self._tiers) > 1
-        for h in ev.block_hashes:
+        for h in cast(list[int], ev.block_hashes):  # uint64 ints once decoded, as in _store
             k = blocks.get(h)
             if k is None or d is None:
                 self.counters["unknown_removals"] += 1
@@ -583,8 +587,8 @@ class PrefixIndex:
         order = sorted(names, key=lambda t: -self.tier_weights.get(t, self.default_tier_weight))
         lists = []
         for t in order:
-            d = tiers.get(t)
-            lst = list(map(d.get, keys, repeat(0))) if d is not None else [0] * len(keys)
+            masks = tiers.get(t)
+            lst = list(map(masks.get, keys, repeat(0))) if masks is not None else [0] * len(keys)
             if t == DEFAULT_TIER and pred:
                 lst = list(map(or_, lst, map(pred.get, keys, repeat(0))))
             lists.append(lst)
@@ -658,7 +662,10 @@ class PrefixIndex:
         return {k for r, s in pod.sources.items() if dp_rank is None or r == dp_rank for k in s.blocks.values()}
 
 
-def _depths_of_keys(keys: Sequence[int], get: Callable, pred_get: Callable | None, alive: int) -> dict[int, int]:
+_MaskGet = Callable[[int, int], int]  # a mask dict's ``get``: key, default -> mask
+
+
+def _depths_of_keys(keys: Sequence[int], get: _MaskGet, pred_get: _MaskGet | None, alive: int) -> dict[int, int]:
     """``_depths`` for one mask dict (plus predicted entries), walking the keys in growing chunks:
     a miss stops after a few keys, a long match runs without a per-key ``takewhile`` test."""
     acc = [alive]

@@ -22,7 +22,8 @@ only ever compared within one router process, never stored or sent.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -32,7 +33,7 @@ KEY_MASK = (1 << KEY_BITS) - 1
 
 def key_seed(model: str, lora_name: str | None = None) -> int:
     """The chain's starting value for one model (and LoRA adapter): stable, 60 bits."""
-    text = f"{model}\x00{lora_name or ''}".encode("utf-8")
+    text = f"{model}\x00{lora_name or ''}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"kvroute-key").digest(), "big") & KEY_MASK
 
 

@@ -51,8 +51,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -95,8 +96,8 @@ class StreamState:
     disconnected_at: float | None = None  # monotonic time of a disconnect not yet followed by a connect
     last_event_mono: float | None = None
     lag_s: float | None = None
-    task: asyncio.Task | None = field(default=None, repr=False)
-    watcher: asyncio.Task | None = field(default=None, repr=False)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    watcher: asyncio.Task[None] | None = field(default=None, repr=False)
     # the live reader and the reconnect check take turns: both move ``applied`` and may clear
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
@@ -106,7 +107,8 @@ class StreamState:
             "dp_rank": self.dp_rank, "last_seq": self.applied, "batches": self.batches, "events": self.events,
             "gaps": self.gaps, "lost_batches": self.lost_batches, "replays": self.replays,
             "replay_failures": self.replay_failures, "replayed_batches": self.replayed_batches,
-            "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates, "decode_errors": self.decode_errors,
+            "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates,
+            "decode_errors": self.decode_errors,
             "apply_errors": self.apply_errors, "reconnects": self.reconnects, "disconnects": self.disconnects,
             "last_event_age_s": None if self.last_event_mono is None else max(0.0, now_mono - self.last_event_mono),
             "lag_s": self.lag_s,
@@ -293,7 +295,7 @@ class KVEventSubscriber:
                  rcvhwm: int = 100_000, catch_up_on_connect: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  max_frame_bytes: int = 16 * 1024 * 1024, max_replay_batches: int = 20_000,
-                 max_replay_bytes: int = 256 * 1024 * 1024, curve: "CurveKeys | None" = None):
+                 max_replay_bytes: int = 256 * 1024 * 1024, curve: CurveKeys | None = None):
         self.index = index
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replay_timeout_s = replay_timeout_s
@@ -463,8 +465,12 @@ class KVEventSubscriber:
             await handle_live(st, seq, batch, lambda s, b: self._apply(st, b), lambda: self._clear(st, batch), replay)
 
     def _replay_fn(self, st: StreamState) -> ReplayFn:
+        endpoint = st.replay_endpoint
+        if endpoint is None:  # callers ask only for a stream that has a replay endpoint
+            raise ValueError(f"pod {st.pod_id} has no replay endpoint")
+
         async def replay(start: int) -> list[tuple[int, EventBatch]] | None:
-            return await request_replay(self._ctx, st.replay_endpoint, start, self.replay_timeout_s,
+            return await request_replay(self._ctx, endpoint, start, self.replay_timeout_s,
                                         on_decode_error=lambda: _count_decode_error(st), bounds=self.bounds)
         return replay
 
@@ -501,7 +507,7 @@ class SocketBounds:
     max_replay_bytes: int = 256 * 1024 * 1024
     curve: CurveKeys | None = None
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if self.curve is not None:
             sock.curve_serverkey = self.curve.server_public.encode("ascii")
@@ -529,7 +535,7 @@ async def request_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, ti
         sock.connect(endpoint)
         await sock.send_multipart([b"", encode_seq(start)])
         while True:
-            if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            if not await sock.poll(int(timeout_s * 1000)):  # POLLIN, the default
                 return None
             frames = await sock.recv_multipart()
             replies += 1

@@ -7,7 +7,7 @@ before), so ``encode_batch`` produces the bytes a real engine puts on the wire.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -19,25 +19,25 @@ class _MapEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True):
 
 
 class VBlockStored(_MapEvent, tag="BlockStored"):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None]
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: Union[int, None]
-    medium: Union[str, None]
-    lora_name: Union[str, None]
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
-    locality: Union[str, None] = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class VBlockRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[int, bytes]]
-    medium: Union[str, None]
-    group_idx: Union[int, None] = None
-    locality: Union[str, None] = None
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class VAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
@@ -49,18 +49,18 @@ class _ArrEvent(msgspec.Struct, array_like=True, tag=True, omit_defaults=True):
 
 
 class VBlockStoredArray(_ArrEvent, tag="BlockStored"):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None]
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: Union[int, None]
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
 
 
 class VBlockRemovedArray(_ArrEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[int, bytes]]
-    medium: Union[str, None] = None
+    block_hashes: list[int | bytes]
+    medium: str | None = None
 
 
 class VAllBlocksClearedArray(_ArrEvent, tag="AllBlocksCleared"):
@@ -70,13 +70,13 @@ class VAllBlocksClearedArray(_ArrEvent, tag="AllBlocksCleared"):
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
     events: list[Any]
-    data_parallel_rank: Union[int, None] = None
+    data_parallel_rank: int | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def stored(hashes: list, parent: Any, token_ids: list[int], block_size: int, medium: str | None = "GPU",
+def stored(hashes: list[Any], parent: Any, token_ids: list[int], block_size: int, medium: str | None = "GPU",
            lora_name: str | None = None, array: bool = False, **extra: Any) -> Any:
     """A BlockStored in the map form (or the legacy array form with ``array=True``)."""
     if array:
@@ -84,7 +84,7 @@ def stored(hashes: list, parent: Any, token_ids: list[int], block_size: int, med
     return VBlockStored(hashes, parent, token_ids, block_size, None, medium, lora_name, **extra)
 
 
-def removed(hashes: list, medium: str | None = "GPU", array: bool = False) -> Any:
+def removed(hashes: list[Any], medium: str | None = "GPU", array: bool = False) -> Any:
     return VBlockRemovedArray(hashes, medium) if array else VBlockRemoved(hashes, medium)
 
 

@@ -26,10 +26,11 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from simulator.testing import ROOT, free_port, stop_process, wait_ready
 
@@ -152,7 +153,7 @@ class Engine:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         return env
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         """Start the process (not waiting for it to be ready: see ``wait``)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -166,7 +167,7 @@ class Engine:
                                          stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True)
         return self
 
-    def wait(self, timeout: float = 240.0) -> "Engine":
+    def wait(self, timeout: float = 240.0) -> Engine:
         assert self.proc is not None, f"{self.name} was never started"
         wait_ready(self.url + "/health", self.proc, timeout=timeout, log=self.log, interval=0.5)
         return self
@@ -202,9 +203,9 @@ def start_lock(env: RealEnv, timeout: float = 900.0) -> Iterator[None]:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except BlockingIOError as exc:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process held {env.home / '.start.lock'} for {timeout:g}s")
+                    raise TimeoutError(f"another process held {env.home / '.start.lock'} for {timeout:g}s") from exc
                 time.sleep(0.5)
         try:
             yield

@@ -13,7 +13,7 @@ All processes are open-loop (a send never waits for an earlier answer) and seede
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,12 +55,13 @@ def gamma(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[f
 def from_trace(timestamps: Sequence[float | None], time_scale: float = 1.0) -> list[float]:
     if not time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {time_scale}")
-    if any(t is None for t in timestamps):
+    times = [t for t in timestamps if t is not None]
+    if len(times) < len(timestamps):
         raise ValueError("this workload has no timestamps; choose --arrival poisson, gamma or constant")
-    if not timestamps:
+    if not times:
         return []
-    t0 = min(timestamps)  # type: ignore[type-var]
-    return [(float(t) - t0) * time_scale for t in timestamps]  # type: ignore[arg-type]
+    t0 = min(times)
+    return [(float(t) - t0) * time_scale for t in times]
 
 
 def schedule(kind: str, n: int, *, rate: float | None = None, burstiness: float = 1.0, seed: int = 0,

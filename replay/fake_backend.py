@@ -114,7 +114,7 @@ def build_app(behaviour: Behaviour | None = None) -> web.Application:
             await asyncio.sleep(beh.ttft)
         drop_after = int(request.headers.get("x-fake-drop", "-1"))
         for i in range(tokens):
-            if i == drop_after:  # cut the stream: the client must count it as failed
+            if i == drop_after and request.transport is not None:  # cut the stream: the client must fail it
                 request.transport.close()
                 return resp
             if i and beh.itl:

@@ -13,26 +13,26 @@ def build_workload(settings: ReplaySettings) -> list[RequestSpec]:
     """The workload named by ``settings.workload`` (``mooncake:PATH``, ``azure:PATH``, ...)."""
     spec = settings.workload.strip()
     kind, _, path = spec.partition(":")
-    common = {"seed": settings.seed, "vocab_size": settings.vocab_size}
+    seed, vocab_size = settings.seed, settings.vocab_size
     if kind == "mooncake":
         if not path:
             raise TraceError("mooncake needs a path: mooncake:PATH")
-        specs = workloads.mooncake(path, block_size=settings.block_size, **common)
+        specs = workloads.mooncake(path, block_size=settings.block_size, seed=seed, vocab_size=vocab_size)
     elif kind == "azure":
         if not path:
             raise TraceError("azure needs a path: azure:PATH")
-        specs = workloads.azure(path, block_size=settings.block_size, **common)
+        specs = workloads.azure(path, block_size=settings.block_size, seed=seed, vocab_size=vocab_size)
     elif kind == "multiturn":
         specs = workloads.multiturn(system_prompts=settings.system_prompts,
                                     system_prompt_len=settings.system_prompt_len, sessions=settings.sessions,
                                     turns=settings.turns, turn_tokens=settings.turn_tokens,
-                                    output_len=settings.output_len, **common)
+                                    output_len=settings.output_len, seed=seed, vocab_size=vocab_size)
     elif kind in ("shared-prefix", "shared_prefix"):
         specs = workloads.shared_prefix(num_groups=settings.num_groups,
                                         prompts_per_group=settings.prompts_per_group,
                                         system_prompt_len=settings.system_prompt_len,
                                         question_len=settings.question_len, output_len=settings.output_len,
-                                        **common)
+                                        seed=seed, vocab_size=vocab_size)
     else:
         raise TraceError(f"unknown workload {spec!r}; use mooncake:PATH, azure:PATH, multiturn or shared-prefix")
     specs = workloads.limit_input_len(specs, settings.max_input_len, settings.input_len_policy)

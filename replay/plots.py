@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from replay.metrics import RequestRecord
 
@@ -21,13 +22,13 @@ def write_plots(records: Sequence[RequestRecord], summary: dict[str, Any], stem:
     stem.parent.mkdir(parents=True, exist_ok=True)
     title = f" ({label})" if label else ""
     paths: list[Path] = []
-    ok = [r for r in records if r.ok and r.ttft is not None]
-    failed = [r for r in records if not r.ok and r.sent is not None]
+    ok = [(r.sent, r.ttft * 1000) for r in records if r.ok and r.sent is not None and r.ttft is not None]  # (s, ms)
+    failed = [r.sent for r in records if not r.ok and r.sent is not None]
     slo = summary.get("slo_ttft")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if ok:
-        ttfts = np.sort([r.ttft * 1000 for r in ok])
+        ttfts = np.sort([ms for _, ms in ok])
         total = max(1, summary.get("requests") or len(ttfts))
         ax.step(ttfts, np.arange(1, len(ttfts) + 1) / total, where="post", label="completed requests")
     if slo is not None:
@@ -45,9 +46,9 @@ def write_plots(records: Sequence[RequestRecord], summary: dict[str, Any], stem:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if ok:
-        ax.scatter([r.sent for r in ok], [r.ttft * 1000 for r in ok], s=6, label="TTFT")
+        ax.scatter([sent for sent, _ in ok], [ms for _, ms in ok], s=6, label="TTFT")
     if failed:
-        ax.scatter([r.sent for r in failed], [0] * len(failed), s=12, marker="x", color="red",
+        ax.scatter(failed, [0] * len(failed), s=12, marker="x", color="red",
                    label="rejected / failed")
     if slo is not None:
         ax.axhline(slo * 1000, color="red", linestyle="--", label=f"SLO {slo * 1000:.0f} ms")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import aiohttp
 
@@ -53,7 +53,7 @@ async def scrape(session: aiohttp.ClientSession, urls: Sequence[str],
                 if resp.status != 200:
                     return url, None
                 return url, parse_prefix_counters(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return url, None
 
     results = await asyncio.gather(*(one(u) for u in urls))

@@ -16,8 +16,9 @@ import asyncio
 import gc
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import aiohttp
 import orjson
@@ -86,7 +87,7 @@ async def discover_model(session: aiohttp.ClientSession, base: str) -> str:
             if not models:
                 raise RunError(f"{base}/v1/models lists no model; pass --model")
             return str(models[0]["id"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise RunError(f"cannot list models at {base}/v1/models ({type(exc).__name__}: {exc}); "
                        "is the target up? pass --model to skip this") from exc
 
@@ -97,7 +98,7 @@ async def _warm_up(session: aiohttp.ClientSession, base: str) -> None:
     try:
         async with session.get(base + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         pass
 
 
@@ -259,7 +260,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
                 if rec.e2e is None:
                     rec.e2e = perf() - start
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 rec.error = "timeout"
             except aiohttp.ClientPayloadError:
                 rec.error = "incomplete"
@@ -277,7 +278,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
                 else:
                     counts["errors"] += 1
 
-        async def report_progress() -> None:
+        async def report_progress(progress: Callable[[Progress], None]) -> None:
             while True:
                 await asyncio.sleep(progress_interval)
                 progress(Progress(perf() - t0, n, counts["sent"], counts["done"], counts["in_flight"],
@@ -289,7 +290,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
         gc.collect()
         gc.freeze()
         t0 = perf() + start_delay
-        reporter = asyncio.create_task(report_progress()) if progress else None
+        reporter = asyncio.create_task(report_progress(progress)) if progress else None
         try:
             for i, offset in enumerate(offsets):
                 due = t0 + offset

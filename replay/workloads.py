@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import orjson
@@ -145,7 +145,7 @@ class RequestSpec:
         msgs.append({"role": "user", "content": user})
         return msgs
 
-    def truncated(self, max_len: int) -> "RequestSpec":
+    def truncated(self, max_len: int) -> RequestSpec:
         """The same request with its prompt cut to at most ``max_len`` tokens (prefix kept)."""
         if self.input_len <= max_len:
             return self
@@ -323,9 +323,9 @@ def multiturn(*, system_prompts: int = 20, system_prompt_len: int = 2048, sessio
         segs: list[Segment] = []
         n_sys = 0
         if system_prompt_len:
-            key = (NS_SYSTEM, s % system_prompts)
-            bank.declare(key, system_prompt_len)
-            segs.append((key, system_prompt_len))
+            sys_key = (NS_SYSTEM, s % system_prompts)
+            bank.declare(sys_key, system_prompt_len)
+            segs.append((sys_key, system_prompt_len))
             n_sys = 1
         for j in range(k + 1):
             key = (NS_TURN, s, j)
@@ -353,9 +353,9 @@ def shared_prefix(*, num_groups: int = 10, prompts_per_group: int = 10, system_p
         g, q = pairs[i]
         segs: list[Segment] = []
         if system_prompt_len:
-            key = (NS_SYSTEM, g)
-            bank.declare(key, system_prompt_len)
-            segs.append((key, system_prompt_len))
+            sys_key = (NS_SYSTEM, g)
+            bank.declare(sys_key, system_prompt_len)
+            segs.append((sys_key, system_prompt_len))
         key = (NS_QUESTION, g, q)
         bank.declare(key, question_len)
         segs.append((key, question_len))

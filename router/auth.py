@@ -15,8 +15,9 @@ import hashlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from router.config import ApiKey, RouterSettings
 from router.errors import APIError
@@ -86,6 +87,8 @@ def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants]]:
     for i, entry in enumerate(settings.api_keys):
         spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
         # a key's own rate comes with its own burst (default: one second's worth), never the fleet's
+        requests: tuple[float | None, float | None]
+        tokens: tuple[float | None, float | None]
         if spec.requests_per_s:
             requests = (spec.requests_per_s, spec.request_burst)
         else:

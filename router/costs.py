@@ -10,7 +10,8 @@ of a str or a list is constant time).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _is_ids(v: Any) -> bool:

@@ -9,9 +9,8 @@ first response byte is retried on the next-best pod; after the first byte nothin
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -99,13 +98,13 @@ class Dispatcher:
         assert self.session is not None, "dispatcher not started"
         try:
             resp = await self.session.post(url, data=body, headers=headers)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamError(f"connect: {type(exc).__name__}") from exc
         try:
             if resp.status >= 500:
                 try:
                     payload = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                except (TimeoutError, aiohttp.ClientError, OSError):
                     payload = b""
                 hdrs = response_headers(resp)
                 resp.release()
@@ -116,7 +115,7 @@ class Dispatcher:
             if streaming:
                 try:
                     first = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     raise UpstreamError(f"read: {type(exc).__name__}") from exc
                 if not first:
                     raise UpstreamError("empty stream")

@@ -7,7 +7,8 @@ custom collector, so nothing has to push them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -70,7 +71,8 @@ class FleetCollector(Collector):
         "event_age_seconds": "Seconds since the pod's last KV event",
     }
 
-    def __init__(self, snapshot: Callable[[], dict[str, dict[str, Any]]], extra: Callable[[], dict[str, float]] | None = None):
+    def __init__(self, snapshot: Callable[[], dict[str, dict[str, Any]]],
+                 extra: Callable[[], dict[str, float]] | None = None):
         self._snapshot = snapshot
         self._extra = extra
 

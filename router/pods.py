@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import aiohttp
 
@@ -210,7 +210,7 @@ class PodRegistry:
             async with self._session.get(pod.config.url + "/health") as resp:
                 await resp.read()
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         self.mark(pod.id, ok)
         return ok
@@ -222,7 +222,7 @@ class PodRegistry:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"status {resp.status}")
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
             pod.scrape_errors += 1
             return False
         self.apply_metrics(pod.id, parse_vllm_metrics(text))

@@ -11,7 +11,10 @@ with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from indexer.tokens import ChatRequest, ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
 from router.errors import APIError
@@ -85,3 +88,23 @@ def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
 def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     """``kind`` is "chat" or "completion"."""
     return chat_tokens(body, tokenizer) if kind == "chat" else completion_tokens(body, tokenizer)
+
+
+T = TypeVar("T")
+
+
+class TokenizePool:
+    """Tokenizing big prompts off the event loop: a few threads (the tokenizers library releases
+    the GIL while it encodes), at most ``threads x 8`` jobs admitted at once (the rest wait their
+    turn), so a 32k-token prompt does not hold up a small request's routing."""
+
+    def __init__(self, threads: int = 2):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
+        self._slots = asyncio.Semaphore(threads * 8)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        async with self._slots:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -129,7 +130,7 @@ class RemotePrompts:
             else:
                 call = tok.encode(ask, add_special_tokens=special)
             return PromptIds(await asyncio.wait_for(call, self._timeout_s), exact=True)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._on_failure("timeout")
         except Exception as exc:  # an error answer, a refused connection, a body without tokens
             log.debug("remote tokenize on %s failed: %s", tok.base_url, exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from kvcommon.settings import load_settings
 from router.config import RouterSettings
@@ -76,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         http = guarded_protocol(settings.header_timeout_s, body_s, settings.max_header_bytes)
     # ws="none": nothing here speaks WebSocket, and the WebSocket library logs handshake headers
     # (Authorization included) at debug level
-    common = dict(host=settings.host, port=settings.port, loop=loop, http=http, ws="none",
-                  log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
-                  timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
-                  ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
+    common: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, loop=loop, http=http, ws="none",
+        log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
+        timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
         import os
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -81,8 +81,8 @@ class LegacyAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared,
-              LegacyBlockStored, LegacyBlockRemoved, LegacyAllBlocksCleared]
+Event = (BlockStored | BlockRemoved | AllBlocksCleared
+         | LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared)
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -142,7 +142,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and publisher == "zmq"
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "KVEventsConfig":
+    def from_json(cls, data: dict[str, Any]) -> KVEventsConfig:
         if not isinstance(data, dict):
             raise KVEventsConfigError("kv-events-config must be a JSON object")
         unknown = set(data) - set(cls.__dataclass_fields__)
@@ -163,12 +163,12 @@ class KVEventsConfig:
         return cls(**data)
 
     @classmethod
-    def shortcut(cls, port: int) -> "KVEventsConfig":
+    def shortcut(cls, port: int) -> KVEventsConfig:
         """What ``--kv-events-port E`` stands for (the topic is filled in per pod)."""
         return cls(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
                    replay_endpoint=f"tcp://*:{port + 1}", topic="kv@{pod}@{model}")
 
-    def for_pod(self, index: int, pod: str, model: str) -> "KVEventsConfig":
+    def for_pod(self, index: int, pod: str, model: str) -> KVEventsConfig:
         """Pod ``index`` of a ``--count`` group: binding tcp ports + 2*index, topic placeholders filled."""
         return KVEventsConfig(
             enable_kv_cache_events=self.enable_kv_cache_events, publisher=self.publisher,

@@ -150,7 +150,7 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         if mct is not None:
             max_tokens = mct
     if max_tokens is not None and max_tokens < 1:
-        raise ShapeError("max_tokens must be at least 1, got %d." % max_tokens, param="max_tokens")
+        raise ShapeError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     min_tokens = _opt(body, "min_tokens", (int,), "an integer")
     if min_tokens is not None and (min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens)):
         raise ShapeError("min_tokens must be greater than or equal to 0 and less than or equal to max_tokens",
@@ -181,7 +181,8 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         raise ShapeError(f"The prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV blocks "
                          f"than this pod has ({max_prompt_tokens} tokens).", param="max_tokens")
     include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
-    continuous = include_usage and bool(stream_options.get("continuous_usage_stats", False)) if stream_options else False
+    continuous = (include_usage and bool(stream_options.get("continuous_usage_stats", False))
+                  if stream_options else False)
     return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id,
                       ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0)
 

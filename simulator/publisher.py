@@ -44,8 +44,8 @@ class EventPublisher:
             self._pub.bind(config.endpoint)
         else:
             self._pub.connect(config.endpoint)
-        self._router = None
-        self._task: asyncio.Task | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
         if config.replay_endpoint:
             self._router = actx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
@@ -53,7 +53,7 @@ class EventPublisher:
 
     def start(self) -> None:
         if self._router is not None and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay(self._router))
 
     def publish(self, events: list) -> None:
         """Send one batch (never blocks: a socket at its high-water mark drops, as in vLLM)."""
@@ -76,8 +76,7 @@ class EventPublisher:
         self.seq = 0
         self.buffer.clear()
 
-    async def _serve_replay(self) -> None:
-        router = self._router
+    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         while True:
             try:
                 frames = await router.recv_multipart()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from simulator.block_pool import chain_digests, digest_to_u64, token_bytes
 

@@ -114,7 +114,7 @@ class SimSettings(BaseSettings):
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "", "[::]") else self.host
 
     @model_validator(mode="after")
-    def _check(self) -> "SimSettings":
+    def _check(self) -> SimSettings:
         if self.port and self.port + self.count - 1 > 65535:
             raise ValueError("--port + --count - 1 must be a valid port")
         if self.kv_events_config is not None and self.kv_events_port is not None:

@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -88,10 +89,10 @@ def spawn(cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | Non
                             start_new_session=True)
 
 
-def _output_tail(proc: subprocess.Popen, log: Path | None, chars: int = 4000) -> str:
+def _output_tail(proc: subprocess.Popen | None, log: Path | None, chars: int = 4000) -> str:
     if log is not None:
         return log.read_text(errors="replace")[-chars:]
-    pipe = proc.stdout or proc.stderr
+    pipe = (proc.stdout or proc.stderr) if proc is not None else None
     return pipe.read().decode(errors="replace")[-chars:] if pipe else ""
 
 

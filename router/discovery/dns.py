@@ -16,7 +16,7 @@ import logging
 import random
 import socket
 import struct
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from router.config import EventEndpoint, PodConfig, RouterSettings
 from router.discovery.fleet import DiscoveredPod, FleetSync
@@ -39,7 +39,7 @@ async def system_resolve(name: str) -> list[str]:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return []
         raise ResolveError(str(exc)) from exc
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def encode_query(name: str, qtype: int, qid: int) -> bytes:
@@ -119,7 +119,7 @@ def udp_resolver(server: str, timeout_s: float = 2.0) -> Resolver:
             transport.sendto(encode_query(name, qtype, qid))
             try:
                 return decode_answer(await asyncio.wait_for(fut, timeout_s), qid)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ResolveError(f"no answer from {server} within {timeout_s}s") from None
         finally:
             transport.close()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -103,7 +103,8 @@ class FleetSync:
         for pod in changes.join:
             self.current[pod.id] = pod
             self.stats.joins += 1
-            log.info("pod %s joined the fleet at %s (%s)", pod.id, pod.config.url, "ready" if pod.ready else "not ready")
+            log.info("pod %s joined the fleet at %s (%s)", pod.id, pod.config.url,
+                     "ready" if pod.ready else "not ready")
             self._safely(self._join, pod)
         for pid, ready in changes.ready.items():
             self.current[pid] = wanted[pid]

@@ -24,8 +24,9 @@ import logging
 import os
 import ssl
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -138,7 +139,7 @@ class KubernetesDiscovery:
         self._first = asyncio.Event()
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings, sync: FleetSync) -> "KubernetesDiscovery":
+    def from_settings(cls, settings: RouterSettings, sync: FleetSync) -> KubernetesDiscovery:
         api = settings.discovery_api_server
         if not api:
             host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -169,7 +170,7 @@ class KubernetesDiscovery:
         self._task = asyncio.create_task(self.run(), name="kubernetes-discovery")
         try:
             await asyncio.wait_for(self._first.wait(), self.first_sync_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("no pod list from %s within %.0fs; starting with an empty fleet and retrying",
                       self.api_server, self.first_sync_timeout_s)
 
@@ -212,7 +213,7 @@ class KubernetesDiscovery:
                 self.stats.gone += 1
                 log.info("watch resourceVersion %s expired (410 Gone); re-listing", self.resource_version)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if time.monotonic() >= deadline:
                     return
                 self.stats.error("timeout")
