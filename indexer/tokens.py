@@ -709,7 +709,18 @@ class HFTokenizer(_ChatRendering):
         self._default_template = chat_template
         self._templates = _folder_templates(folder, cfg) or DEFAULT_CHAT_TEMPLATE
 
+    prefix_cache: Any = None  # an indexer.prefix_tokens.PrefixTokenCache once ``cache_prefixes`` is called
+
+    def cache_prefixes(self, **options: Any) -> Any:
+        """Reuse the tokens of text prefixes seen before (``indexer/prefix_tokens.py``); returns the cache."""
+        from indexer.prefix_tokens import PrefixTokenCache
+
+        self.prefix_cache = PrefixTokenCache(self._tok, **options)
+        return self.prefix_cache
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.encode(text, add_special_tokens)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:

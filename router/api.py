@@ -119,10 +119,14 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(503, "router is starting")
         return r
 
-    async def prompt_ids(r: Router, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """tokenizer remote: the pod-tokenized prompt for plan; otherwise plan tokenizes locally."""
+    async def prompt_ids(r: Router, kind: str, body: dict[str, Any], size: int) -> dict[str, Any]:
+        """tokenizer remote: the pod-tokenized prompt for plan; a large body: tokenized in a tokenize
+        thread (router/prompts.py TokenizePool); otherwise plan tokenizes it on the spot."""
         if services.remote_prompts is None:
-            return {}
+            if size < settings.tokenize_offload_bytes:
+                return {}
+            tokens, rest = await services.tokenize_pool.run(r.prompt, kind, body)
+            return {"tokens": tokens, "rest": rest}
         got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))
         return {"tokens": got.tokens, "exact": got.exact}
 
@@ -197,10 +201,10 @@ def create_app(services: Services) -> FastAPI:
         caller = gate.authenticate(request.headers)
         gate.require_admin(caller, "POST /debug/route")  # it tells what is cached: not for tenants
         gate.admit(request.headers)
-        _, body, kind, charged = await admitted_body(request, caller, None)
+        raw, body, kind, charged = await admitted_body(request, caller, None)
         r = router()
         plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
-                      **await prompt_ids(r, kind, body))
+                      **await prompt_ids(r, kind, body, len(raw)))
         gate.settle(caller, charged, plan.request.prompt_tokens)
         return Response(orjson.dumps(explain(plan, r.block_size, lifecycle.policy)), media_type="application/json")
 
@@ -217,7 +221,8 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            plan = r.plan(kind, body, request.headers, grants=caller.grants, **await prompt_ids(r, kind, body))
+            prompt = await prompt_ids(r, kind, body, len(raw))
+            plan = r.plan(kind, body, request.headers, grants=caller.grants, **prompt)
             gate.settle(caller, charged, plan.request.prompt_tokens)
             raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
         except APIError as exc:

@@ -141,6 +141,11 @@ class RouterSettings(BaseSettings):
     remote_tokenize_timeout_s: float = Field(0.5, gt=0, description="tokenizer remote: deadline of a pod's /tokenize; "
                                              "past it the request is routed on load alone")
     remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod (LRU)")
+    tokenize_cache_tokens: int = Field(4_000_000, ge=0, description="Hugging Face tokenizer: tokens of text prefixes "
+                                       "kept so a follow-up tokenizes only its new part (0: off; ~4 bytes each)")
+    tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
+    tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
+                                        "in the tokenize threads, so they do not delay small requests")
     block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
                                    "vllm:cache_config_info, else 16)")
     prefill_tokens_per_s: float = Field(20000.0, description="prior prefill rate per pod before calibration")

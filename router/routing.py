@@ -204,24 +204,32 @@ class Router:
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
+    def prompt(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int]:
+        """The prompt's token ids with the local tokenizer, and the tokens of the other prompts of a
+        completion batch. Touches no routing state, so it may run in a tokenize thread."""
+        tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
+        rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
+        return tokens, rest
+
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
-             tokens: list[int] | None = None, exact: bool = True, grants: Any = None) -> Plan:
+             tokens: list[int] | None = None, exact: bool = True, grants: Any = None,
+             rest: int | None = None) -> Plan:
         """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
 
-        ``tokens`` given: the prompt was tokenized already (a pod's /tokenize); ``exact=False``
-        when they only stand in for its length, so no prefix is looked up. ``grants`` (router.auth)
-        say whether the caller's priority and objective headers count (None: they do).
+        ``tokens`` given: the prompt was tokenized already (by ``prompt`` in a tokenize thread, with
+        ``rest``, or by a pod's /tokenize); ``exact=False`` when they only stand in for its length,
+        so no prefix is looked up. ``grants`` (router.auth) say whether the caller's priority and
+        objective headers count (None: they do).
 
         A batch of prompts is routed by its first prompt (its prefix is looked up) and counted as all
         of them (``prompt_tokens``: the other prompts' tokens, assumed uncached)."""
         started = time.perf_counter()
         model = self.resolve_model(body)
         objective = self.objective_s(headers, may_loosen=grants is None or grants.objective)
-        encode = None
         if tokens is None:
-            tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
-            encode = self.tokenizer.encode
-        rest = batch_rest_tokens(body, encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
+            tokens, rest = self.prompt(kind, body)
+        elif rest is None:  # a pod tokenized the first prompt: estimate the others
+            rest = batch_rest_tokens(body, None, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         keys = self.keys_for(model, tokens) if exact else []
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)

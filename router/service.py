@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from indexer.tokens import ByteTokenizer, load_tokenizer
+from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from router.config import RouterSettings
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
 from router.metrics import FleetCollector, RouterMetrics
 from router.pods import PodRegistry
+from router.prompts import TokenizePool
 from router.routing import Router
 from router.watchdog import start_for as start_watchdog
 
@@ -35,6 +36,10 @@ class Services:
         # remote: text and chat prompts go to a pod's /tokenize (router/remote_prompts.py); token-id
         # prompts need no tokenizer, so the local one is never asked
         self.tokenizer = ByteTokenizer() if remote else load_tokenizer(settings.tokenizer)
+        # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
+        self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
+            if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
+        self.tokenize_pool = TokenizePool(settings.tokenize_threads)
         self.registry = PodRegistry(settings.pods, scrape_interval_s=settings.scrape_interval_s,
                                     health_interval_s=settings.health_interval_s,
                                     timeout_s=settings.health_timeout_s, unhealthy_after=settings.unhealthy_after,
@@ -145,8 +150,15 @@ class Services:
         m = self.metrics
         prompt = m.prompt_tokens._value.get()
         cached = m.estimated_cached_tokens._value.get()
-        return {"estimated_hit_rate": (cached / prompt) if prompt else 0.0,
-                "healthy_pods": float(len(self.registry.healthy()))}
+        totals = {"estimated_hit_rate": (cached / prompt) if prompt else 0.0,
+                  "healthy_pods": float(len(self.registry.healthy()))}
+        cache = self.prefix_tokens
+        if cache is not None:  # tokens of long prompts taken from known prefixes rather than tokenized
+            totals.update({"tokenize_cache_hit_rate": cache.hit_rate(),
+                           "tokenize_cache_reused_tokens": float(cache.stats.reused_tokens),
+                           "tokenize_cache_held_tokens": float(cache.held_tokens),
+                           "tokenize_cache_enabled": 0.0 if cache.disabled else 1.0})
+        return totals
 
     async def stop(self) -> None:
         self.started = False

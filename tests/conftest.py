@@ -107,6 +107,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     }),
     "test_fuzz_events.py": frozenset({"test_live_subscriber_counts_and_drops_bad_frames_and_keeps_applying_good_ones"}),
     "test_keys.py": frozenset({"test_keys_are_stable_across_processes"}),
+    "test_prefix_tokens.py": frozenset({"test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the_loop"}),
     "test_replay_cli.py": frozenset({
         "test_mooncake_replay_writes_table_json_and_plots",
         "test_bad_trace_line_is_a_clear_error_not_a_traceback",
@@ -153,6 +154,8 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         "test_mutated_valid_frames_decode_or_are_refused",
     }),
     "test_index.py": frozenset({"test_index_agrees_with_a_brute_force_model"}),
+    "test_prefix_tokens.py": frozenset({"test_cached_prefixes_give_exactly_the_full_tokenization",
+                                        "test_branches_that_differ_inside_a_run_of_spaces_stay_exact"}),
     "test_subscriber_property.py": frozenset({"test_index_follows_the_engine_through_gaps_and_restarts"}),
     "test_replay_workloads.py": frozenset({"test_real_mooncake_trace_loads_and_shares_block_zero", "test_azure_trace"}),
     "test_whatif.py": frozenset({

@@ -28,5 +28,5 @@ from .snapshot import Candidate, FleetSnapshot, KVRoom, Prediction, RequestView
 
 __all__ = ["AggregatedPlanner", "Calibrator", "Candidate", "Decision", "FleetSnapshot", "KVRoom", "PDPlanner",
            "Planner", "PolicyState", "Prediction", "RequestView", "Route", "SCORERS", "ScoreInput", "Scorer",
-           "ScorerSpec", "Scoring", "Verdict", "admit", "build_scoring", "decide", "predict", "presets", "rank", "register",
-           "uncached_tokens"]
+           "ScorerSpec", "Scoring", "Verdict", "admit", "build_scoring", "decide", "predict", "presets", "rank",
+           "register", "uncached_tokens"]

@@ -1,0 +1,215 @@
+"""Tokenize only what is new: a cache of the token ids of text prefixes already seen.
+
+Multi-turn traffic sends the same long prefix every turn (the system prompt, then the whole
+conversation so far) plus a few hundred new tokens. ``PrefixTokenCache`` wraps a Hugging Face
+tokenizer and remembers, for text it has tokenized, the tokens of each *chunk* of the text, keyed
+by a chained hash of the chunks up to it (so a key stands for the whole prefix, not the chunk
+alone). A new text whose leading chunks are known reuses their tokens and tokenizes the rest only.
+
+**Exact at chunk boundaries.** A chunk ends just before a space that follows a letter or digit
+(after at least ``chunk_chars`` characters). The tokenizers this router meets split words before
+the model runs: byte-level BPE (GPT-2's and Llama 3's regexes), WordPiece (whitespace and
+punctuation) and SentencePiece-style Metaspace all start a new piece at such a space and never
+merge across it, and the scan from that space on does not depend on what came before. So the
+tokens of ``text`` are the tokens of ``text[:p]`` followed by those of ``text[p:]``. A boundary
+that a token nevertheless crosses (the offsets say so) is not used. The special tokens a
+post-processor adds (BOS, or ``[CLS]``/``[SEP]``) are learnt once from a probe and added around
+the body. ``tests/test_prefix_tokens.py`` checks the property on random texts and chat histories
+for byte-level BPE, WordPiece and Unigram tokenizers, and at run time one cache hit in
+``verify_every`` is also tokenized whole, in a background thread (so no request waits for it), and
+compared: on a mismatch the cache turns itself off (``disabled``) and the router goes on with full
+tokenization.
+
+Memory is bounded by ``max_tokens`` (tokens held, as 4-byte arrays) with least-recently-used
+eviction; a missing link ends the reusable prefix there.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+MIN_CHARS = 2048  # shorter texts are tokenized whole: the bookkeeping would cost more than it saves
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0            # texts that reused at least one chunk
+    misses: int = 0          # texts long enough to use the cache that reused nothing
+    reused_tokens: int = 0
+    tokenized_tokens: int = 0
+    verified: int = 0
+    mismatches: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def boundaries(text: str, chunk_chars: int) -> list[int]:
+    """Chunk ends: positions p >= the previous end + ``chunk_chars`` with ``text[p] == " "`` and
+    ``text[p - 1]`` a letter or digit."""
+    out = []
+    n = len(text)
+    pos = chunk_chars
+    while pos < n:
+        p = text.find(" ", pos)
+        while p != -1 and not text[p - 1].isalnum():
+            p = text.find(" ", p + 1)
+        if p == -1:
+            break
+        out.append(p)
+        pos = p + chunk_chars
+    return out
+
+
+class PrefixTokenCache:
+    """``encode(text, add_special_tokens)`` as the wrapped tokenizer's, reusing known prefixes."""
+
+    def __init__(self, hf: Any, chunk_chars: int = 256, max_tokens: int = 4_000_000, verify_every: int = 64,
+                 min_chars: int = MIN_CHARS, on_mismatch: Callable[[], None] | None = None):
+        self._hf = hf  # a tokenizers.Tokenizer
+        self.chunk_chars = chunk_chars
+        self.max_tokens = max_tokens
+        self.verify_every = verify_every
+        self.min_chars = min_chars
+        self.on_mismatch = on_mismatch
+        self._chunks: OrderedDict[int, array[int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+        self.disabled = False
+        self._specials: dict[bool, tuple[list[int], list[int]]] = {}
+        self._checker: ThreadPoolExecutor | None = None
+        self._checking = False  # one check at a time; hits meanwhile are not checked
+
+    # ---- the special tokens a post-processor puts around the body ----------------------------
+    def _around(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        """(leading, trailing) special ids, or None if the post-processor does something else."""
+        if not add_special_tokens:
+            return [], []
+        if True in self._specials:
+            return self._specials[True]
+        probe = "hello world"
+        body = self._hf.encode(probe, add_special_tokens=False).ids
+        full = self._hf.encode(probe, add_special_tokens=True).ids
+        found: tuple[list[int], list[int]] | None = None
+        for i in range(len(full) - len(body) + 1):
+            if full[i:i + len(body)] == body:
+                found = (full[:i], full[i + len(body):])
+                break
+        if found is None:
+            self.disabled = True
+            return None
+        self._specials[True] = found
+        return found
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.disabled or len(text) < self.min_chars:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        around = self._around(add_special_tokens)
+        if around is None:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        lead, trail = around
+        body = self.body(text)
+        tokens = lead + body + trail
+        if self._should_verify():
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-check")
+            self._checking = True
+            self._checker.submit(self.check, text, add_special_tokens, tokens)
+        return tokens
+
+    def check(self, text: str, add_special_tokens: bool, tokens: list[int]) -> bool:
+        """Compare ``tokens`` with a whole tokenization of ``text``; on a mismatch turn the cache off."""
+        try:
+            whole = list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+            self.stats.verified += 1
+            if whole == tokens:
+                return True
+            self.stats.mismatches += 1
+            self.disabled = True
+            if self.on_mismatch is not None:
+                self.on_mismatch()
+            return False
+        finally:
+            self._checking = False
+
+    def wait_checked(self, timeout: float = 10.0) -> None:
+        """Wait for a check under way (tests)."""
+        if self._checker is not None:
+            self._checker.submit(lambda: None).result(timeout)
+
+    def _should_verify(self) -> bool:
+        return (self.verify_every > 0 and not self._checking and self.stats.hits > 0
+                and self.stats.hits % self.verify_every == 0)
+
+    # ---- the body: cached chunks, then the rest ----------------------------------------------
+    def body(self, text: str) -> list[int]:
+        """The tokens of ``text`` without special tokens."""
+        ends = boundaries(text, self.chunk_chars)
+        keys = []
+        h = 0
+        start = 0
+        for p in ends:
+            h = hash((h, text[start:p]))
+            keys.append(h)
+            start = p
+        reused: list[int] = []
+        known = 0
+        with self._lock:
+            for k in keys:
+                chunk = self._chunks.get(k)
+                if chunk is None:
+                    break
+                self._chunks.move_to_end(k)
+                reused.extend(chunk)
+                known += 1
+        offset = ends[known - 1] if known else 0
+        enc = self._hf.encode(text[offset:], add_special_tokens=False)
+        rest = list(enc.ids)
+        if known:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+        self.stats.reused_tokens += len(reused)
+        self.stats.tokenized_tokens += len(rest)
+        self._remember(keys[known:], [p - offset for p in ends[known:]], rest, enc.offsets)
+        return reused + rest
+
+    def _remember(self, keys: list[int], ends: list[int], ids: list[int], offsets: list[tuple[int, int]]) -> None:
+        """Store the tokens of each new chunk (``ends`` relative to the tokenized segment); stop at
+        the first boundary a token crosses, since the chain must not skip it."""
+        if not keys:
+            return
+        new: list[tuple[int, array[int]]] = []
+        i = 0
+        n = len(ids)
+        for key, end in zip(keys, ends, strict=True):
+            j = i
+            while j < n and offsets[j][0] < end:
+                j += 1
+            if j > i and offsets[j - 1][1] > end:  # a token spans the boundary: not a safe cut
+                break
+            new.append((key, array("I", ids[i:j])))
+            i = j
+        with self._lock:
+            for key, chunk in new:
+                if key in self._chunks:
+                    continue
+                self._chunks[key] = chunk
+                self._held += len(chunk)
+            while self._held > self.max_tokens and self._chunks:
+                _, old = self._chunks.popitem(last=False)
+                self._held -= len(old)
+
+    @property
+    def held_tokens(self) -> int:
+        return self._held
+
+    def hit_rate(self) -> float:
+        """Share of the tokens of cacheable texts that came from the cache."""
+        total = self.stats.reused_tokens + self.stats.tokenized_tokens
+        return self.stats.reused_tokens / total if total else 0.0

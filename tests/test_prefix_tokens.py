@@ -1,0 +1,197 @@
+"""Tokenizing only what is new (indexer/prefix_tokens.py) gives exactly the tokens of a full
+tokenization, for random texts and chat histories, on byte-level BPE, WordPiece and Unigram tokenizers."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from indexer.prefix_tokens import PrefixTokenCache, boundaries
+
+WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
+         "naïve café 東京 数据 ok? yes: no; (a) [b] {c} \"q\" 'r' a-b a_b 3.14 1e10 -- ... ")
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    """Lines of words, some indented and with runs of spaces and newlines (as code and chat are), so
+    the tokenizers learn tokens for whitespace runs: where a careless cut would go wrong."""
+    rng = random.Random(seed)
+    words = WORDS.split()
+    seps = [" "] * 6 + ["  ", "   ", "    ", "\n", "\n    ", " \n"]
+    return ["".join(rng.choice(words) + rng.choice(seps) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+
+
+def byte_bpe(regex: str | None = None):
+    """GPT-2 style byte-level BPE with a BOS post-processor; with ``regex``, Llama-3 style: the
+    split regex first, then byte-level without its own regex."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    if regex is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def wordpiece():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=500, special_tokens=["[UNK]", "[CLS]", "[SEP]"],
+                                        show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    return tok
+
+
+def unigram():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<unk>"], unk_token="<unk>",
+                                      show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+TOKENIZERS = {"byte-level BPE (GPT-2)": byte_bpe(), "byte-level BPE (Llama 3 regex)": byte_bpe(LLAMA3),
+              "WordPiece": wordpiece(), "Unigram (Metaspace)": unigram()}
+
+text_piece = st.text(alphabet=st.sampled_from(list("abcxyz AZ09 .,!?'\"\n\t-_éü東京   ")),
+                     min_size=0, max_size=300)
+words = st.lists(st.sampled_from(WORDS.split() + ["\n", "\n\n", "  ", "   ", " \n ", ".\n", "\t", "<s>", "a   b"]),
+                 min_size=1, max_size=120)
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=words, follow_ups=st.lists(st.tuples(st.floats(0.3, 1.0), words, text_piece), min_size=1, max_size=4),
+       special=st.booleans())
+def test_cached_prefixes_give_exactly_the_full_tokenization(name, prefix, follow_ups, special):
+    """Each follow-up keeps a share of the text so far (all of it: the next turn; less: a branch
+    of the conversation, cut anywhere) and adds words and odd characters."""
+    hf = TOKENIZERS[name]
+    cache = PrefixTokenCache(hf, chunk_chars=24, min_chars=0, verify_every=0)
+    text = " ".join(prefix)
+    assert cache.encode(text, special) == hf.encode(text, add_special_tokens=special).ids
+    reusable = bool(boundaries(text, 24))
+    for keep, more, noise in follow_ups:
+        text = text[:int(len(text) * keep)] + " " + " ".join(more) + noise
+        assert cache.encode(text, special) == hf.encode(text, add_special_tokens=special).ids, name
+    assert not cache.disabled
+    if reusable and follow_ups[0][0] == 1.0:
+        assert cache.stats.hits >= 1  # the first text's chunks were reused
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_a_chat_history_reuses_its_prefix_and_stays_exact(name):
+    hf = TOKENIZERS[name]
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1)
+    rng = random.Random(3)
+    history = "<|system|>\nYou are a helpful assistant. " + " ".join(corpus(20, seed=1)) + "\n"
+    for turn in range(6):
+        history += f"<|user|>\n{' '.join(rng.choice(corpus(50, seed=turn)) for _ in range(3))}\n<|assistant|>\n"
+        assert cache.encode(history, True) == hf.encode(history, add_special_tokens=True).ids
+        cache.wait_checked()
+        history += " ".join(corpus(3, seed=100 + turn)) + "\n"
+    cache.wait_checked()
+    assert not cache.disabled and cache.stats.mismatches == 0 and cache.stats.verified >= 4
+    assert cache.stats.hits >= 4 and cache.hit_rate() > 0.5, (cache.stats, cache.hit_rate())
+
+
+def test_boundaries_are_spaces_after_a_letter_or_digit_at_least_chunk_chars_apart():
+    text = "aaaa bbbb. cccc  dddd 12 e"
+    ends = boundaries(text, 4)
+    assert ends == [4, 15, 21]
+    assert all(text[p] == " " and text[p - 1].isalnum() for p in ends)
+
+
+def test_memory_is_bounded_and_a_mismatch_turns_the_cache_off():
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=16, min_chars=0, max_tokens=200, verify_every=0)
+    for i in range(50):
+        cache.encode(" ".join(corpus(5, seed=i)))
+    assert 0 < cache.held_tokens <= 200
+    # a tokenizer whose output depends on what precedes a chunk breaks the property: the check catches it
+    seen = []
+    cache = PrefixTokenCache(hf, chunk_chars=16, min_chars=0, verify_every=1, on_mismatch=lambda: seen.append(1))
+    text = " ".join(corpus(5, seed=1))
+    cache.encode(text)
+    first_chunk = next(iter(cache._chunks))
+    cache._chunks[first_chunk] = type(cache._chunks[first_chunk])("I", [7, 7, 7])  # a corrupted entry
+    wrong = cache.encode(text + " more words")  # this one is answered from the cache, and checked aside
+    assert wrong != hf.encode(text + " more words").ids
+    cache.wait_checked()
+    assert cache.disabled and seen == [1] and cache.stats.mismatches == 1
+    assert cache.encode(text + " more words") == hf.encode(text + " more words").ids  # off: whole again
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_branches_that_differ_inside_a_run_of_spaces_stay_exact(name):
+    """A cut inside a run of spaces is where a tokenizer's look-ahead can join what a shorter run
+    split: conversations that share a prefix ending in spaces and then differ must not reuse it."""
+    hf = TOKENIZERS[name]
+    head = "alpha beta gamma delta "
+    cases = []
+    for a in range(1, 6):
+        for b in range(1, 6):
+            for tail in ("y z", "\nz", ". z", "1 2"):
+                cases.append((head + "x" + " " * a + tail, head + "x" + " " * b + tail))
+    for first, second in cases:
+        cache = PrefixTokenCache(hf, chunk_chars=1, min_chars=0, verify_every=0)
+        for text in (first, second, first):
+            assert cache.encode(text, False) == hf.encode(text, add_special_tokens=False).ids, (name, text)
+
+
+async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the_loop(tmp_path):
+    """Through the router: chat follow-ups are tokenized from the cache (metrics say how much), and the
+    prompt it routes on is the full tokenization's, whether tokenized inline or in a tokenize thread."""
+    import httpx
+
+    from indexer.tokens import HFTokenizer, chat_request_ids
+    from tests.test_router_api import pods_running, running_router, settings_for
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(folder / "tokenizer.json"))
+    plain = HFTokenizer(folder / "tokenizer.json")
+    messages = [{"role": "system", "content": " ".join(corpus(60, seed=9))}]
+    async with pods_running(1) as pods:
+        for offload in (0, 10**9):  # every body in the threads; none
+            settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload)
+            async with running_router(settings) as (base, services):
+                async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                    history = list(messages)
+                    for turn in range(4):
+                        history.append({"role": "user", "content": " ".join(corpus(4, seed=turn))})
+                        body = {"model": "m", "messages": history, "max_tokens": 2}
+                        explained = (await c.post("/debug/route", json=body)).json()
+                        assert explained["prompt_tokens"] == len(chat_request_ids(body, plain))
+                        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+                        history.append({"role": "assistant", "content": " ".join(corpus(2, seed=50 + turn))})
+                    metrics = (await c.get("/metrics")).text
+                cache = services.prefix_tokens
+                assert cache is not None and not cache.disabled and cache.stats.hits >= 6
+                assert "kvroute_tokenize_cache_enabled 1.0" in metrics
+                rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
+                assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
