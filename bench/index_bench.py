@@ -115,7 +115,7 @@ def bench_memory(n_blocks: int, n_pods: int) -> float:
     seed = key_seed(MODEL)
     per_pod = n_blocks // n_pods
     chunks = []
-    for p in range(n_pods):
+    for _ in range(n_pods):
         tokens = [rng.randrange(150_000) for _ in range(per_pod * BS)]
         chunks.append(block_keys(tokens, BS, seed))
     gc.collect()

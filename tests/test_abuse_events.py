@@ -14,7 +14,7 @@ from indexer.events import encode_seq
 from indexer.index import PrefixIndex
 from indexer.subscriber import CurveKeys, KVEventSubscriber, SocketBounds, request_replay
 from tests.helpers import free_ports
-from tests.test_subscriber import BS, MODEL, blocks, toks, until
+from tests.test_subscriber import BS, MODEL, blocks, toks
 
 
 def _sub(ctx, port, **kw):

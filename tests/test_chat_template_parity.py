@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from indexer.tokens import (ByteTokenizer, ChatRequest, ChatTemplateError, HFTokenizer, RemoteTokenizer,
-                            chat_request_ids, conversation, tokenize_chat_body, tool_dicts)
+from indexer.tokens import (
+    ByteTokenizer,
+    ChatRequest,
+    ChatTemplateError,
+    HFTokenizer,
+    RemoteTokenizer,
+    chat_request_ids,
+    conversation,
+    tokenize_chat_body,
+    tool_dicts,
+)
 from router.errors import APIError
 from router.prompts import check_chat, prompt_tokens
 from simulator.openai_shapes import ShapeError, chat_ids_of, prompt_ids_of
@@ -55,14 +64,17 @@ def test_tools_and_documents_are_defined_as_none_when_absent_and_continue_final_
 
 def test_messages_keep_only_vllms_fields_with_text_parts_joined_by_newlines():
     messages = [
-        {"role": "system", "content": [{"type": "text", "text": "s1", "cache_control": {}}, {"type": "text", "text": "s2"}],
+        {"role": "system",
+         "content": [{"type": "text", "text": "s1", "cache_control": {}}, {"type": "text", "text": "s2"}],
          "weird": 1},
         {"role": "user", "content": [{"type": "input_text", "text": "p1"}, "p2", {"type": "refusal", "refusal": "no"},
                                      {"type": "text"}], "name": "bob"},
         {"role": "assistant", "content": None, "reasoning_content": "hmm",
-         "tool_calls": [{"type": "function", "function": {"arguments": "{\"b\": 1, \"a\": \"<x>\"}", "name": "f", "z": 1},
+         "tool_calls": [{"type": "function",
+                         "function": {"arguments": "{\"b\": 1, \"a\": \"<x>\"}", "name": "f", "z": 1},
                          "id": "c1"}]},
-        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "t1"}, {"type": "text", "text": "t2"}]},
+        {"role": "tool", "tool_call_id": "c1",
+         "content": [{"type": "text", "text": "t1"}, {"type": "text", "text": "t2"}]},
     ]
     assert conversation(messages) == [
         {"role": "system", "content": "s1\ns2"},

@@ -182,8 +182,8 @@ def test_image_is_multi_stage_slim_non_root_with_healthcheck_and_documented_port
 
 def test_lock_pins_every_runtime_dependency_and_nothing_for_tests():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = [l for l in (ROOT / "deploy" / "requirements.lock").read_text().splitlines()
-             if l and not l.startswith("#")]
+    lines = [ln for ln in (ROOT / "deploy" / "requirements.lock").read_text().splitlines()
+             if ln and not ln.startswith("#")]
     pins = {}
     for line in lines:
         name, sep, version = line.partition("==")
@@ -379,7 +379,8 @@ def test_vllm_overlays_give_the_router_the_model_tokenizer(rendered):
         fetch = container(dep, "fetch-tokenizer")
         mount = next(m for m in fetch["volumeMounts"] if m["name"] == "tokenizer")["mountPath"]
         assert router_yaml(docs)["tokenizer"] == mount
-        assert any(m["name"] == "tokenizer" and m["mountPath"] == mount for m in container(dep, "router")["volumeMounts"])
+        assert any(m["name"] == "tokenizer" and m["mountPath"] == mount
+                   for m in container(dep, "router")["volumeMounts"])
         # Same model as the pods serve.
         model_cm = one(docs, "ConfigMap", "vllm-model")["data"]["MODEL"]
         assert {d["spec"]["template"]["metadata"]["annotations"]["kvroute.io/model"]
@@ -432,7 +433,8 @@ def test_vllm_pd_prefill_and_decode_pods_speak_nixl(rendered):
         role = sts["spec"]["template"]["metadata"]["labels"]["kvroute.io/role"]
         roles[role] = sts
         c, args, env = vllm_container_settings(sts, docs)
-        assert json.loads(option(args, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert json.loads(option(args, "--kv-transfer-config")) == {"kv_connector": "NixlConnector",
+                                                                     "kv_role": "kv_both"}
         # NIXL's side channel must advertise the pod's own IP, not the default localhost.
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         side_port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
@@ -502,4 +504,5 @@ def test_model_pods_carry_the_discovery_labels_and_annotations(overlay, rendered
         # Every model pod names its metrics port "vllm" (Prometheus finds it by that name).
         engine = int(ann["kvroute.io/engine-port"])
         assert {"name": "vllm", "containerPort": engine} in [
-            {"name": p.get("name"), "containerPort": p["containerPort"]} for c in containers(sts) for p in c.get("ports", [])]
+            {"name": p.get("name"), "containerPort": p["containerPort"]}
+            for c in containers(sts) for p in c.get("ports", [])]

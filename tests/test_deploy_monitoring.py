@@ -16,10 +16,10 @@ import asyncio
 import contextlib
 import json
 import re
-import threading
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,8 +44,8 @@ def binary(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if not found:
-        pytest.fail(f"{name} is not installed; make test installs it (deploy/system-deps.sh: Debian package 'prometheus', or "
-                    "the 'test' extra)")
+        pytest.fail(f"{name} is not installed; make test installs it (deploy/system-deps.sh: Debian package "
+                    "'prometheus', or the 'test' extra)")
     return found
 
 
@@ -327,7 +327,8 @@ def test_operator_monitors_find_the_ports_the_manifests_declare():
     assert set(monitors) == {"kvroute-router", "kvroute-sidecar", "vllm", "kvroute"}
     for overlay in ("vllm-pd", "vllm-aggregated", "simulated"):
         docs = render(ROOT / "deploy" / "kubernetes" / "overlays" / overlay)
-        pods = [(w["spec"]["template"], w["metadata"]["name"]) for w in docs if w["kind"] in ("Deployment", "StatefulSet")]
+        pods = [(w["spec"]["template"], w["metadata"]["name"])
+                for w in docs if w["kind"] in ("Deployment", "StatefulSet")]
         # Router: the ServiceMonitor selects the router Service, whose port it names.
         sm = monitors["kvroute-router"]["spec"]
         services = [d for d in docs if d["kind"] == "Service" and selects(sm["selector"], d["metadata"]["labels"])]
@@ -336,7 +337,8 @@ def test_operator_monitors_find_the_ports_the_manifests_declare():
         # Model pods: the vllm PodMonitor selects every pod of the pool and its port exists on each.
         pm = monitors["vllm"]["spec"]
         model = [(t, n) for t, n in pods if "kvroute.io/pool" in t["metadata"]["labels"]]
-        assert model and [n for t, n in pods if selects(pm["selector"], t["metadata"]["labels"])] == [n for _, n in model]
+        selected = [n for t, n in pods if selects(pm["selector"], t["metadata"]["labels"])]
+        assert model and selected == [n for _, n in model]
         for t, name in model:
             ports = {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])}
             assert pm["podMetricsEndpoints"][0]["port"] in ports, name
@@ -380,7 +382,8 @@ def pod_targets(docs: list[dict], address_for) -> list[dict]:
             pod = pod_name(w, i)
             for c in template["spec"]["containers"]:
                 for port in c.get("ports", []):
-                    labels = {f"__meta_kubernetes_pod_label_{sanitize(k)}": v for k, v in template["metadata"]["labels"].items()}
+                    labels = {f"__meta_kubernetes_pod_label_{sanitize(k)}": v
+                              for k, v in template["metadata"]["labels"].items()}
                     labels.update({
                         "__meta_kubernetes_namespace": w["metadata"]["namespace"],
                         "__meta_kubernetes_pod_name": pod,
@@ -408,8 +411,9 @@ def test_real_prometheus_with_the_kubernetes_config_scrapes_router_sidecar_and_p
     targets.write_text(json.dumps(pod_targets(docs, address_for)))
     config = kubernetes_config_with_file_sd(tmp_path, targets, interval="1s")
     (port,) = free_ports(1)
-    proc = subprocess.Popen([binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+    proc = subprocess.Popen([binary("prometheus"), f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                             "--log.level=warn"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
@@ -426,7 +430,8 @@ def test_real_prometheus_with_the_kubernetes_config_scrapes_router_sidecar_and_p
             if len(up) == 8 and all(s["value"][1] == "1" for s in up) and query("kvroute_pod_healthy"):
                 break
             time.sleep(0.5)
-        up = {(s["metric"]["job"], s["metric"].get("kubernetes_pod_name") or s["metric"].get("pod")): s for s in query("up")}
+        up = {(s["metric"]["job"], s["metric"].get("kubernetes_pod_name") or s["metric"].get("pod")): s
+              for s in query("up")}
         # 2 router replicas, 2 sidecars (decode pods), 4 vLLM endpoints (2 prefill + 2 decode);
         # no event, replay or NIXL port became a target.
         assert sorted(j for j, _ in up) == ["kvroute-router"] * 2 + ["kvroute-sidecar"] * 2 + ["vllm"] * 4, up

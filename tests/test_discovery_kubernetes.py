@@ -359,8 +359,8 @@ async def test_a_refused_token_is_counted_and_the_router_still_starts(kube, tmp_
     bad = tmp_path / "token"
     bad.write_text("wrong")
     settings = settings_for(kube, bad)
-    from router.service import Services
     from router.discovery.kubernetes import KubernetesDiscovery
+    from router.service import Services
 
     services = Services(settings)
     assert isinstance(services.discovery, KubernetesDiscovery)

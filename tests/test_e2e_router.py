@@ -86,7 +86,8 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
 
 async def test_calibration_converges_on_a_pod_of_known_speed():
     rate = 4000.0
-    with running_sims(1, ["--timing", "seed", "--prefill-tokens-per-s", str(rate), "--decode-s-per-token", "0.001"]) as urls:
+    sim_args = ["--timing", "seed", "--prefill-tokens-per-s", str(rate), "--decode-s-per-token", "0.001"]
+    with running_sims(1, sim_args) as urls:
         settings = build_settings(RouterSettings, {"pods": fleet(urls, None), "port": free_port(),
                                                    "prefill_tokens_per_s": 20000.0, "calibration_halflife": 20})
         async with running_router(settings) as (base, services):

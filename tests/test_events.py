@@ -6,8 +6,17 @@ import msgspec
 import pytest
 
 from indexer import wire
-from indexer.events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_frame,
-                            decode_payload, decode_seq, event_to_dict, normalize_hash)
+from indexer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    decode_frame,
+    decode_payload,
+    decode_seq,
+    event_to_dict,
+    normalize_hash,
+)
 
 TOKS = list(range(32))
 enc = msgspec.msgpack.encode
@@ -77,7 +86,8 @@ def test_unknown_fields_and_unknown_event_types_are_ignored():
 
 
 def test_extra_array_fields_are_ignored():
-    ev = ["BlockStored", [1], None, list(range(16)), 16, None, "GPU", None, [None], 0, "full_attention", None, "LOCAL", "x"]
+    ev = ["BlockStored", [1], None, list(range(16)), 16, None, "GPU", None, [None], 0, "full_attention", None,
+          "LOCAL", "x"]
     assert decode_payload(enc([1.0, [ev], 0])).events[0].group_idx == 0
 
 

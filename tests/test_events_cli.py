@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import threading
-import time
 
 import zmq
 
@@ -40,7 +39,8 @@ def _serve(stop, pub_port, rep_port, batches):
 
 def test_replay_then_live_json_lines():
     pub_port, rep_port = free_ports(2)
-    batches = [wire.encode_batch([wire.stored([2**64 - 1, 5], None, list(range(32)), 16, lora_name="ad")], ts=1.0, dp_rank=3),
+    batches = [wire.encode_batch([wire.stored([2**64 - 1, 5], None, list(range(32)), 16, lora_name="ad")],
+                                 ts=1.0, dp_rank=3),
                wire.encode_batch([wire.cleared()], ts=1.5)]
     stop = threading.Event()
     t = threading.Thread(target=_serve, args=(stop, pub_port, rep_port, batches), daemon=True)

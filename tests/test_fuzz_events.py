@@ -10,7 +10,8 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from indexer import wire
 from indexer.events import DecodeError, decode_frame
@@ -61,8 +62,9 @@ def test_random_msgpack_payloads_decode_or_are_refused(value, seq):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(VALID), st.lists(st.tuples(st.sampled_from(["flip", "cut", "insert", "dup"]),
-                                                    st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4))
+@given(st.sampled_from(VALID),
+       st.lists(st.tuples(st.sampled_from(["flip", "cut", "insert", "dup"]), st.integers(0, 10**6),
+                          st.integers(0, 255)), min_size=1, max_size=4))
 def test_mutated_valid_frames_decode_or_are_refused(payload, mutations):
     data = bytearray(payload)
     for kind, pos, byte in mutations:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
-from indexer.keys import block_keys, key_seed, prompt_keys
+from indexer.keys import prompt_keys
 
 BS = 4
 MODEL = "m"
@@ -335,7 +336,7 @@ def test_index_agrees_with_a_brute_force_model(ops, query_doc):
         for r in (0, 1):
             held = model[(p, r)]
 
-            def lead(pred):
+            def lead(pred, held=held):
                 n = 0
                 while n < 6 and (query_doc, n) in held and pred(held[(query_doc, n)]):
                     n += 1

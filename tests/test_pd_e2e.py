@@ -133,7 +133,8 @@ def test_openai_sdk_streams_through_both_legs(pd_fleet):
 
 
 def test_client_cannot_steer_the_prefill_target_or_the_nixl_read(pd_fleet):
-    router, prefill, decode, sidecars = pd_fleet["router"], pd_fleet["prefill"], pd_fleet["decode"], pd_fleet["sidecars"]
+    router, prefill, decode = pd_fleet["router"], pd_fleet["prefill"], pd_fleet["decode"]
+    sidecars = pd_fleet["sidecars"]
     reads = sum(metric(u, "kvsim_nixl_reads_total") for u in prefill)
     rejections = sum(metric(s, "kvroute_sidecar_ssrf_rejections_total") for s in sidecars)
     invalid = sum(metric(u, "kvsim_nixl_transfers_total", outcome="invalid") for u in decode)

@@ -54,7 +54,8 @@ def test_prefill_names_its_side_channel_host_and_eos_on_the_first_token_still_le
         # pod-wide at run time, and a clear error for a bad value
         assert httpx.post(url + "/sim/faults", json={"eos_after": 0}, timeout=5).status_code == 400
         httpx.post(url + "/sim/faults", json={"eos_after": 2}, timeout=5).raise_for_status()
-        r = httpx.post(url + "/v1/completions", timeout=10, json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5})
+        r = httpx.post(url + "/v1/completions", timeout=10,
+                       json={"model": "sim-model", "prompt": PROMPT, "max_tokens": 5})
         assert r.json()["usage"]["completion_tokens"] == 2
 
 

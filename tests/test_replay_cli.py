@@ -10,7 +10,6 @@ import pytest
 
 from replay import cli
 from replay.settings import ReplaySettings
-
 from tests.helpers import ROOT, free_port, kvroute_process, stop_process, wait_http
 
 TRACE = ROOT / "data" / "conversation_trace.jsonl"

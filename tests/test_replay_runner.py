@@ -7,7 +7,6 @@ import pytest
 from replay import arrivals, fake_backend, runner, workloads
 from replay.fake_backend import Behaviour
 from replay.metrics import RequestRecord, peak_concurrency, summarize
-
 from tests.helpers import free_port
 
 

@@ -9,8 +9,7 @@ import pytest
 
 from replay import workloads
 from replay.payload import encode_body
-from replay.workloads import TraceError, TokenBank
-
+from replay.workloads import TokenBank, TraceError
 from tests.helpers import ROOT
 
 TRACE = ROOT / "data" / "conversation_trace.jsonl"
@@ -122,7 +121,7 @@ def test_multiturn_growth_and_system_prompt_binding():
     by_session: dict[int, list] = {}
     for s in specs:
         by_session.setdefault(s.session, []).append(s)
-    for sess, turns in by_session.items():
+    for turns in by_session.values():
         assert [t.turn for t in turns] == [0, 1, 2, 3]  # turn order kept within the session
         assert [t.input_len for t in turns] == [74, 84, 94, 104]
         for prev, cur in zip(turns, turns[1:]):

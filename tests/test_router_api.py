@@ -80,7 +80,8 @@ class Pod:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         body = orjson.loads(raw)
-        self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw, "path": request.path})
+        self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw,
+                          "path": request.path})
         waited = 0.0
         while waited < self.first_delay:
             if request.transport is None or request.transport.is_closing():
@@ -94,7 +95,8 @@ class Pod:
                                      status=self.fail_status)
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
-                                      "choices": [{"index": 0, "text": f"hi from {self.name}", "finish_reason": "length"}],
+                                      "choices": [{"index": 0, "text": f"hi from {self.name}",
+                                                   "finish_reason": "length"}],
                                       "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
                                      headers={"x-pod-name": self.name})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-pod-name": self.name})
@@ -352,7 +354,8 @@ async def test_no_healthy_pod_gives_503_not_a_hang():
 
 async def test_admission_rejects_with_429_before_any_pod_is_touched():
     # a tiny prefill rate makes a 2,000-token prompt take 2 s anywhere
-    async with pods_running(2) as pods, running_router(settings_for(pods, prefill_tokens_per_s=1000.0, calibrate=False)) as (base, services):
+    async with (pods_running(2) as pods,
+                running_router(settings_for(pods, prefill_tokens_per_s=1000.0, calibrate=False)) as (base, services)):
         prompt = "a" * 2000
         async with httpx.AsyncClient(base_url=base) as c:
             r = await c.post("/v1/completions", json=completion(prompt=prompt), headers={"x-slo-ttft-ms": "500"})

@@ -20,7 +20,7 @@ vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5
 vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.25
 vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="2048",enable_prefix_caching="True"} 1.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
-"""
+"""  # noqa: E501 - vLLM's metric lines, verbatim
 
 
 def test_parse_vllm_metrics_sums_engines_and_reads_the_deprecated_kv_name():

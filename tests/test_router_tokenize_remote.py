@@ -26,7 +26,8 @@ def _remote_stats(services) -> tuple[int, int]:
 
 
 def _failures(text: str, reason: str) -> float:
-    line = next((ln for ln in text.splitlines() if ln.startswith(f'kvroute_tokenize_failures_total{{reason="{reason}"}}')),
+    name = f'kvroute_tokenize_failures_total{{reason="{reason}"}}'
+    line = next((ln for ln in text.splitlines() if ln.startswith(name)),
                 None)
     return float(line.split()[-1]) if line else 0.0
 
@@ -56,7 +57,8 @@ async def test_chat_follow_up_lands_on_the_pod_holding_its_prefix_with_pod_token
                 explained = (await c.post("/debug/route", json=body)).json()
                 row = next(p for p in explained["pods"] if p["pod"] == first)
                 assert row["cached_tokens_by_tier"].get("GPU", 0) >= 700
-                assert all(p["cached_tokens_by_tier"].get("GPU", 0) == 0 for p in explained["pods"] if p["pod"] != first)
+                assert all(p["cached_tokens_by_tier"].get("GPU", 0) == 0
+                           for p in explained["pods"] if p["pod"] != first)
                 r = await c.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvroute-pod"] == first
@@ -66,7 +68,8 @@ async def test_chat_follow_up_lands_on_the_pod_holding_its_prefix_with_pod_token
                 # the ids are the pod's: the router counts as many prompt tokens as the pod reports
                 assert explained["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
                 # token-id prompts need no round trip
-                r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": [1, 2, 3, 4], "max_tokens": 2})
+                r = await c.post("/v1/completions",
+                                 json={"model": "sim-model", "prompt": [1, 2, 3, 4], "max_tokens": 2})
                 assert r.status_code == 200
                 assert _remote_stats(services) == (1, 2)
                 assert _failures((await c.get("/metrics")).text, "error") == 0

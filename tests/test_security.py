@@ -162,13 +162,15 @@ def test_tls_listener_serves_https_with_the_configured_certificate(tmp_path):
             while True:
                 assert proc.poll() is None, "router exited"
                 try:
-                    if httpx.get(f"{base}/ready", verify=ssl.create_default_context(cafile=str(cert)), timeout=1).status_code == 200:
+                    trusted = ssl.create_default_context(cafile=str(cert))
+                    if httpx.get(f"{base}/ready", verify=trusted, timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            r = httpx.post(f"{base}/v1/completions", json=completion(), verify=ssl.create_default_context(cafile=str(cert)), timeout=10)
+            r = httpx.post(f"{base}/v1/completions", json=completion(),
+                           verify=ssl.create_default_context(cafile=str(cert)), timeout=10)
             assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "p0"
             with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
                 r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -57,7 +57,7 @@ class FakePod:
         self._ready.set()
         self.loop.run_forever()
 
-    def start(self) -> "FakePod":
+    def start(self) -> FakePod:
         self._ready = threading.Event()
         self.thread.start()
         assert self._ready.wait(10)
@@ -579,7 +579,8 @@ def test_tls_on_the_listener(pods, tmp_path):
         deadline = time.monotonic() + 20
         while True:
             try:
-                r = httpx.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "p"}, verify=ssl.create_default_context(cafile=str(cert)),
+                r = httpx.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                               verify=ssl.create_default_context(cafile=str(cert)),
                                headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=5)
                 break
             except httpx.ConnectError:

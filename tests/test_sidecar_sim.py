@@ -2,8 +2,9 @@
 
 One ``kvroute sim --count 2`` process runs the prefill pod (port P) and the decode pod (P+1); the
 sidecar fronts the decode pod. Steps are capped at 64 tokens so that a slowed-down prefill reaches
-a step boundary (where an engine notices an abort) soon after the client leaves. Every check reads the pods' own metrics, so it sees what vLLM
-would: the prefill pod's lease on the prompt blocks, the decoder's NIXL read, aborts.
+a step boundary (where an engine notices an abort) soon after the client leaves. Every check reads
+the pods' own metrics, so it sees what vLLM would: the prefill pod's lease on the prompt blocks, the
+decoder's NIXL read, aborts.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def test_published_list_format():
 
 
 def test_header_picking_first_of_repeated_and_comma_separated():
-    assert pick_prefill_target([(b"x-prefiller-host-port", b" , a:1, b:2"), (b"X-Prefiller-Host-Port", b"c:3")]) == "a:1"
+    headers = [(b"x-prefiller-host-port", b" , a:1, b:2"), (b"X-Prefiller-Host-Port", b"c:3")]
+    assert pick_prefill_target(headers) == "a:1"
     assert pick_prefill_target([(b"x-prefiller-url", b"http://d:4")]) == "http://d:4"
     assert pick_prefill_target([(b"x-other", b"e:5")]) is None
 
@@ -78,7 +79,8 @@ def test_leg_bodies_for_the_responses_api_and_the_original_is_untouched():
     assert p["max_output_tokens"] == 1 and "max_tokens" not in p and p["stream"] is False
     assert original == {"input": "hi", "max_output_tokens": 50, "stream": True}
     assert decode_body({"a": 1, "kv_transfer_params": {"x": 1}}, None) == {"a": 1}
-    assert decode_body({"a": 1}, {"remote_request_id": "r"}) == {"a": 1, "kv_transfer_params": {"remote_request_id": "r"}}
+    assert decode_body({"a": 1}, {"remote_request_id": "r"}) == {"a": 1,
+                                                                  "kv_transfer_params": {"remote_request_id": "r"}}
 
 
 class Table:

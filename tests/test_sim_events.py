@@ -193,6 +193,7 @@ def test_bad_kv_events_config_is_refused():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "router.cli", "sim", "--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'],
+    r = subprocess.run([sys.executable, "-m", "router.cli", "sim",
+                        "--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "bogus" in r.stderr

@@ -28,7 +28,7 @@ def test_completions_text_and_token_ids(pods):
     r = c.completions.create(model="sim-model", prompt="The capital of France is", max_tokens=5)
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens == len("The capital of France is".encode())
+    assert r.usage.prompt_tokens == len(b"The capital of France is")
     assert r.usage.completion_tokens == 5
     assert len(r.choices[0].text) == 5  # byte tokenizer: one character per token
     r2 = c.completions.create(model="sim-model", prompt=list(range(40)), max_tokens=3)

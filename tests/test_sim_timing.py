@@ -79,7 +79,8 @@ async def test_seed_mode_is_one_fifo_server(seed_pod):
         async def one(i: int) -> httpx.Response:
             await asyncio.sleep(0.02 * i)  # keep the arrival order
             return await c.post(seed_pod + "/v1/completions",
-                                json={"prompt": list(range(100000 * (i + 1), 100000 * (i + 1) + 4000)), "max_tokens": 1})
+                                json={"prompt": list(range(100000 * (i + 1), 100000 * (i + 1) + 4000)),
+                                      "max_tokens": 1})
         rs = await asyncio.gather(*(one(i) for i in range(3)))
     t = [ttft(r) for r in rs]
     # each 4000-token prefill takes 0.2 s and they queue behind one another

@@ -6,9 +6,18 @@ import msgspec
 import pytest
 
 from simulator.block_pool import BlockPool, chain_digests, digest_to_u64, none_hash, token_bytes
-from simulator.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig,
-                              KVEventsConfigError, LegacyAllBlocksCleared, LegacyBlockRemoved,
-                              LegacyBlockStored, encode_batch)
+from simulator.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+    KVEventsConfigError,
+    LegacyAllBlocksCleared,
+    LegacyBlockRemoved,
+    LegacyBlockStored,
+    encode_batch,
+)
 
 
 def test_legacy_array_bytes_match_the_spec_example():

@@ -61,7 +61,8 @@ class Publisher:
             start = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    body = [encode_seq(seq), payload] if self.old_layout else [self.topic.encode(), encode_seq(seq), payload]
+                    body = ([encode_seq(seq), payload] if self.old_layout
+                            else [self.topic.encode(), encode_seq(seq), payload])
                     await self.router.send_multipart([ident, b"", *body])
             await self.router.send_multipart([ident, *(END[:1] + END[2:] if self.old_layout else END)])
 
@@ -395,7 +396,8 @@ async def test_malformed_frames_are_counted_and_dropped():
         await connected(pub, sub, ix)
         await pub.pub.send_multipart([b"kv@x", b"\x00" * 8, b"\xc1garbage"])
         await pub.pub.send_multipart([b"kv@x", b"short"])
-        await pub.pub.send_multipart([b"kv@x", encode_seq(10**6), msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0])])
+        await pub.pub.send_multipart([b"kv@x", encode_seq(10**6),
+                                      msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0])])
         t = toks(1, base=40)
         await pub.publish([wire.stored([41], None, t, BS)])
         await until(lambda: blocks(ix, t) == 1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from indexer.index import PrefixIndex

@@ -13,9 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import orjson
@@ -69,7 +70,7 @@ class Sims:
             out.append(pod)
         return out
 
-    def start(self, timeout: float = 30.0) -> "Sims":
+    def start(self, timeout: float = 30.0) -> Sims:
         args = ["sim", "--port", str(self.port), "--count", str(self.count), "--model", self.model, *self.args]
         if self.events_base is not None:
             args += ["--kv-events-port", str(self.events_base)]
@@ -86,7 +87,7 @@ class Sims:
         if self.proc is not None:
             stop_process(self.proc)
 
-    def __enter__(self) -> "Sims":
+    def __enter__(self) -> Sims:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -108,7 +109,7 @@ class Served:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Served":
+    def start(self, timeout: float = 30.0) -> Served:
         self.config.write_text(yaml.safe_dump(self.settings))
         self.proc = _spawn([self.command, "--config", str(self.config)], self.log)
         wait_http(self.base + self.ready_path, timeout=timeout, proc=self.proc)
@@ -121,7 +122,7 @@ class Served:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
-    def __enter__(self) -> "Served":
+    def __enter__(self) -> Served:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

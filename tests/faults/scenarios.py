@@ -21,8 +21,21 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.faults.harness import (Outcome, Served, Sims, Tally, completion_body, kill_hard, metric, open_loop,
-                                  percentile, router, rss_mib, send, sim_faults)
+from tests.faults.harness import (
+    Outcome,
+    Served,
+    Sims,
+    Tally,
+    completion_body,
+    kill_hard,
+    metric,
+    open_loop,
+    percentile,
+    router,
+    rss_mib,
+    send,
+    sim_faults,
+)
 from tests.helpers import ROOT
 
 SEED = ["--timing", "seed"]
@@ -180,7 +193,8 @@ async def slow_pod(tmp: Path, requests: int = 40, factor: float = 10.0) -> Row:
                 share_before = sum(o.pod == slow for o in before) / len(before)
                 tail = after[len(after) // 2:]
                 share_after = sum(o.pod == slow for o in tail) / len(tail)
-                explained = (await c.post("/debug/route", json=completion_body(prompt(9999, 1500), stream=False))).json()
+                explained = (await c.post("/debug/route",
+                                          json=completion_body(prompt(9999, 1500), stream=False))).json()
                 pred = {p["pod"]: p["predicted_ttft_ms"] for p in explained["pods"]}
                 rates = {p["pod"]: p["prefill_tokens_per_s"] for p in explained["pods"]}
                 # when did routing move: index of the last request sent to the slow pod

@@ -15,8 +15,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -60,7 +61,8 @@ def real_scratch() -> Iterator[Path]:
 def agg_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
     """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
     (``/reset_prefix_cache``)."""
-    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True) for i in range(2)]
+    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True)
+               for i in range(2)]
     rv.start_all(engines)
     try:
         yield engines
@@ -74,7 +76,8 @@ def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Eng
 
     Module-scoped, unlike the aggregated pair: an engine with the NIXL connector keeps a core busy
     even when idle (its transfer agent's progress thread polls), which would slow every later test."""
-    engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True) for i, name in enumerate(("prefill", "decode"))]
+    engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True)
+               for i, name in enumerate(("prefill", "decode"))]
     rv.start_all(engines)
     try:
         yield engines

@@ -88,7 +88,8 @@ def test_eviction_removes_entries_as_the_engine_evicts(agg_engines, real_env, tm
         send(engine.url, victim)
         wait_for(lambda: cached_tokens(base, victim, engine.name) > 0, 10, "the victim indexed")
         full = cached_tokens(base, victim, engine.name)
-        for i in range(6):  # about 10,000 tokens (500 words are about 1,700 tokens), more than the engine's 8,192-token cache can keep
+        # about 10,000 tokens (500 words are about 1,700 tokens), more than the engine's 8,192-token cache can keep
+        for i in range(6):
             send(engine.url, completion(text(f"evict-{i}", 500)))
         wait_for(lambda: cached_tokens(base, victim, engine.name) < full, 10, "the victim's blocks removed")
         credited = cached_tokens(base, victim, engine.name)

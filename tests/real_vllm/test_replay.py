@@ -14,7 +14,8 @@ from tests.real_vllm.conftest import engine_metric
 
 def test_mooncake_slice_report_matches_the_engines_counters(agg_engines, tmp_path):
     engine = agg_engines[0]
-    before = {n: engine_metric(engine.url, n) for n in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")}
+    before = {n: engine_metric(engine.url, n)
+              for n in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")}
     out = tmp_path / "mooncake-real.json"
     cmd = [sys.executable, "-m", "router.cli", "replay", f"mooncake:{ROOT / 'data' / 'conversation_trace.jsonl'}",
            "--target", engine.url, "--model", MODEL_NAME, "--max-requests", "24", "--max-input-len", "3000",

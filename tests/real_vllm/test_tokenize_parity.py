@@ -12,7 +12,8 @@ prefix-cache hits.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -144,7 +145,8 @@ def test_tool_conversation_follow_up_credited_as_the_engine_hits_it(agg_engines,
     pod = r.headers["x-kvroute-pod"]
     url = next(e.url for e in agg_engines if e.name == pod)
     call = {"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Kraków\"}"}}]}
+        "id": "call_9", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Kraków\"}"}}]}
     follow = {**first, "messages": first["messages"] + [
         call, {"role": "tool", "tool_call_id": "call_9", "content": "{\"temp\": 3, \"sky\": \"snow\"}"},
         {"role": "user", "content": "and tomorrow?"}]}
