@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-fast real-vllm system-deps install clean
+.PHONY: demo test test-fast check real-vllm system-deps install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,16 @@ demo: $(STAMP)
 test: system-deps $(STAMP) real-vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Lint, types and the unit tier (tests/conftest.py says which tests are unit): ruff, mypy, `pytest -m unit`.
+# No schemathesis plugin: no unit test uses it, and loading it costs a second or two.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -m unit -p no:schemathesis $(PYTEST_ARGS)
+
 # Without the real-vLLM tier (no 4 GiB venv needed).
 test-fast: system-deps $(STAMP)
 	$(PY) -m pytest -q -m "not real_vllm" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
