@@ -30,13 +30,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from indexer.prefix_tokens import PrefixTokenCache
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -70,7 +73,7 @@ class _GenerationBlock(jinja2.ext.Extension):
 
     @staticmethod
     def _body(caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
@@ -332,7 +335,9 @@ def _developer_as_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages and merges all system messages into one at the front."""
     conv = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
             for m in conv]
-    texts, rest, merge = [], [], False
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
     for i, m in enumerate(conv):
         if m["role"] != "system":
             rest.append(m)
@@ -386,7 +391,8 @@ def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
 
 def _merge(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``merge_kwargs``: overrides win unless they are None or "auto"."""
-    return {**defaults, **{k: v for k, v in overrides.items() if v is not None and not (isinstance(v, str) and v == "auto")}}
+    return {**defaults,
+            **{k: v for k, v in overrides.items() if v is not None and not (isinstance(v, str) and v == "auto")}}
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -409,7 +415,7 @@ class ChatRequest:
     add_special_tokens: bool
 
     @classmethod
-    def from_body(cls, body: dict[str, Any], api: str = "chat", trust_request_template: bool = False) -> "ChatRequest":
+    def from_body(cls, body: dict[str, Any], api: str = "chat", trust_request_template: bool = False) -> ChatRequest:
         """``api`` "chat" (chat completions: ``documents`` and ``reasoning_effort`` count) or
         "tokenize" (vLLM's ``/tokenize``, which has neither). A template carried by the request
         (``chat_template``, or ``chat_template_kwargs.chat_template``) is refused unless
@@ -578,7 +584,7 @@ class _ChatRendering:
             raise ChatTemplateError(str(exc)) from exc
         except Exception as exc:  # a template's own TypeError, ValueError, ...: vLLM answers 400 as well
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-        return _cut_at_tag(text, final) if continue_final_message else text
+        return _cut_at_tag(text, final) if final is not None else text  # final: set by continue_final_message
 
 
 def _tag_final_message(conv: list[dict[str, Any]], field: bool | str, source: str) -> tuple[list[dict[str, Any]], str]:
@@ -617,7 +623,7 @@ def _cut_at_tag(text: str, final: str) -> str:
     return text[:at].rstrip()  # the template trimmed trailing space: so must we
 
 
-def chat_request_ids(body: dict[str, Any], tokenizer: "Tokenizer", api: str = "chat",
+def chat_request_ids(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
                      trust_request_template: bool = False) -> list[int]:
     """The prompt token ids vLLM computes for a chat request body (``api`` "chat" for
     /v1/chat/completions, "tokenize" for /tokenize). Raises ``ChatTemplateError`` (a 400)."""
@@ -641,7 +647,9 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
-    eos_token_id: int | None
+
+    @property
+    def eos_token_id(self) -> int | None: ...  # read-only here: ByteTokenizer's is always an int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -709,7 +717,7 @@ class HFTokenizer(_ChatRendering):
         self._default_template = chat_template
         self._templates = _folder_templates(folder, cfg) or DEFAULT_CHAT_TEMPLATE
 
-    prefix_cache: Any = None  # an indexer.prefix_tokens.PrefixTokenCache once ``cache_prefixes`` is called
+    prefix_cache: PrefixTokenCache | None = None  # set by ``cache_prefixes``
 
     def cache_prefixes(self, **options: Any) -> Any:
         """Reuse the tokens of text prefixes seen before (``indexer/prefix_tokens.py``); returns the cache."""
@@ -721,7 +729,8 @@ class HFTokenizer(_ChatRendering):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.prefix_cache is not None:
             return self.prefix_cache.encode(text, add_special_tokens)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
@@ -803,7 +812,7 @@ class RemoteTokenizer:
         self.model = model
         self._client = client  # an httpx.AsyncClient, owned by the caller
         self.cache_size = cache_size
-        self._cache: "OrderedDict[bytes, list[int]]" = OrderedDict()
+        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self.hits = self.misses = 0
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
