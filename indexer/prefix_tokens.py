@@ -26,6 +26,7 @@ eviction; a missing link ends the reusable prefix there.
 
 from __future__ import annotations
 
+import re
 import threading
 from array import array
 from collections import OrderedDict
@@ -48,18 +49,23 @@ class CacheStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+_AFTER_WORD = re.compile(r"(?<=[^\W_]) ")  # a space after a word character other than "_" (a candidate)
+
+
 def boundaries(text: str, chunk_chars: int) -> list[int]:
     """Chunk ends: positions p >= the previous end + ``chunk_chars`` with ``text[p] == " "`` and
-    ``text[p - 1]`` a letter or digit."""
+    ``text[p - 1]`` a letter or digit (``str.isalnum``)."""
     out = []
     n = len(text)
     pos = chunk_chars
+    search = _AFTER_WORD.search
     while pos < n:
-        p = text.find(" ", pos)
-        while p != -1 and not text[p - 1].isalnum():
-            p = text.find(" ", p + 1)
-        if p == -1:
+        m = search(text, pos)
+        while m is not None and not text[m.start() - 1].isalnum():  # a word character that is not alnum
+            m = search(text, m.start() + 1)
+        if m is None:
             break
+        p = m.start()
         out.append(p)
         pos = p + chunk_chars
     return out
@@ -157,7 +163,7 @@ class PrefixTokenCache:
             h = hash((h, text[start:p]))
             keys.append(h)
             start = p
-        reused: list[int] = []
+        reused: array[int] = array("I")
         known = 0
         with self._lock:
             for k in keys:
@@ -165,7 +171,7 @@ class PrefixTokenCache:
                 if chunk is None:
                     break
                 self._chunks.move_to_end(k)
-                reused.extend(chunk)
+                reused.extend(chunk)  # array to array: a copy of 4-byte ints, no Python ints made
                 known += 1
         offset = ends[known - 1] if known else 0
         enc = self._hf.encode(text[offset:], add_special_tokens=False)
@@ -177,7 +183,9 @@ class PrefixTokenCache:
         self.stats.reused_tokens += len(reused)
         self.stats.tokenized_tokens += len(rest)
         self._remember(keys[known:], [p - offset for p in ends[known:]], rest, enc.offsets)
-        return reused + rest
+        out = reused.tolist()
+        out.extend(rest)
+        return out
 
     def _remember(self, keys: list[int], ends: list[int], ids: list[int], offsets: list[tuple[int, int]]) -> None:
         """Store the tokens of each new chunk (``ends`` relative to the tokenized segment); stop at
