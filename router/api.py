@@ -125,8 +125,8 @@ def create_app(services: Services) -> FastAPI:
         if services.remote_prompts is None:
             if size < settings.tokenize_offload_bytes:
                 return {}
-            tokens, rest = await services.tokenize_pool.run(r.prompt, kind, body)
-            return {"tokens": tokens, "rest": rest}
+            tokens, rest, keys = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
+            return {"tokens": tokens, "rest": rest, "keys": keys}
         got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))
         return {"tokens": got.tokens, "exact": got.exact}
 

@@ -206,14 +206,20 @@ class Router:
 
     def prompt(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int]:
         """The prompt's token ids with the local tokenizer, and the tokens of the other prompts of a
-        completion batch. Touches no routing state, so it may run in a tokenize thread."""
+        completion batch. Touches no routing state, so it may run in a tokenize thread (see
+        ``prompt_and_keys``)."""
         tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
         rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         return tokens, rest
 
+    def prompt_and_keys(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int, list[int]]:
+        """``prompt`` and the prompt's block keys: the CPU-heavy part of ``plan``, for a tokenize thread."""
+        tokens, rest = self.prompt(kind, body)
+        return tokens, rest, self.keys_for(self.resolve_model(body), tokens)
+
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
              tokens: list[int] | None = None, exact: bool = True, grants: Any = None,
-             rest: int | None = None) -> Plan:
+             rest: int | None = None, keys: list[int] | None = None) -> Plan:
         """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
 
         ``tokens`` given: the prompt was tokenized already (by ``prompt`` in a tokenize thread, with
@@ -230,7 +236,8 @@ class Router:
             tokens, rest = self.prompt(kind, body)
         elif rest is None:  # a pod tokenized the first prompt: estimate the others
             rest = batch_rest_tokens(body, None, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
-        keys = self.keys_for(model, tokens) if exact else []
+        if keys is None:
+            keys = self.keys_for(model, tokens) if exact else []
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
