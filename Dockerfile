@@ -12,6 +12,7 @@
 #             then listens on 8001 in the same pod); simulated pod (OpenAI API, /metrics)
 #   5557/tcp  KV-cache events, ZeroMQ PUB (simulated pod; vLLM uses the same port)
 #   5558/tcp  KV-cache event replay, ZeroMQ ROUTER
+#   5570/tcp  router: the booking bus, ZeroMQ PUB (replicas share their bookings; booking_bus_bind)
 # Prometheus metrics are served on each service's HTTP port at /metrics.
 #
 # The build stage installs the pinned dependencies from deploy/requirements.lock, then kvroute
@@ -55,7 +56,7 @@ ENV PATH=/opt/kvroute/bin:$PATH \
     KVROUTE_HEALTH_URL=http://127.0.0.1:8000/health
 WORKDIR /opt/kvroute/share
 USER 10001:10001
-EXPOSE 8000/tcp 5557/tcp 5558/tcp
+EXPOSE 8000/tcp 5557/tcp 5558/tcp 5570/tcp
 # Probes the service's own /health (override KVROUTE_HEALTH_URL when it listens elsewhere; the
 # replay client has no HTTP port, so run it with --no-healthcheck). Kubernetes ignores this and
 # uses the probes in deploy/kubernetes.

@@ -229,8 +229,27 @@ class RouterSettings(BaseSettings):
     strip_client_kv_transfer_params: bool = Field(True, description="drop a client's kv_transfer_params from the "
                                                   "body (its remote_host would steer a NIXL read)")
     seed: int = Field(0, description="seed of the random policy")
-    workers: int = Field(1, description="router processes sharing the port; each keeps its own index, event "
-                         "subscriber and bookings (see docs/router.md for what that costs)")
+    workers: int = Field(1, description="router processes sharing the port; each keeps its own index and event "
+                         "subscriber, and they share bookings over the booking bus (see docs/router.md)")
+    booking_bus: bool = Field(True, description="share bookings between router processes over ZeroMQ: the workers "
+                              "of one kvroute serve (on 127.0.0.1), and replicas with booking_bus_bind/_peers")
+    booking_bus_bind: str | None = Field(None, description="replicas: where this router publishes its bookings, "
+                                         "e.g. tcp://*:5570 (none = not to other replicas)")
+    booking_bus_peers: list[str] = Field(default_factory=list, description="replicas: the other routers' "
+                                         "booking_bus_bind endpoints, e.g. [tcp://10.0.0.7:5570]")
+    booking_bus_peers_dns: str = Field("", description="replicas: a name whose A/AAAA records are the routers (a "
+                                       "headless Service), re-resolved; each is reached at booking_bus_port")
+    booking_bus_port: int = Field(5570, description="replicas: booking-bus port of the routers booking_bus_peers_dns "
+                                  "resolves to")
+    booking_bus_peers_interval_s: float = Field(5.0, gt=0, description="replicas: re-resolve period of "
+                                                "booking_bus_peers_dns")
+    booking_bus_snapshot_s: float = Field(0.5, gt=0, description="period of each router's full snapshot of its open "
+                                          "bookings (repairs lost messages; also its heartbeat)")
+    booking_bus_peer_timeout_s: float = Field(3.0, gt=0, description="a router silent this long has its bookings "
+                                              "dropped")
+    booking_bus_hwm: int = Field(10_000, ge=1, description="ZeroMQ high-water mark of the bus sockets (messages)")
+    booking_bus_max_bookings: int = Field(50_000, ge=1, description="largest number of bookings held for one other "
+                                          "router (beyond: dropped and counted)")
     log_level: str = Field("warning", description="log level")
     access_log: bool = Field(False, description="log every request (costs throughput)")
 
@@ -245,6 +264,13 @@ class RouterSettings(BaseSettings):
         keys = (self.kv_event_curve_server_key, self.kv_event_curve_public_key, self.kv_event_curve_secret_key)
         if any(keys) and not all(k and len(k) == 40 for k in keys):
             raise ValueError("kv_event_curve_server_key, _public_key and _secret_key go together, 40 Z85 characters each")
+        return self
+
+    @model_validator(mode="after")
+    def _bus_peers(self) -> RouterSettings:
+        for ep in [*self.booking_bus_peers, *([self.booking_bus_bind] if self.booking_bus_bind else [])]:
+            if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"booking bus endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         return self
 
     @model_validator(mode="after")

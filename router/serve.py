@@ -10,25 +10,29 @@ from kvcommon.settings import load_settings
 from router.config import RouterSettings
 
 
-def build_app(settings: RouterSettings):
+def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = None):
     """The ASGI app for ``settings`` (the parts start in the app's lifespan)."""
     from router.api import create_app
     from router.service import Services
 
-    return create_app(Services(settings))
+    return create_app(Services(settings, bus_forwarder=bus_forwarder))
 
 
 _SETTINGS_ENV = "KVROUTE_SERVE_WORKER_SETTINGS"
+_BUS_ENV = "KVROUTE_SERVE_WORKER_BOOKING_BUS"  # "<pub endpoint> <sub endpoint>" of the parent's forwarder
 
 
 def worker_app():
-    """App factory for ``workers > 1``: each worker process rebuilds the settings the parent parsed."""
+    """App factory for ``workers > 1``: each worker process rebuilds the settings the parent parsed
+    and joins the parent's booking-bus forwarder, if it runs one."""
     import json
     import os
 
     from kvcommon.settings import build_settings
 
-    return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])))
+    bus = os.environ.get(_BUS_ENV, "").split()
+    return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])),
+                     bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 else None)
 
 
 def _reloader(argv: list[str] | None):
@@ -86,7 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
-        uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)
+        forwarder = None
+        if settings.booking_bus:  # the workers share bookings through a forwarder in this process
+            from router.bookbus import Forwarder
+
+            forwarder = Forwarder(settings.booking_bus_hwm, extra_binds=[settings.booking_bus_bind]
+                                  if settings.booking_bus_bind else []).start()
+            os.environ[_BUS_ENV] = f"{forwarder.pub_endpoint} {forwarder.sub_endpoint}"
+        try:
+            uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)
+        finally:
+            if forwarder is not None:
+                forwarder.stop()
     else:
         app = build_app(settings)
         app.state.reload_settings = _reloader(argv)  # SIGHUP re-reads API keys and rate limits

@@ -2,7 +2,8 @@
 
 Start-up order matters: the pods are checked and scraped once first, so the block size the pods
 report (``vllm:cache_config_info``) is known before the prefix index is built; then the index, the
-KV-event subscriber (one endpoint per pod and DP rank), the routing core and the upstream session.
+KV-event subscriber (one endpoint per pod and DP rank), the routing core, the booking bus (shared
+bookings with the other router processes, ``router/bookbus.py``) and the upstream session.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from typing import Any
 
 from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
+from router.booking import Ledger
 from router.config import RouterSettings
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
@@ -29,9 +31,14 @@ DEFAULT_BLOCK_SIZE = 16
 class Services:
     """Everything the HTTP layer needs, owned in one place; ``start``/``stop`` in the app's lifespan."""
 
-    def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None):
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None,
+                 bus_forwarder: tuple[str, str] | None = None):
+        """``bus_forwarder``: (pub, sub) endpoints of the parent's booking-bus forwarder, for a worker
+        of ``kvroute serve --workers N`` (router/serve.py)."""
         self.settings = settings
         self.metrics = metrics or RouterMetrics()
+        self.ledger = Ledger()
+        self.bus = build_bus(settings, self.ledger, bus_forwarder)
         remote = settings.tokenizer == "remote"
         # remote: text and chat prompts go to a pod's /tokenize (router/remote_prompts.py); token-id
         # prompts need no tokenizer, so the local one is never asked
@@ -139,7 +146,12 @@ class Services:
         await self.start_subscriber()
         self.watchdog = start_watchdog(self)  # silent KV-event publishers (router/watchdog.py)
         self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
-                             block_size=block_size, subscriber=self.subscriber)
+                             ledger=self.ledger, block_size=block_size, subscriber=self.subscriber)
+        if self.bus is not None:
+            from router.bookbus import BusCollector
+
+            await self.bus.start()
+            self.metrics.add_collector(BusCollector(self.bus))
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
         if self.discovery is not None:
             self.metrics.add_collector(DiscoveryCollector(self.fleet_sync, self._pod_states))
@@ -168,6 +180,11 @@ class Services:
             except Exception:
                 log.exception("stopping discovery failed")
         await self.dispatcher.stop()
+        if self.bus is not None:
+            try:
+                await self.bus.stop()
+            except Exception:
+                log.exception("stopping the booking bus failed")
         watchdog = getattr(self, "watchdog", None)
         if watchdog is not None:
             await watchdog.stop()
@@ -177,3 +194,28 @@ class Services:
             except Exception:
                 log.exception("stopping the event subscriber failed")
         await self.registry.stop()
+
+
+def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, str] | None = None) -> Any:
+    """The booking bus for ``settings`` (None when off, or when nothing else shares the fleet): through
+    the parent's forwarder for a worker, else bound at ``booking_bus_bind`` and subscribed to the peers."""
+    replicas = bool(settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns)
+    if not settings.booking_bus or (forwarder is None and not replicas):
+        return None
+    from router.bookbus import BookingBus
+
+    resolve = None
+    if settings.booking_bus_peers_dns:
+        from router.discovery.dns import resolver_for
+
+        resolver, name, port = resolver_for(settings), settings.booking_bus_peers_dns, settings.booking_bus_port
+
+        async def resolve() -> list[str]:
+            return [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in await resolver(name)]
+
+    pub_bind = [settings.booking_bus_bind] if settings.booking_bus_bind and forwarder is None else []
+    return BookingBus(ledger, pub_bind=pub_bind, pub_connect=[forwarder[0]] if forwarder else [],
+                      sub_connect=([forwarder[1]] if forwarder else []) + list(settings.booking_bus_peers),
+                      resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s,
+                      snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
+                      hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings)

@@ -67,6 +67,13 @@ E2E_MODULES = frozenset({
 # Single e2e tests in modules that are otherwise unit tests (function names, without parameters).
 E2E_TESTS: dict[str, frozenset[str]] = {
     "faults/test_watchdog.py": frozenset({"test_an_idle_pod_keeps_its_index_after_requests_that_stored_nothing_new"}),
+    "test_booking_bus.py": frozenset({
+        "test_bookings_and_releases_propagate_and_a_lost_message_is_repaired_by_the_next_snapshot",
+        "test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working",
+        "test_a_killed_peer_loses_its_bookings_and_a_restarted_one_does_not_bring_them_back",
+        "test_workers_share_bookings_through_the_forwarder",
+        "test_serve_with_two_workers_shares_bookings_between_them",
+    }),
     "test_chat_template_parity.py": frozenset({"test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order"}),
     "test_cli.py": frozenset({"test_help_lists_every_subcommand"}),
     "test_deploy_kubernetes.py": frozenset({
@@ -78,6 +85,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_every_image_is_pinned_to_a_tag",
         "test_every_reference_resolves_within_the_render",
         "test_router_tier_is_replicated_protected_and_least_privileged",
+        "test_router_replicas_share_bookings_through_a_headless_service",
         "test_router_discovers_exactly_the_model_pods_and_reads_them_as_they_listen",
         "test_vllm_overlays_give_the_router_the_model_tokenizer",
         "test_vllm_pods_publish_kv_events_with_replay_where_the_annotations_say",

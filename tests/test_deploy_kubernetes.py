@@ -174,7 +174,7 @@ def test_image_is_multi_stage_slim_non_root_with_healthcheck_and_documented_port
     env = " ".join(args for op, args in runtime if op == "ENV")
     assert "KVROUTE_HEALTH_URL=http://127.0.0.1:8000/health" in env
     exposed = {p for op, args in runtime if op == "EXPOSE" for p in args.split()}
-    assert exposed == {"8000/tcp", "5557/tcp", "5558/tcp"}
+    assert exposed == {"8000/tcp", "5557/tcp", "5558/tcp", "5570/tcp"}
     assert json.loads(next(args for op, args in runtime if op == "ENTRYPOINT")) == ["kvroute"]
     # The runtime stage installs nothing itself: it copies the build stage's venv.
     assert not [args for op, args in runtime if op == "RUN" and "pip" in args]
@@ -331,7 +331,37 @@ def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rende
         assert sc["capabilities"]["drop"] == ["ALL"]
     router = container(dep, "router")
     assert router["args"][0] == "serve"
-    assert {p["containerPort"] for p in router["ports"]} == {8000}
+    assert {p["containerPort"] for p in router["ports"]} == {8000, 5570}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_replicas_share_bookings_through_a_headless_service(overlay, rendered):
+    """The booking bus: every replica binds the port it declares, and resolves a headless Service
+    that selects exactly the router pods (ready or not) on that port."""
+    docs = rendered[overlay]
+    dep = one(docs, "Deployment", "kvroute-router")
+    router = container(dep, "router")
+    env = {e["name"]: e["value"] for e in router.get("env", []) if "value" in e}
+    bind = env["KVROUTE_BOOKING_BUS_BIND"]
+    port = port_of(bind)
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports["booking-bus"] == port == int(env["KVROUTE_BOOKING_BUS_PORT"])
+    svc = one(docs, "Service", env["KVROUTE_BOOKING_BUS_PEERS_DNS"])
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    models = [w for w in workloads(docs) if w["metadata"]["name"] != "kvroute-router"]
+    assert not [w for w in models
+                if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(port, "booking-bus")]
+    # the settings the env gives are valid, and the router's bus would bind and resolve them
+    from router.booking import Ledger
+    from router.service import build_bus
+
+    cfg = build_settings(RouterSettings, file_data={**router_yaml(docs), "booking_bus_bind": bind,
+                                                    "booking_bus_peers_dns": svc["metadata"]["name"],
+                                                    "booking_bus_port": int(env["KVROUTE_BOOKING_BUS_PORT"])})
+    bus = build_bus(cfg, Ledger())
+    assert bus is not None and bus.pub_bind == [bind] and bus.resolve_peers is not None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

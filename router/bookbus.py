@@ -1,0 +1,452 @@
+"""The booking bus: router processes share their ledger bookings over ZeroMQ PUB/SUB.
+
+Every router process (a worker of one ``kvroute serve --workers N``, or a router replica) has an
+*origin* id, new at every start (host, pid and random bits), so a restarted process never speaks
+for its former self. It publishes each local book and release (``Ledger.on_change``) and applies
+every other origin's into its own ledger as foreign bookings, so ``inflight``, ``queued_tokens``
+and ``kv_booked`` count the whole fleet of routers' work within milliseconds.
+
+Wire format: two frames, ``[TOPIC, msgpack([VERSION, kind, origin, seq, body])]``; ``seq`` counts
+the origin's messages from 1.
+
+- ``"b"`` book:     body ``[pod, ticket, tokens, resource]`` (resource ``"p"`` prefill, ``"k"`` KV room)
+- ``"r"`` release:  body ``[pod, ticket, resource]``
+- ``"s"`` snapshot: body ``[[pod, ticket, tokens, resource], ...]``, the origin's open bookings
+
+PUB/SUB loses messages (a slow joiner, a reconnect, a full high-water mark), so every origin also
+publishes its full snapshot every ``booking_bus_snapshot_s``; a snapshot *replaces* what the others
+hold for that origin, repairing whatever was lost, and doubles as the heartbeat. An origin silent
+for ``booking_bus_peer_timeout_s`` has its bookings dropped (a replica that dies takes its bookings
+with it) and later messages from it are ignored. A message older than one already applied from the
+same origin (a duplicate through a second path) is skipped; a gap in ``seq`` is counted as lost.
+
+Every buffer is bounded: ZeroMQ's high-water marks, the largest frame accepted, bookings held per
+origin and origins tracked; whatever does not fit, and every frame that does not decode, is counted
+in ``kvroute_booking_bus_messages_total{kind, direction="dropped"}`` and dropped, never raised.
+
+Topologies (``router/serve.py`` and ``router/service.py`` wire them):
+
+- workers of one ``kvroute serve``: the parent runs a ``Forwarder`` (XSUB/XPUB on 127.0.0.1); each
+  worker's PUB connects to its XSUB, each worker's SUB to its XPUB;
+- replicas: each process binds its PUB at ``booking_bus_bind`` and its SUB connects to every peer
+  (``booking_bus_peers``, and the addresses of ``booking_bus_peers_dns`` re-resolved); its own
+  endpoint among them is harmless (its own messages are recognised and skipped);
+- both: the forwarder's XPUB also binds ``booking_bus_bind``; workers connect to the remote peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.booking import KV, PREFILL, Ledger
+
+log = logging.getLogger("kvroute.bookbus")
+
+TOPIC = b"kvroute.bookings"
+VERSION = 1
+_RES = {PREFILL: "p", KV: "k"}
+_RES_BACK = {"p": PREFILL, "k": KV}
+MAX_FORGOTTEN = 1024
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def new_origin() -> str:
+    """A fresh origin id: host, pid and 32 random bits (a restart never reuses one)."""
+    return f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def encode(kind: str, origin: str, seq: int, body: Any) -> list[bytes]:
+    return [TOPIC, _encoder.encode([VERSION, kind, origin, seq, body])]
+
+
+class BadFrame(ValueError):
+    """A message that does not decode or does not have the expected shape."""
+
+
+def _booking(item: Any) -> tuple[str, int, float, str]:
+    if not (isinstance(item, list) and len(item) == 4):
+        raise BadFrame("booking is not [pod, ticket, tokens, resource]")
+    pod, ticket, tokens, res = item
+    if not (isinstance(pod, str) and isinstance(ticket, int) and not isinstance(ticket, bool)
+            and isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and res in _RES_BACK):
+        raise BadFrame("booking has a field of the wrong type")
+    if not (0 <= tokens < 1e12):
+        raise BadFrame("booking tokens out of range")
+    return pod, ticket, float(tokens), _RES_BACK[res]
+
+
+def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
+    """(kind, origin, seq, body) of a message with its body checked; BadFrame otherwise."""
+    if len(frames) != 2 or frames[0] != TOPIC:
+        raise BadFrame("not [topic, payload]")
+    try:
+        msg = _decoder.decode(frames[1])
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise BadFrame(f"payload does not decode: {exc}") from None
+    if not (isinstance(msg, list) and len(msg) == 5):
+        raise BadFrame("payload is not [version, kind, origin, seq, body]")
+    version, kind, origin, seq, body = msg
+    if version != VERSION:
+        raise BadFrame(f"version {version!r}")
+    if not (isinstance(origin, str) and 0 < len(origin) <= 128 and isinstance(seq, int) and seq > 0):
+        raise BadFrame("bad origin or seq")
+    if kind == "b":
+        return kind, origin, seq, _booking(body)
+    if kind == "r":
+        if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str)
+                and isinstance(body[1], int) and body[2] in _RES_BACK):
+            raise BadFrame("release is not [pod, ticket, resource]")
+        return kind, origin, seq, (body[0], body[1], _RES_BACK[body[2]])
+    if kind == "s":
+        if not isinstance(body, list):
+            raise BadFrame("snapshot is not a list")
+        return kind, origin, seq, [_booking(b) for b in body]
+    raise BadFrame(f"unknown kind {kind!r}")
+
+
+KINDS = {"b": "book", "r": "release", "s": "snapshot"}
+
+
+@dataclass
+class BusStats:
+    """Counters of one bus: messages by (kind, direction), peers, timeouts, snapshot repairs."""
+
+    messages: dict[tuple[str, str], int] = field(default_factory=dict)
+    peer_timeouts: int = 0
+    repaired: int = 0  # bookings a snapshot added or released (their message was lost)
+    last_latency_s: float | None = None
+
+    def count(self, kind: str, direction: str, n: int = 1) -> None:
+        key = (kind, direction)
+        self.messages[key] = self.messages.get(key, 0) + n
+
+    def get(self, kind: str, direction: str) -> int:
+        return self.messages.get((kind, direction), 0)
+
+
+@dataclass
+class _Peer:
+    last_seen: float
+    seq: int = 0
+
+
+class BookingBus:
+    """One process's end of the bus, bound to its ``Ledger`` (``start`` installs ``on_change``)."""
+
+    def __init__(self, ledger: Ledger, *, pub_bind: Iterable[str] = (), pub_connect: Iterable[str] = (),
+                 sub_connect: Iterable[str] = (), resolve_peers: Callable[[], Awaitable[list[str]]] | None = None,
+                 resolve_interval_s: float = 5.0, snapshot_s: float = 0.5, peer_timeout_s: float = 3.0,
+                 hwm: int = 10_000, max_bookings_per_origin: int = 50_000, max_origins: int = 256,
+                 max_frame_bytes: int = 8 * 1024 * 1024, origin: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ledger = ledger
+        self.origin = origin or new_origin()
+        self.pub_bind, self.pub_connect = list(pub_bind), list(pub_connect)
+        self.static_peers = list(sub_connect)
+        self.resolve_peers = resolve_peers
+        self.resolve_interval_s = resolve_interval_s
+        self.snapshot_s = snapshot_s
+        self.peer_timeout_s = peer_timeout_s
+        self.hwm = hwm
+        self.max_bookings_per_origin = max_bookings_per_origin
+        self.max_origins = max_origins
+        self.max_frame_bytes = max_frame_bytes
+        self.clock = clock
+        self.stats = BusStats()
+        self.peers: dict[str, _Peer] = {}
+        self.forgotten: OrderedDict[str, None] = OrderedDict()
+        self.connected: set[str] = set()
+        self.bound: list[str] = []  # the endpoints really bound (a port 0 resolved)
+        self._seq = 0
+        self._ctx: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._sub: Any = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- sending ---------------------------------------------------------------------------
+    def _send(self, kind: str, body: Any) -> None:
+        if self._pub is None:
+            return
+        self._seq += 1
+        try:
+            self._pub.send_multipart(encode(kind, self.origin, self._seq, body), flags=zmq.NOBLOCK)
+            self.stats.count(KINDS[kind], "sent")
+        except zmq.ZMQError:  # PUB drops at its high-water mark by itself; anything else: count, go on
+            self.stats.count(KINDS[kind], "send_failed")
+
+    def on_change(self, event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
+        if event == "book":
+            self._send("b", [pod, ticket, tokens, _RES[resource]])
+        else:
+            self._send("r", [pod, ticket, _RES[resource]])
+
+    def publish_snapshot(self) -> None:
+        self._send("s", [[p, t, tok, _RES[r]] for p, t, tok, r in self.ledger.local_bookings()])
+
+    # ---- receiving -------------------------------------------------------------------------
+    def handle(self, frames: list[bytes]) -> None:
+        """Apply one received message; never raises."""
+        try:
+            kind, origin, seq, body = decode(frames)
+        except BadFrame as exc:
+            self.stats.count("bad", "dropped")
+            log.debug("booking bus: dropped a bad frame (%s)", exc)
+            return
+        except Exception:  # belt and braces: a receive loop must not die over a frame
+            self.stats.count("bad", "dropped")
+            return
+        if origin == self.origin:
+            return  # our own, back through the forwarder or our own bind
+        if origin in self.forgotten:
+            self.stats.count("stale", "dropped")
+            return
+        now = self.clock()
+        peer = self.peers.get(origin)
+        if peer is None:
+            if len(self.peers) >= self.max_origins:
+                self.stats.count("full", "dropped")
+                return
+            peer = self.peers[origin] = _Peer(now)
+            log.info("booking bus: peer %s joined", origin)
+        if seq <= peer.seq:
+            self.stats.count("stale", "dropped")  # a duplicate (second path) or reordered: snapshots repair
+            return
+        if peer.seq and seq > peer.seq + 1:
+            self.stats.count("lost", "dropped", seq - peer.seq - 1)
+        peer.seq, peer.last_seen = seq, now
+        name = KINDS[kind]
+        led = self.ledger
+        if kind == "s":
+            added, released = led.replace_origin(origin, body, self.max_bookings_per_origin)
+            self.stats.repaired += added + released
+            over = len(body) - led.foreign_count(origin)
+            if over > 0:
+                self.stats.count("full", "dropped", over)
+        elif kind == "b":
+            pod, ticket, tokens, res = body
+            if not led.apply_foreign(origin, "book", pod, ticket, tokens, res, self.max_bookings_per_origin) \
+                    and led.foreign_count(origin) >= self.max_bookings_per_origin:
+                self.stats.count("full", "dropped")
+                return
+        else:
+            pod, ticket, res = body
+            led.apply_foreign(origin, "release", pod, ticket, resource=res)
+        self.stats.count(name, "received")
+
+    def expire(self) -> list[str]:
+        """Drop the bookings of origins silent for ``peer_timeout_s``; the origins dropped."""
+        now = self.clock()
+        gone = [o for o, p in self.peers.items() if now - p.last_seen > self.peer_timeout_s]
+        for origin in gone:
+            del self.peers[origin]
+            n = self.ledger.forget_origin(origin)
+            self.forgotten[origin] = None
+            while len(self.forgotten) > MAX_FORGOTTEN:
+                self.forgotten.popitem(last=False)
+            self.stats.peer_timeouts += 1
+            log.warning("booking bus: peer %s silent for %.1fs: dropped its %d bookings", origin,
+                        self.peer_timeout_s, n)
+        return gone
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def set_peers(self, endpoints: Iterable[str]) -> None:
+        """Connect the SUB socket to exactly ``endpoints`` plus the static ones."""
+        if self._sub is None:
+            return
+        wanted = set(self.static_peers) | set(endpoints)
+        for ep in sorted(self.connected - wanted):
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(ep)
+            self.connected.discard(ep)
+        for ep in sorted(wanted - self.connected):
+            try:
+                self._sub.connect(ep)
+                self.connected.add(ep)
+            except zmq.ZMQError as exc:
+                log.warning("booking bus: cannot connect to %s: %s", ep, exc)
+
+    async def start(self) -> None:
+        self._ctx = zmq.Context()
+        actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        for ep in self.pub_bind:
+            pub.bind(ep)
+            self.bound.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        for ep in self.pub_connect:
+            pub.connect(ep)
+        sub = actx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.hwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._pub, self._sub = pub, sub
+        self.set_peers([])
+        if self.resolve_peers is not None:
+            await self._resolve_once()
+        self.ledger.on_change = self.on_change
+        self.publish_snapshot()
+        self._tasks = [asyncio.create_task(self._receive(), name="booking-bus-receive"),
+                       asyncio.create_task(self._tick(), name="booking-bus-tick")]
+        if self.resolve_peers is not None:
+            self._tasks.append(asyncio.create_task(self._resolve_loop(), name="booking-bus-peers"))
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            try:
+                frames = await self._sub.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.warning("booking bus: receive failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self.handle(frames)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_s)
+            try:
+                self.publish_snapshot()
+                self.expire()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("booking bus: snapshot round failed")
+
+    async def _resolve_once(self) -> None:
+        assert self.resolve_peers is not None
+        try:
+            self.set_peers(await self.resolve_peers())
+        except Exception as exc:  # a flaky resolver keeps the peers as they are
+            log.warning("booking bus: resolving peers failed (%s); keeping %d", exc, len(self.connected))
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resolve_interval_s)
+            await self._resolve_once()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.ledger.on_change == self.on_change:
+            self.ledger.on_change = None
+        for s in (self._pub, self._sub):
+            if s is not None:
+                s.close(linger=0)
+        self._pub = self._sub = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+class BusCollector(Collector):
+    """``kvroute_booking_bus_*`` and ``kvroute_booking_peers`` read from a bus at scrape time."""
+
+    def __init__(self, bus: BookingBus):
+        self.bus = bus
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        bus = self.bus
+        c = CounterMetricFamily("kvroute_booking_bus_messages", "Booking-bus messages by kind (book, release, "
+                                "snapshot; dropped: bad, stale, lost, full) and direction (sent, received, "
+                                "dropped)", labels=["kind", "direction"])
+        for (kind, direction), n in sorted(bus.stats.messages.items()):
+            c.add_metric([kind, direction], float(n))
+        yield c
+        t = CounterMetricFamily("kvroute_booking_bus_peer_timeouts", "Peers silent past booking_bus_peer_timeout_s "
+                                "whose bookings were dropped")
+        t.add_metric([], float(bus.stats.peer_timeouts))
+        yield t
+        r = CounterMetricFamily("kvroute_booking_bus_repaired_bookings", "Foreign bookings a snapshot added or "
+                                "released because their own message was lost")
+        r.add_metric([], float(bus.stats.repaired))
+        yield r
+        g = GaugeMetricFamily("kvroute_booking_peers", "Other router processes heard from within the timeout")
+        g.add_metric([], float(len(bus.peers)))
+        yield g
+        f = GaugeMetricFamily("kvroute_booking_foreign_bookings", "Bookings held for other router processes")
+        f.add_metric([], float(bus.ledger.foreign_count()))
+        yield f
+        i = GaugeMetricFamily("kvroute_booking_bus_info", "This process's origin id on the booking bus",
+                              labels=["origin"])
+        i.add_metric([bus.origin], 1.0)
+        yield i
+
+
+class Forwarder:
+    """XSUB/XPUB forwarder for the workers of one ``kvroute serve``, in a thread of the parent.
+
+    Binds XSUB (the workers' PUBs connect) and XPUB (their SUBs connect) on 127.0.0.1 at free
+    ports; ``extra_binds`` also exposes XPUB to replicas (``booking_bus_bind``). Messages from
+    replicas do not come through here: each worker subscribes to them itself."""
+
+    def __init__(self, hwm: int = 10_000, host: str = "127.0.0.1", extra_binds: Iterable[str] = ()):
+        self._ctx = zmq.Context()
+        self._xsub = self._ctx.socket(zmq.XSUB)
+        self._xpub = self._ctx.socket(zmq.XPUB)
+        for s in (self._xsub, self._xpub):
+            s.setsockopt(zmq.LINGER, 0)
+        self._xsub.setsockopt(zmq.RCVHWM, hwm)
+        self._xpub.setsockopt(zmq.SNDHWM, hwm)
+        port_in = self._xsub.bind_to_random_port(f"tcp://{host}")
+        port_out = self._xpub.bind_to_random_port(f"tcp://{host}")
+        for ep in extra_binds:
+            self._xpub.bind(ep)
+        self.pub_endpoint = f"tcp://{host}:{port_in}"   # where workers' PUB sockets connect
+        self.sub_endpoint = f"tcp://{host}:{port_out}"  # where workers' SUB sockets connect
+        self._control_ep = f"inproc://kvroute-bookbus-control-{id(self)}"
+        self._control = self._ctx.socket(zmq.PAIR)
+        self._control.bind(self._control_ep)
+        self._thread = threading.Thread(target=self._run, name="booking-bus-forwarder", daemon=True)
+
+    def _run(self) -> None:
+        peer = self._ctx.socket(zmq.PAIR)
+        peer.connect(self._control_ep)
+        try:
+            zmq.proxy_steerable(self._xsub, self._xpub, None, peer)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ETERM:
+                log.warning("booking bus forwarder stopped: %s", exc)
+        finally:
+            peer.close(linger=0)
+            self._xsub.close(linger=0)
+            self._xpub.close(linger=0)
+
+    def start(self) -> Forwarder:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._control.send(b"TERMINATE")
+            self._thread.join(timeout_s)
+        self._control.close(linger=0)
+        if not self._thread.is_alive():
+            self._ctx.term()

@@ -1,0 +1,313 @@
+"""The booking bus (router/bookbus.py): router processes share ledger bookings over ZeroMQ.
+
+Unit tests drive the Ledger's foreign-booking hooks and ``BookingBus.handle`` directly (no socket);
+the e2e ones run buses on loopback, a peer in its own process (killed by PID), and
+``kvroute serve --workers 2`` in front of simulated pods."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import msgspec
+import pytest
+import yaml
+import zmq
+
+from router.bookbus import TOPIC, BookingBus, Forwarder, encode
+from router.booking import KV, PREFILL, Ledger
+from simulator.testing import running_sims
+from tests.helpers import ROOT, free_ports, kvroute_process, until
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- unit: the ledger's hooks --------------------------------------------------------------
+def test_foreign_bookings_count_like_local_ones_and_local_semantics_stay():
+    clock = Clock()
+    changes: list[tuple] = []
+    led = Ledger(clock, on_change=lambda *a: changes.append(a))
+    t1 = led.book("p0", 1000)
+    assert changes == [("book", "p0", t1, 1000.0, PREFILL)]
+    assert led.apply_foreign("w2", "book", "p0", 7, 500)
+    assert not led.apply_foreign("w2", "book", "p0", 7, 500)  # idempotent
+    assert led.inflight("p0") == 2
+    assert led.queued_tokens("p0", 1000.0) == 1500.0
+    clock.t += 0.2  # the head (the local booking) is 200 tokens done
+    assert led.queued_tokens("p0", 1000.0) == pytest.approx(1300.0)
+    assert led.apply_foreign("w2", "book", "d0", 8, 300, KV)
+    assert led.kv_booked("d0") == (1, 300.0)
+    assert not led.empty()
+    assert led.local_bookings() == [("p0", t1, 1000.0, PREFILL)]
+    led.release("p0", t1)
+    assert changes[-1] == ("release", "p0", t1, 1000.0, PREFILL)
+    assert led.empty()  # only foreign bookings left: this process has nothing of its own in flight
+    assert led.inflight("p0") == 1 and led.queued_tokens("p0", 1000.0) == 500.0
+    assert led.apply_foreign("w2", "release", "p0", 7)
+    assert not led.apply_foreign("w2", "release", "p0", 7)
+    assert led.inflight("p0") == 0
+    # a snapshot replaces what is held for the origin
+    added, released = led.replace_origin("w2", [("p1", 9, 100.0, PREFILL), ("p1", 10, 50.0, PREFILL)])
+    assert (added, released) == (2, 1)  # p1's two added, d0's KV booking released
+    assert led.kv_booked("d0") == (0, 0.0) and led.inflight("p1") == 2
+    assert led.foreign_count("w2") == 2
+    assert led.forget_origin("w2") == 2 and led.inflight("p1") == 0 and led.foreign_count() == 0
+    # bounded per origin
+    assert [led.apply_foreign("w3", "book", "p0", i, 1, max_per_origin=3) for i in range(5)] == [True] * 3 + [False] * 2
+    led.forget("p0")
+    assert led.foreign_count("w3") == 0
+
+
+def test_local_tickets_are_unchanged_by_foreign_bookings():
+    led = Ledger()
+    led.apply_foreign("x", "book", "p0", 1, 10)
+    t = led.book("p0", 5)
+    assert t == 1  # a local ticket and a foreign one with the same number do not collide
+    assert led.inflight("p0") == 2
+    assert led.release("p0", t) and led.inflight("p0") == 1
+
+
+# ---- unit: the bus's receive side, frames handed in directly ----------------------------------
+def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
+    clock = Clock()
+    led = Ledger(clock)
+    bus = BookingBus(led, origin="me", clock=clock, peer_timeout_s=3.0, max_bookings_per_origin=4)
+    bus.handle(encode("b", "other", 1, ["p0", 1, 100.0, "p"]))
+    bus.handle(encode("b", "other", 1, ["p0", 1, 100.0, "p"]))  # the same message by a second path
+    assert led.inflight("p0") == 1 and bus.stats.get("stale", "dropped") == 1
+    bus.handle(encode("b", "other", 4, ["p0", 2, 100.0, "p"]))  # 2 and 3 were lost
+    assert bus.stats.get("lost", "dropped") == 2
+    bus.handle(encode("r", "other", 5, ["p0", 1, "p"]))
+    assert led.inflight("p0") == 1
+    bus.handle(encode("b", "me", 1, ["p0", 99, 1.0, "p"]))  # our own, through the forwarder
+    assert led.inflight("p0") == 1
+    # a snapshot repairs a lost release and a lost book
+    bus.handle(encode("s", "other", 6, [["p1", 3, 10.0, "p"], ["d0", 4, 20.0, "k"]]))
+    assert led.inflight("p0") == 0 and led.inflight("p1") == 1 and led.kv_booked("d0") == (1, 20.0)
+    assert bus.stats.repaired == 3
+    # bad frames: counted and dropped, never raised
+    bad = [[b"x"], [TOPIC, b"\xc1"], [TOPIC, msgspec.msgpack.encode([2, "b", "o", 1, []])],
+           [TOPIC, msgspec.msgpack.encode([1, "b", "o", 1, ["p0", "t", 1, "p"]])],
+           [TOPIC, msgspec.msgpack.encode([1, "z", "o", 1, []])], [TOPIC, msgspec.msgpack.encode({"a": 1})],
+           [TOPIC, msgspec.msgpack.encode([1, "s", "o", 1, [["p0", 1, -5, "p"]]])],
+           [TOPIC, msgspec.msgpack.encode([1, "r", "", 1, ["p0", 1, "p"]])], [TOPIC, b""], []]
+    for frames in bad:
+        bus.handle(frames)
+    assert bus.stats.get("bad", "dropped") == len(bad)
+    # bounded per origin: the fifth is dropped and counted
+    bus.handle(encode("s", "big", 1, [["p2", i, 1.0, "p"] for i in range(6)]))
+    assert led.foreign_count("big") == 4 and bus.stats.get("full", "dropped") == 2
+    # silence: the origin's bookings go, and its late messages do not bring them back
+    clock.t += 2.0
+    bus.handle(encode("s", "big", 2, []))
+    clock.t += 2.0
+    assert bus.expire() == ["other"]
+    assert led.foreign_count("other") == 0 and led.inflight("p1") == 0 and bus.stats.peer_timeouts == 1
+    bus.handle(encode("b", "other", 7, ["p0", 5, 1.0, "p"]))
+    assert led.foreign_count("other") == 0 and bus.stats.get("stale", "dropped") == 2
+    assert set(bus.peers) == {"big"}
+
+
+# ---- e2e: buses on loopback --------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def two_buses(**kw):
+    pa, pb = free_ports(2)
+    a = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pa}"], sub_connect=[f"tcp://127.0.0.1:{pb}"], **kw)
+    b = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pb}"], sub_connect=[f"tcp://127.0.0.1:{pa}"], **kw)
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.origin in b.peers and b.origin in a.peers, 10, "the buses to hear each other")
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_bookings_and_releases_propagate_and_a_lost_message_is_repaired_by_the_next_snapshot():
+    async with two_buses(snapshot_s=0.2, peer_timeout_s=5.0) as (a, b):
+        ticket = a.ledger.book("p0", 800)
+        kv = a.ledger.book_kv("d0", 300)
+        await until(lambda: b.ledger.inflight("p0") == 1 and b.ledger.kv_booked("d0") == (1, 300.0), 5, "the booking")
+        assert b.ledger.queued_tokens("p0", 1e-9) == pytest.approx(800.0)
+        a.ledger.release("p0", ticket)
+        a.ledger.release_kv("d0", kv)
+        await until(lambda: b.ledger.inflight("p0") == 0 and b.ledger.kv_booked("d0") == (0, 0.0), 5, "the release")
+        # a lost message: book with the hook off (nothing is published), the snapshot carries it
+        hook, a.ledger.on_change = a.ledger.on_change, None
+        lost = a.ledger.book("p1", 50)
+        a.ledger.on_change = hook
+        await until(lambda: b.ledger.inflight("p1") == 1, 5, "the snapshot to repair the lost booking")
+        hook, a.ledger.on_change = a.ledger.on_change, None
+        a.ledger.release("p1", lost)
+        a.ledger.on_change = hook
+        await until(lambda: b.ledger.inflight("p1") == 0, 5, "the snapshot to repair the lost release")
+        assert b.stats.repaired >= 2
+        # and both ways
+        a_ticket = b.ledger.book("p0", 10)
+        await until(lambda: a.ledger.inflight("p0") == 1, 5, "b's booking at a")
+        b.ledger.release("p0", a_ticket)
+
+
+async def test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working():
+    (port,) = free_ports(1)
+    bus = BookingBus(Ledger(), sub_connect=[f"tcp://127.0.0.1:{port}"])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    await bus.start()
+    try:
+        async def send_until(frames, pred, what):
+            async def step():
+                pub.send_multipart(frames)
+                await asyncio.sleep(0.05)
+                return pred()
+            for _ in range(200):  # PUB/SUB: the first messages go before the subscription arrives
+                if await step():
+                    return
+            raise AssertionError(what)
+
+        await send_until([TOPIC, b"\xff\x00garbage"], lambda: bus.stats.get("bad", "dropped") > 0, "a bad frame")
+        await send_until([TOPIC], lambda: bus.stats.get("bad", "dropped") > 1, "a short message")
+        await send_until(encode("b", "x", 1, ["p0", 1, 5.0, "p"]), lambda: bus.ledger.inflight("p0") == 1,
+                         "a good frame after the bad ones")
+    finally:
+        await bus.stop()
+        pub.close(linger=0)
+        ctx.term()
+
+
+PEER = textwrap.dedent("""
+    import asyncio, sys
+    from router.bookbus import BookingBus
+    from router.booking import Ledger
+
+    async def main():
+        bus = BookingBus(Ledger(), pub_bind=[sys.argv[1]], snapshot_s=0.1)
+        await bus.start()
+        for i in range(int(sys.argv[2])):
+            bus.ledger.book(f"p{i % 2}", 100)
+        print(bus.origin, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def start_peer(endpoint: str, bookings: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", PEER, endpoint, str(bookings)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    origin = proc.stdout.readline().strip()
+    assert origin, "the peer process did not start"
+    return proc, origin
+
+
+async def test_a_killed_peer_loses_its_bookings_and_a_restarted_one_does_not_bring_them_back():
+    (port,) = free_ports(1)
+    ep = f"tcp://127.0.0.1:{port}"
+    bus = BookingBus(Ledger(), sub_connect=[ep], snapshot_s=0.1, peer_timeout_s=0.6)
+    await bus.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        proc, first = start_peer(ep, 6)
+        procs.append(proc)
+        await until(lambda: bus.ledger.foreign_count(first) == 6, 10, "the peer's bookings")
+        assert bus.ledger.inflight("p0") == 3 and bus.ledger.inflight("p1") == 3
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        await until(lambda: bus.ledger.foreign_count() == 0, 10, "the dead peer's bookings to go")
+        assert first not in bus.peers and bus.stats.peer_timeouts == 1
+        proc, second = start_peer(ep, 2)  # restarted on the same endpoint: a new origin, only its new bookings
+        procs.append(proc)
+        assert second != first
+        await until(lambda: bus.ledger.foreign_count(second) == 2, 10, "the restarted peer's bookings")
+        await asyncio.sleep(0.3)
+        assert bus.ledger.foreign_count(first) == 0 and bus.ledger.inflight("p0") + bus.ledger.inflight("p1") == 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(10)
+        await bus.stop()
+
+
+async def test_workers_share_bookings_through_the_forwarder():
+    fwd = Forwarder().start()
+    buses = [BookingBus(Ledger(), pub_connect=[fwd.pub_endpoint], sub_connect=[fwd.sub_endpoint], snapshot_s=0.1)
+             for _ in range(3)]
+    try:
+        for b in buses:
+            await b.start()
+        await until(lambda: all(len(b.peers) == 2 for b in buses), 10, "every worker to hear the other two")
+        for i, b in enumerate(buses):
+            b.ledger.book("p0", 100 * (i + 1))
+        await until(lambda: all(b.ledger.inflight("p0") == 3 for b in buses), 5, "every booking everywhere")
+        assert all(b.ledger.queued_tokens("p0", 1e-9) == pytest.approx(600.0) for b in buses)
+    finally:
+        for b in buses:
+            await b.stop()
+        fwd.stop()
+
+
+# ---- e2e: kvroute serve --workers 2 -------------------------------------------------------------
+def scrape(text: str) -> tuple[str, float]:
+    """(origin, sum of kvroute_pod_booked_requests) of one /metrics answer."""
+    origin = re.search(r'kvroute_booking_bus_info\{origin="([^"]+)"\}', text)
+    booked = sum(float(m) for m in re.findall(r"^kvroute_pod_booked_requests\{[^}]*\} (\S+)$", text, re.M))
+    return (origin.group(1) if origin else ""), booked
+
+
+async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path):
+    (port,) = free_ports(1)
+    burst = 16
+    # slow prefill so the burst's bookings stay open for seconds: 2 pods x 8 prompts of 2,000 tokens at 2,000/s
+    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "2000"]) as urls:
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "port": port, "workers": 2, "prefill_tokens_per_s": 2000.0, "calibrate": False,
+            "pods": [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]}))
+        base = f"http://127.0.0.1:{port}"
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=40):
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                async def peers_up() -> bool:  # both workers up and hearing each other before the burst
+                    seen = {}
+                    for _ in range(12):
+                        text = (await c.get(base + "/metrics")).text
+                        seen[scrape(text)[0]] = "kvroute_booking_peers 1.0" in text
+                    return len(seen) == 2 and all(seen.values())
+                for _ in range(100):
+                    if await peers_up():
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise AssertionError("the two workers never saw each other on the booking bus")
+                body = {"model": "sim-model", "prompt": [1 + i for i in range(2000)], "max_tokens": 1, "stream": True}
+                sends = [asyncio.create_task(c.post(base + "/v1/completions",
+                                                    json={**body, "prompt": [7 * k + j for j in range(2000)]}))
+                         for k in range(burst)]
+                await asyncio.sleep(1.0)  # every request routed; the first answers take ~1 s, the last ~8 s
+                views: dict[str, float] = {}
+                for _ in range(20):
+                    origin, booked = scrape((await c.get(base + "/metrics")).text)
+                    views[origin] = booked
+                    if len(views) == 2:
+                        break
+                results = await asyncio.gather(*sends)
+                assert all(r.status_code == 200 for r in results)
+    assert len(views) == 2, f"/metrics reached one worker only: {views}"
+    # each worker sees the whole burst booked (less what has had its first token already), not its share
+    assert all(v >= burst - 3 for v in views.values()), views
