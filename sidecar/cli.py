@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=settings.log_level, access_log=False, server_header=False,
                             ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
-                            timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=30, ws="none",
+                            # uvicorn hints int but takes any number of seconds (a call_later delay)
+                            timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=30, ws="none",
                             http=http)
     server = uvicorn.Server(config)
     server.run()

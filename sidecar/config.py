@@ -71,7 +71,7 @@ class SidecarSettings(BaseSettings):
         return value.rstrip("/")
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> "SidecarSettings":
+    def _tls_pair(self) -> SidecarSettings:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         return self

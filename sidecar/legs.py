@@ -45,7 +45,7 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 
 def header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:
     """Every value of header ``name`` (lower-case bytes), split on commas, stripped, non-empty, in order."""
-    values = []
+    values: list[str] = []
     for key, value in headers:
         if key.lower() == name:
             values.extend(v.strip() for v in value.decode("latin-1").split(","))

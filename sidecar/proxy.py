@@ -23,9 +23,20 @@ from kvcommon.asgi import read_body, wait_for_disconnect
 from kvcommon.errors import APIError, ClientDisconnected, error_body
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
-from sidecar.legs import (GENERATION_PATHS, BadBody, decode_body, engine_json, forward_headers,
-                          has_prefill_header, is_generation_path, pick_prefill_target, prefill_body, request_id,
-                          response_headers, without_key)
+from sidecar.legs import (
+    GENERATION_PATHS,
+    BadBody,
+    decode_body,
+    engine_json,
+    forward_headers,
+    has_prefill_header,
+    is_generation_path,
+    pick_prefill_target,
+    prefill_body,
+    request_id,
+    response_headers,
+    without_key,
+)
 from sidecar.metrics import SidecarMetrics
 from sidecar.targets import Target, TargetError, parse_target
 
@@ -96,8 +107,9 @@ class SidecarApp:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
+        # keep-alive below vLLM/uvicorn's 5 s, so a pooled connection is never one the server is closing
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, ttl_dns_cache=10,
-                                         keepalive_timeout=4.0)  # below vLLM/uvicorn's 5 s, so a pooled connection is never one the server is closing
+                                         keepalive_timeout=4.0)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
         await self.allowlist.start(self.session)
@@ -348,7 +360,7 @@ class SidecarApp:
         except asyncio.CancelledError:
             self.metrics.legs.labels("prefill", "cancelled").inc()
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             result = PrefillResult("timeout", detail=f"no answer within {self.settings.prefill_timeout}s")
         except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
             result = PrefillResult("connect_error", detail=str(exc) or type(exc).__name__)
@@ -408,7 +420,7 @@ class SidecarApp:
             log.warning("decoder at %s unreachable: %r", self.settings.vllm_url, exc)
             await _send_error(send, 503, "The decode node is not ready to accept requests", "ServiceUnavailable")
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.legs.labels(leg, "timeout").inc()
             await _send_error(send, 504, f"the decoder did not answer within {self.settings.decode_timeout}s",
                               "GatewayTimeout")
@@ -427,7 +439,7 @@ class SidecarApp:
             try:
                 async for chunk in resp.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 outcome = "stream_error"
                 log.warning("decoder stream broke: %s", exc or type(exc).__name__)
                 if resp.headers.get("Content-Type", "").startswith("text/event-stream"):

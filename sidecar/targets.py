@@ -64,8 +64,9 @@ def parse_ipv4_loose(text: str) -> ipaddress.IPv4Address | None:
     parts = text.split(".")
     if not 1 <= len(parts) <= 4:
         return None
-    values = [_ipv4_part(p) for p in parts]
-    if any(v is None for v in values):
+    parsed = [_ipv4_part(p) for p in parts]
+    values = [v for v in parsed if v is not None]
+    if len(values) < len(parsed):
         return None
     *head, last = values
     if any(v > 255 for v in head) or last >= 1 << (8 * (4 - len(head))):
@@ -206,9 +207,8 @@ def parse_allow_entry(text: str) -> AllowEntry:
     """Parse ``10.0.0.7``, ``10.0.0.0/8``, ``10.0.0.0/8:8000``, ``[fd00::/64]:8000``, ``fd00::1``, ``name[:port]``."""
     raw = text.strip()
     if "://" in raw:
-        target = parse_target(raw)
-        host, port = target.host_port.rsplit(":", 1)
-        raw = f"{host}:{port}"
+        target_host, target_port = parse_target(raw).host_port.rsplit(":", 1)
+        raw = f"{target_host}:{target_port}"
     host, port = split_host_port(raw, port_required=False)
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if "/" in bare:

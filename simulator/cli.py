@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from kvcommon.settings import load_settings
 from simulator.events import KVEventsConfigError
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                       f" topic={pod.events_config.topic!r}")
         print(f"sim pod {pod.name}: http://{pod.host}:{pod.port} model={pod.model} engine_id={pod.engine_id}"
               f" timing={settings.timing}{events}", flush=True)
+    run: Callable[[Coroutine[Any, Any, Any]], Any]
     try:
         import uvloop
 

@@ -18,7 +18,8 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import httpx
 import orjson
@@ -35,11 +36,20 @@ from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
 from simulator.faults import FaultError, Faults, RequestFaults
 from simulator.metrics import PodMetrics
-from simulator.nixl import (LeaseTable, decode_params_problem, flat_block_ids, producer_params,
-                            remote_read)
-from simulator.openai_shapes import (ERROR_TYPES, GenRequest, ShapeError, chat_body, chat_chunk, completion_body,
-                                     completion_chunk, models_body, parse_generation, usage,
-                                     usage_chunk)
+from simulator.nixl import LeaseTable, decode_params_problem, producer_params, remote_read
+from simulator.openai_shapes import (
+    ERROR_TYPES,
+    GenRequest,
+    ShapeError,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    models_body,
+    parse_generation,
+    usage,
+    usage_chunk,
+)
 from simulator.publisher import EventPublisher
 from simulator.request import FINISH, SimRequest
 from simulator.settings import SimSettings
@@ -135,7 +145,7 @@ class Pod:
                 "cached_blocks": len(pool.cached), "free_blocks": pool.num_free,
                 "running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "leases": {rid: len(lease.block_ids) for rid, lease in self.leases.leases.items()},
-                "events": None if self.publisher is None else {
+                "events": None if self.publisher is None or self.events_config is None else {
                     "endpoint": self.events_config.endpoint, "replay_endpoint": self.events_config.replay_endpoint,
                     "topic": self.events_config.topic, "next_seq": self.publisher.seq,
                     "stopped": self.publisher.stopped},
@@ -164,12 +174,12 @@ async def respond(send: Send, status: int, body: bytes, headers: list[tuple[byte
     await send({"type": "http.response.body", "body": body})
 
 
-async def respond_json(send: Send, status: int, obj: Any, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def respond_json(send: Send, status: int, obj: Any, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     await respond(send, status, orjson.dumps(obj), JSON_HEADERS + list(extra))
 
 
 async def respond_error(send: Send, status: int, message: str, param: str | None = None,
-                        extra: list[tuple[bytes, bytes]] = ()) -> None:
+                        extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = error_body(status, message, param, err_type=ERROR_TYPES.get(status, "Error"))
     await respond(send, status, body, JSON_HEADERS + list(extra))
 
@@ -460,7 +470,8 @@ def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
            (b"x-sim-prefill-compute-s", f"{req.prefill_compute_s:.6f}".encode())]
     if req.ttft is not None:
         out.append((b"x-sim-ttft-s", f"{req.ttft:.6f}".encode()))
-        out.append((b"x-sim-decode-s", f"{req.last_token_at - req.first_token_at:.6f}".encode()))
+        if req.first_token_at is not None and req.last_token_at is not None:  # both set with the first token
+            out.append((b"x-sim-decode-s", f"{req.last_token_at - req.first_token_at:.6f}".encode()))
     if req.scheduled_at is not None:
         out.append((b"x-sim-queue-s", f"{max(0.0, req.scheduled_at - req.arrival):.6f}".encode()))
     return out
