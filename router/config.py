@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from router.scheduling.pd import DECIDER_FUNCTIONS
 from router.scheduling.scorers import build_scoring
 
 PodRole = Literal["prefill", "decode", "both"]
@@ -35,7 +36,8 @@ class PodConfig(BaseModel):
     model: str = Field("sim-model", description="served model name")
     kv_events: list[EventEndpoint] = Field(default_factory=list,
                                            description="KV event publishers, one per DP rank")
-    prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod (else the fleet default)")
+    prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod "
+                                               "(else the fleet default)")
     metrics_url: str | None = Field(None, description="base URL of the engine's own /metrics when it differs from "
                                     "url (a decode pod behind its sidecar); none = url")
 
@@ -83,7 +85,7 @@ class ScorerConfig(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _known(self) -> "ScorerConfig":
+    def _known(self) -> ScorerConfig:
         build_scoring([{"type": self.type, "weight": self.weight or 1.0, "params": self.params}])
         return self
 
@@ -116,8 +118,8 @@ class RouterSettings(BaseSettings):
                                                     "bucket; none = unlimited); 429 + Retry-After beyond it")
     rate_limit_request_burst: float | None = Field(None, gt=0, description="per API key: request bucket size (none = "
                                                    "one second's worth)")
-    rate_limit_prompt_tokens_per_s: float | None = Field(None, gt=0, description="per API key: prompt tokens per second "
-                                                         "(token bucket; none = unlimited)")
+    rate_limit_prompt_tokens_per_s: float | None = Field(None, gt=0, description="per API key: prompt tokens per "
+                                                         "second (token bucket; none = unlimited)")
     rate_limit_prompt_token_burst: float | None = Field(None, gt=0, description="per API key: prompt-token bucket size "
                                                         "(none = one second's worth)")
     slo_header_max_ms: float = Field(600_000.0, gt=0, description="largest objective the objective header may ask "
@@ -140,7 +142,8 @@ class RouterSettings(BaseSettings):
                            "or 'remote' (ask a healthy pod of the model: POST /tokenize, cached)")
     remote_tokenize_timeout_s: float = Field(0.5, gt=0, description="tokenizer remote: deadline of a pod's /tokenize; "
                                              "past it the request is routed on load alone")
-    remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod (LRU)")
+    remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod "
+                                            "(LRU)")
     tokenize_cache_tokens: int = Field(4_000_000, ge=0, description="Hugging Face tokenizer: tokens of text prefixes "
                                        "kept so a follow-up tokenizes only its new part (0: off; ~4 bytes each)")
     tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
@@ -166,11 +169,13 @@ class RouterSettings(BaseSettings):
     read_timeout_s: float | None = Field(None, description="upstream read timeout between chunks (none = no limit)")
     max_connections: int = Field(0, description="upstream connection limit (0 = unlimited)")
     max_connections_per_pod: int = Field(0, description="upstream connection limit per pod (0 = unlimited)")
-    retries: int = Field(1, description="retries on the next-best pod after a connection failure or 5xx before the first byte")
+    retries: int = Field(1, description="retries on the next-best pod after a connection failure or 5xx before the "
+                         "first byte")
     index_max_blocks_per_pod: int = Field(1_000_000, description="bound on indexed blocks per pod")
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
-    speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events confirm it")
+    speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events "
+                                     "confirm it")
     kv_event_max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest KV-event frame accepted "
                                           "(ZeroMQ MAXMSGSIZE: a bigger one drops that connection)")
     kv_event_max_replay_batches: int = Field(20_000, ge=1, description="a replay answer without its end marker "
@@ -204,15 +209,17 @@ class RouterSettings(BaseSettings):
     discovery_role: PodRole = Field("both", description="dns: role of every resolved pod")
     discovery_model: str = Field("sim-model", description="dns: model every resolved pod serves")
     discovery_http_port: int = Field(8000, description="dns: pods' HTTP port")
-    discovery_engine_port: int | None = Field(None, description="dns: pods' engine port for /metrics (none = http port)")
+    discovery_engine_port: int | None = Field(None, description="dns: pods' engine port for /metrics "
+                                              "(none = http port)")
     discovery_kv_events_port: int | None = Field(5557, description="dns: KV-event PUB port of rank 0 (rank r: + r; "
                                                  "none = no events)")
     discovery_kv_events_replay_port: int | None = Field(5558, description="dns: KV-event replay port of rank 0 "
                                                         "(rank r: + r; none = no replay)")
     discovery_data_parallel_size: int = Field(1, description="dns: event streams (DP ranks) per pod")
-    pd_decider: Literal["always", "never", "prefix", "predicted"] = Field(
+    pd_decider: str = Field(
         "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
-        "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never'")
+        "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never', "
+        "or a decider registered in router/scheduling/pd.py")
     pd_non_cached_tokens: int = Field(512, description="P/D prefix decider: remote prefill when the decode pod "
                                       "lacks at least this many of the prompt's tokens (0 = never, as llm-d)")
     pd_prompt_tokens: int = Field(1024, description="P/D prefix decider: and the prompt has at least this many tokens")
@@ -254,16 +261,17 @@ class RouterSettings(BaseSettings):
     access_log: bool = Field(False, description="log every request (costs throughput)")
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> "RouterSettings":
+    def _tls_pair(self) -> RouterSettings:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
         return self
 
     @model_validator(mode="after")
-    def _curve_keys(self) -> "RouterSettings":
+    def _curve_keys(self) -> RouterSettings:
         keys = (self.kv_event_curve_server_key, self.kv_event_curve_public_key, self.kv_event_curve_secret_key)
         if any(keys) and not all(k and len(k) == 40 for k in keys):
-            raise ValueError("kv_event_curve_server_key, _public_key and _secret_key go together, 40 Z85 characters each")
+            raise ValueError("kv_event_curve_server_key, _public_key and _secret_key go together, "
+                             "40 Z85 characters each")
         return self
 
     @model_validator(mode="after")
@@ -273,8 +281,15 @@ class RouterSettings(BaseSettings):
                 raise ValueError(f"booking bus endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         return self
 
+    @field_validator("pd_decider")
+    @classmethod
+    def _known_decider(cls, value: str) -> str:
+        if value not in DECIDER_FUNCTIONS:
+            raise ValueError(f"unknown P/D decider {value!r}; known: {', '.join(DECIDER_FUNCTIONS)}")
+        return value
+
     @model_validator(mode="after")
-    def _unique_ids(self) -> "RouterSettings":
+    def _unique_ids(self) -> RouterSettings:
         ids = [p.id for p in self.pods]
         if len(ids) != len(set(ids)):
             raise ValueError("pod ids must be unique")

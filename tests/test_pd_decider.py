@@ -155,3 +155,24 @@ def test_remote_path_waits_behind_the_decode_pods_own_prefill_queue():
     # so with an idle second decode pod, the request goes there
     d = decide_pd([busy, dec("d-idle")], [pre("p0")], req(4000), 10, PDParams(decider="always"))
     assert d.chosen.decode_pod == "d-idle"
+
+
+def test_a_new_decider_is_one_function_and_one_registration():
+    from router.scheduling.pd import DECIDER_FUNCTIONS, decider
+
+    @decider("test-remote-when-long")
+    def long_prompts(local, remote, uncached, request, params):
+        return ("remote", "long prompt") if request.prompt_tokens >= 3000 else ("local", "short prompt")
+
+    try:
+        params = PDParams(decider="test-remote-when-long")
+        assert decide_pd([dec("d0")], [pre("p0")], req(4000), 10, params).chosen.mode == "remote"
+        short = decide_pd([dec("d0")], [pre("p0")], req(100), 10, params).chosen
+        assert (short.mode, short.reason) == ("local", "short prompt")
+        assert decide_pd([dec("d0")], [], req(4000), 10, params).chosen.mode == "local"  # no prefill pod up
+        with pytest.raises(ValueError, match="already registered"):
+            decider("test-remote-when-long")(long_prompts)
+    finally:
+        DECIDER_FUNCTIONS.pop("test-remote-when-long")
+    with pytest.raises(ValueError, match="unknown P/D decider 'test-remote-when-long'"):
+        decide_pd([dec("d0")], [pre("p0")], req(4000), 10, PDParams(decider="test-remote-when-long"))

@@ -22,14 +22,12 @@ Prefill-side and local predictions reuse ``predictor.predict`` (each pod one FIF
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .admission import Verdict
 from .predictor import predict
 from .snapshot import Candidate, Prediction, RequestView
-
-DECIDERS = ("always", "never", "prefix", "predicted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,32 +169,72 @@ def remote_choices(decode: DecodeView, prefills: Sequence[Candidate], request: R
     return sorted(out, key=key)
 
 
-def decide_mode(decider: str, local: Prediction, remote: RemoteChoice | None, uncached_on_decode: int,
-                request: RequestView, params: PDParams) -> tuple[str, str]:
-    """("remote" | "local", the reasoning) for one decode pod."""
-    if remote is None:
-        return "local", "no prefill pod is available"
-    if decider == "never":
-        return "local", "decider 'never'"
-    if decider == "always":
-        return "remote", "decider 'always'"
-    if decider == "prefix":
-        if params.non_cached_tokens <= 0:  # llm-d: 0 disables the decider
-            return "local", "prefix decider disabled (non_cached_tokens 0)"
-        if uncached_on_decode < params.non_cached_tokens:
-            return "local", (f"{uncached_on_decode} uncached tokens on the decode pod < non_cached_tokens "
-                             f"{params.non_cached_tokens}")
-        if request.prompt_tokens < params.prompt_tokens:
-            return "local", f"prompt of {request.prompt_tokens} tokens < prompt_tokens {params.prompt_tokens}"
-        return "remote", (f"{uncached_on_decode} uncached tokens >= {params.non_cached_tokens} and prompt "
-                          f"{request.prompt_tokens} >= {params.prompt_tokens}")
-    # predicted
+# ---- deciders: local or remote prefill for one decode pod --------------------------------------
+# A decider is a function (local, best remote or None, uncached tokens on the decode pod, request,
+# params) -> ("remote" | "local", the reasoning in words), registered by name with ``@decider``;
+# ``pd_decider`` in the settings names one. Adding one is one function here (or in any module
+# imported before the settings load) with the decorator.
+
+Decider = Callable[[Prediction, RemoteChoice | None, int, RequestView, PDParams], tuple[str, str]]
+DECIDER_FUNCTIONS: dict[str, Decider] = {}
+
+
+def decider(name: str) -> Callable[[Decider], Decider]:
+    def add(fn: Decider) -> Decider:
+        if name in DECIDER_FUNCTIONS:
+            raise ValueError(f"P/D decider {name!r} is already registered")
+        DECIDER_FUNCTIONS[name] = fn
+        return fn
+    return add
+
+
+@decider("never")
+def _never(local: Prediction, remote: RemoteChoice | None, uncached: int, request: RequestView,
+           params: PDParams) -> tuple[str, str]:
+    return "local", "decider 'never'"
+
+
+@decider("always")
+def _always(local: Prediction, remote: RemoteChoice | None, uncached: int, request: RequestView,
+            params: PDParams) -> tuple[str, str]:
+    return "remote", "decider 'always'"
+
+
+@decider("prefix")
+def _prefix(local: Prediction, remote: RemoteChoice | None, uncached: int, request: RequestView,
+            params: PDParams) -> tuple[str, str]:
+    """llm-d's rule: remote when the decode pod lacks at least ``non_cached_tokens`` of the prompt
+    and the prompt has at least ``prompt_tokens``."""
+    if params.non_cached_tokens <= 0:  # llm-d: 0 disables the decider
+        return "local", "prefix decider disabled (non_cached_tokens 0)"
+    if uncached < params.non_cached_tokens:
+        return "local", f"{uncached} uncached tokens on the decode pod < non_cached_tokens {params.non_cached_tokens}"
+    if request.prompt_tokens < params.prompt_tokens:
+        return "local", f"prompt of {request.prompt_tokens} tokens < prompt_tokens {params.prompt_tokens}"
+    return "remote", (f"{uncached} uncached tokens >= {params.non_cached_tokens} and prompt "
+                      f"{request.prompt_tokens} >= {params.prompt_tokens}")
+
+
+@decider("predicted")
+def _predicted(local: Prediction, remote: RemoteChoice | None, uncached: int, request: RequestView,
+               params: PDParams) -> tuple[str, str]:
+    """Remote only when the predicted TTFT through the best prefill pod, transfer included, beats a
+    local prefill by ``remote_margin_s``."""
+    assert remote is not None
     local_ms, remote_ms = local.ttft_s * 1000, remote.ttft_s * 1000
     if remote.ttft_s + params.remote_margin_s < local.ttft_s:
         return "remote", (f"remote via {remote.prefill_pod} {remote_ms:.1f} ms (transfer "
                           f"{remote.transfer_s * 1000:.1f} ms) beats local {local_ms:.1f} ms")
     return "local", (f"local {local_ms:.1f} ms beats remote via {remote.prefill_pod} {remote_ms:.1f} ms "
                      f"(transfer {remote.transfer_s * 1000:.1f} ms)")
+
+
+def decide_mode(name: str, local: Prediction, remote: RemoteChoice | None, uncached_on_decode: int,
+                request: RequestView, params: PDParams) -> tuple[str, str]:
+    """("remote" | "local", the reasoning) for one decode pod; local whenever no prefill pod is up."""
+    if remote is None:
+        return "local", "no prefill pod is available"
+    return DECIDER_FUNCTIONS[name](local, remote, uncached_on_decode, request, params)
 
 
 def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: RequestView, output_tokens: int,
@@ -218,8 +256,8 @@ def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: Reque
 def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], request: RequestView,
               output_tokens: int, params: PDParams, admission: bool = True, slack: float = 1.0) -> PDDecision:
     """Rank the decode pods (each with its prefill plan) and admit or reject the request."""
-    if params.decider not in DECIDERS:
-        raise ValueError(f"unknown P/D decider {params.decider!r}; expected one of {', '.join(DECIDERS)}")
+    if params.decider not in DECIDER_FUNCTIONS:
+        raise ValueError(f"unknown P/D decider {params.decider!r}; expected one of {', '.join(DECIDER_FUNCTIONS)}")
     options = [option_for(d, prefills, request, output_tokens, params) for d in decodes]
     if not options:
         return PDDecision(ranked=[], verdict=Verdict(False, "no-pods"), decider=params.decider)
