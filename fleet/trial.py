@@ -149,26 +149,35 @@ def row(result: dict[str, Any]) -> dict[str, Any]:
     if isinstance(hit, dict):
         hit = hit.get("hit_rate")
     return {"router": t.name, "requests": s["requests"], "hit_rate": hit, "ttft_p50": s.get("ttft_p50"),
-            "ttft_p99": s.get("ttft_p99"), "slo_attainment": s.get("slo_attainment"),
+            "ttft_p99": s.get("ttft_p99"), "ttft_p99_all": s.get("ttft_p99_all"),
+            "slo_attainment": s.get("slo_attainment"), "admitted_late": s.get("admitted_late"),
             "rejected": s["rejected"] / n, "errors": s["errors"], "lateness_p99_ms": s.get("lateness_p99_ms")}
 
 
+def _seconds(v: Any) -> str:
+    if v is None:
+        return "—"
+    return "∞ (rejected)" if v == float("inf") else f"{v:.2f} s"
+
+
 def format_rows(rows: Sequence[dict[str, Any]], objective_s: float) -> str:
-    head = f"| router / policy | hit rate | TTFT p50 | TTFT p99 | met the {objective_s:g} s objective |"
-    lines = [head, "|---|---|---|---|---|"]
+    """The routing table. "met" counts every request sent (a rejection or error is a miss); the
+    TTFT p99 is given over the admitted requests and over all sent (a rejection at infinity), and
+    "admitted, late" are the requests let through that still missed the objective."""
+    head = (f"| router / policy | hit rate | TTFT p50 (admitted) | TTFT p99 (admitted) | TTFT p99 (all sent) | "
+            f"met the {objective_s:g} s objective (all sent) | rejected | admitted, late |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['router']} | — | — | — | not run: {r['error']} |")
+            lines.append(f"| {r['router']} | — | — | — | — | not run: {r['error']} | — | — |")
             continue
         hit = f"{r['hit_rate'] * 100:.1f} %" if r.get("hit_rate") is not None else "—"
-        p50 = f"{r['ttft_p50']:.2f} s" if r.get("ttft_p50") is not None else "—"
-        p99 = f"{r['ttft_p99']:.2f} s" if r.get("ttft_p99") is not None else "—"
         met = f"{r['slo_attainment'] * 100:.1f} %" if r.get("slo_attainment") is not None else "—"
-        if r.get("rejected"):
-            met += f" ({r['rejected'] * 100:.1f} % rejected)"
         if r.get("errors"):
             met += f" [{r['errors']} errors]"
-        lines.append(f"| {r['router']} | {hit} | {p50} | {p99} | {met} |")
+        late = f"{r['admitted_late'] * 100:.1f} %" if r.get("admitted_late") is not None else "—"
+        lines.append(f"| {r['router']} | {hit} | {_seconds(r.get('ttft_p50'))} | {_seconds(r.get('ttft_p99'))} | "
+                     f"{_seconds(r.get('ttft_p99_all'))} | {met} | {r.get('rejected', 0) * 100:.1f} % | {late} |")
     return "\n".join(lines)
 
 

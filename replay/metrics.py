@@ -168,6 +168,17 @@ def summarize(records: Sequence[RequestRecord], *, duration: float, slo_ttft: fl
     def q(values: Sequence[float], p: float) -> float | None:
         return float(np.percentile(values, p)) if len(values) else None
 
+    # over ALL requests sent: a rejected or failed request never got a first token (infinity)
+    all_ttfts = sorted([r.ttft if r.ok and r.ttft is not None else math.inf for r in sent])
+
+    def q_all(p: float) -> float | None:
+        if not all_ttfts:
+            return None
+        v = all_ttfts[min(len(all_ttfts) - 1, int(math.ceil(p / 100.0 * len(all_ttfts))) - 1)]
+        return v if math.isfinite(v) else math.inf
+
+    late_admitted = sum(1 for r in ok if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft))
+
     summary: dict[str, Any] = {
         "requests": len(sent),
         "completed": len(ok),
@@ -191,6 +202,10 @@ def summarize(records: Sequence[RequestRecord], *, duration: float, slo_ttft: fl
         "ttft_p50": q(ttfts, 50),
         "ttft_p90": q(ttfts, 90),
         "ttft_p99": q(ttfts, 99),
+        # the same over all requests sent (nearest rank; inf when the rank falls on a rejection)
+        "ttft_p50_all": q_all(50),
+        "ttft_p99_all": q_all(99),
+        "admitted_late": (late_admitted / len(sent) if sent else None) if slo_ttft is not None else None,
         "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot,
         "slo_met": good if has_slo else None,

@@ -152,6 +152,10 @@ def test_summarize_and_peak_concurrency_pure():
     assert s["mean_ttft_ms"] == pytest.approx(200) and s["mean_tpot_ms"] == pytest.approx(100)
     assert s["mean_e2el_ms"] == pytest.approx(600) and s["lateness_max_ms"] == pytest.approx(3)
     assert s["max_concurrent_requests"] == 2
+    # over all 4 sent: 0.1, 0.3, then two that never had a first token
+    assert (s["ttft_p50_all"], s["ttft_p99_all"]) == (0.3, float("inf")) and s["ttft_p99"] == pytest.approx(0.298)
+    assert s["admitted_late"] == 0.25  # the 0.3 s one was let through and missed the 0.2 s objective
+    assert summarize(recs[:2], duration=1.0)["admitted_late"] is None  # no objective, no lateness
     assert summarize(recs, duration=1.0, slo_ttft=0.2, slo_tpot=0.05)["slo_attainment"] == 0.0
     assert peak_concurrency([(0, 1), (1, 2), (0.5, 1.5)]) == 2
 
