@@ -311,3 +311,59 @@ async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path):
     assert len(views) == 2, f"/metrics reached one worker only: {views}"
     # each worker sees the whole burst booked (less what has had its first token already), not its share
     assert all(v >= burst - 3 for v in views.values()), views
+
+
+async def test_replicas_follow_the_peer_list_a_resolver_gives():
+    """Replicas: the SUB socket follows what ``resolve_peers`` answers (a headless Service re-resolved),
+    and a failing resolver keeps the peers it had."""
+    pa, pb, pc = free_ports(3)
+    answers: list[list[str] | Exception] = [[f"tcp://127.0.0.1:{pb}"]]
+
+    async def resolve() -> list[str]:
+        answer = answers[-1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    a = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pa}"], resolve_peers=resolve, resolve_interval_s=0.1,
+                   snapshot_s=0.1, peer_timeout_s=0.5)
+    b = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pb}"], snapshot_s=0.1)
+    c = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pc}"], snapshot_s=0.1)
+    for bus in (a, b, c):
+        await bus.start()
+    try:
+        b.ledger.book("p0", 10)
+        c.ledger.book("p0", 20)
+        await until(lambda: a.ledger.foreign_count(b.origin) == 1, 5, "b's booking through the resolved peer")
+        assert c.origin not in a.peers
+        answers.append(OSError("resolver down"))
+        await asyncio.sleep(0.4)
+        assert a.connected == {f"tcp://127.0.0.1:{pb}"} and a.ledger.foreign_count(b.origin) == 1
+        answers.append([f"tcp://127.0.0.1:{pa}", f"tcp://127.0.0.1:{pc}"])  # b gone, c in, a itself listed
+        await until(lambda: a.ledger.foreign_count(c.origin) == 1 and a.ledger.foreign_count(b.origin) == 0, 5,
+                    "c's booking in, b's out after the timeout")
+        assert a.ledger.inflight("p0") == 1 and a.ledger.queued_tokens("p0", 1e-9) == pytest.approx(20.0)
+    finally:
+        for bus in (a, b, c):
+            await bus.stop()
+
+
+def test_build_bus_follows_the_settings():
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+    from router.service import build_bus
+
+    def settings(**kw):
+        return build_settings(RouterSettings, file_data={"pods": [{"id": "a", "url": "http://127.0.0.1:1"}], **kw})
+
+    assert build_bus(settings(), Ledger()) is None  # one process, no replicas: nothing to share
+    worker = build_bus(settings(), Ledger(), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"))
+    assert worker.pub_connect == ["tcp://127.0.0.1:1"] and worker.static_peers == ["tcp://127.0.0.1:2"]
+    assert worker.pub_bind == []
+    assert build_bus(settings(booking_bus=False), Ledger(), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")) is None
+    replica = build_bus(settings(booking_bus_bind="tcp://*:5570", booking_bus_peers=["tcp://10.0.0.2:5570"],
+                                 booking_bus_peers_dns="routers", booking_bus_snapshot_s=0.25), Ledger())
+    assert replica.pub_bind == ["tcp://*:5570"] and replica.static_peers == ["tcp://10.0.0.2:5570"]
+    assert replica.resolve_peers is not None and replica.snapshot_s == 0.25
+    with pytest.raises(ValueError):
+        settings(booking_bus_peers=["10.0.0.2:5570"])

@@ -1,0 +1,144 @@
+"""Booking-bus propagation latency on loopback: from one process's ``Ledger.book`` to the booking
+standing in another process's ledger.
+
+Three processes, as in production: a sender (books at ``--rate`` per second, each booking's token
+count carrying its send time on the shared CLOCK_MONOTONIC), a receiver (this process: a
+``BookingBus`` on an asyncio loop, noting when each booking is applied) and, for the workers
+topology, the forwarder ``kvroute serve --workers N`` runs in its parent process. ``--topology
+replicas`` connects the receiver straight to the sender's bind, as router replicas do.
+
+    python bench/bookbus_latency.py [--topology workers|replicas] [--messages 3000] [--rate 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from router.bookbus import BookingBus  # noqa: E402
+from router.booking import Ledger  # noqa: E402
+
+SENDER = textwrap.dedent("""
+    import asyncio, sys, time
+    from router.bookbus import BookingBus
+    from router.booking import Ledger
+
+    async def main(topology, endpoint, n, rate):
+        kw = {"pub_connect": [endpoint]} if topology == "workers" else {"pub_bind": [endpoint]}
+        bus = BookingBus(Ledger(), snapshot_s=0.5, **kw)
+        await bus.start()
+        print("up", flush=True)
+        sys.stdin.readline()  # the receiver hears our snapshots: go
+        for i in range(n):
+            t = bus.ledger.book(f"p{i % 8}", time.monotonic())
+            await asyncio.sleep(0)
+            bus.ledger.release(f"p{i % 8}", t)
+            await asyncio.sleep(1.0 / rate)
+        await asyncio.sleep(1.0)
+        await bus.stop()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+""")
+FORWARDER = textwrap.dedent("""
+    import sys, time
+    from router.bookbus import Forwarder
+    f = Forwarder().start()
+    print(f.pub_endpoint, f.sub_endpoint, flush=True)
+    sys.stdin.readline()
+    f.stop()
+""")
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def run(topology: str, messages: int, rate: float) -> dict:
+    procs = []
+    if topology == "workers":
+        fwd = subprocess.Popen([sys.executable, "-c", FORWARDER], cwd=ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+        procs.append(fwd)
+        assert fwd.stdout is not None
+        pub_ep, sub_ep = fwd.stdout.readline().split()
+        recv = BookingBus(Ledger(), sub_connect=[sub_ep])
+        send_ep = pub_ep
+    else:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        send_ep = f"tcp://127.0.0.1:{port}"
+        recv = BookingBus(Ledger(), sub_connect=[send_ep])
+    latencies: list[float] = []
+    apply = recv.ledger.apply_foreign
+
+    def timed(origin, event, pod, ticket, tokens=0.0, resource="prefill", max_per_origin=None):
+        now = time.monotonic()
+        done = apply(origin, event, pod, ticket, tokens, resource, max_per_origin)
+        if done and event == "book":
+            latencies.append(now - tokens)
+        return done
+
+    recv.ledger.apply_foreign = timed  # type: ignore[method-assign]
+    await recv.start()
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, topology, send_ep, str(messages), str(rate)], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(sender)
+    try:
+        assert sender.stdout is not None and sender.stdin is not None
+        sender.stdout.readline()
+        deadline = time.monotonic() + 30
+        while not recv.peers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        latencies.clear()  # snapshots before the go
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        while sender.poll() is None:
+            await asyncio.sleep(0.1)
+    finally:
+        await recv.stop()
+        for p in procs:
+            if p.poll() is None:
+                assert p.stdin is not None
+                p.stdin.write("\n")
+                p.stdin.flush()
+                p.wait(10)
+    ms = [x * 1000 for x in latencies]
+    return {"topology": topology, "messages": messages, "received": len(ms), "rate_per_s": rate,
+            "lost": recv.stats.get("lost", "dropped"),
+            "p50_ms": round(statistics.median(ms), 3), "p99_ms": round(pct(ms, 0.99), 3),
+            "max_ms": round(max(ms), 3), "mean_ms": round(statistics.fmean(ms), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--topology", default="workers,replicas")
+    ap.add_argument("--messages", type=int, default=3000)
+    ap.add_argument("--rate", type=float, default=500.0, help="bookings per second (each also released)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    rows = [asyncio.run(run(t.strip(), args.messages, args.rate)) for t in args.topology.split(",") if t.strip()]
+    for r in rows:
+        print(f"{r['topology']:<9} {r['received']}/{r['messages']} bookings  p50 {r['p50_ms']:.3f} ms  "
+              f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  lost {r['lost']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
