@@ -15,16 +15,20 @@ Two timing models share one block pool, one event path and one set of metrics:
 
 Both reuse at most ``(prompt_len - 1) // block_size`` cached blocks, as vLLM does (the last prompt
 token is always computed to get logits).
+
+The arithmetic of both (who is scheduled, what is cached, how long a step or a prefill takes) lives
+in ``simulator/core.py``, free of asyncio, so ``kvroute simulate`` (``whatif/``) runs the same
+models in simulated time; this module adds the clock, the output streams, metrics and events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import Callable
 
 from simulator.block_pool import BlockPool
+from simulator.core import CostCore, CostParams, SeedCore, SeedParams
 from simulator.events import all_blocks_cleared, block_removed, block_stored
 from simulator.faults import Faults
 from simulator.metrics import PodMetrics
@@ -33,10 +37,6 @@ from simulator.settings import SimSettings
 from simulator.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.sim.engine")
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class OutputTokens:
@@ -122,9 +122,6 @@ class EngineBase:
         m.success[reason].inc()
         req.finish(reason, now)
 
-    def _max_hit_blocks(self, req: SimRequest) -> int:
-        return min(len(req.hashes), (req.n_prompt - 1) // self.block_size)
-
     def reset_prefix_cache(self) -> None:
         self.pool.reset()
         self.flush_events()
@@ -144,11 +141,12 @@ class EngineBase:
         self.pool.forget()
 
 
-class CostEngine(EngineBase):
+class CostEngine(EngineBase, CostCore):
+    """The 'cost' model (``simulator.core.CostCore``) driven by the event loop with real sleeps."""
+
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
+        EngineBase.__init__(self, *args, **kwargs)
+        CostCore.__init__(self, self.pool, CostParams.from_settings(self.settings))
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._busy_until = 0.0
@@ -184,13 +182,13 @@ class CostEngine(EngineBase):
         loop = self.loop
         while True:
             try:
-                batch = self._schedule()
+                batch = self.schedule(self.now())
                 self.flush_events()
                 if not batch:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                duration = self._step_cost(batch) * self.faults.slowdown
+                duration = self.step_cost(batch) * self.faults.slowdown
                 start = max(loop.time(), self._busy_until)
                 end = start + duration
                 self._busy_until = end
@@ -199,7 +197,7 @@ class CostEngine(EngineBase):
                     await asyncio.sleep(delay)
                 else:
                     await asyncio.sleep(0)
-                self._commit(batch, end, duration)
+                self.commit(batch, end, duration)
                 self.flush_events()
             except asyncio.CancelledError:
                 raise
@@ -207,155 +205,38 @@ class CostEngine(EngineBase):
                 log.exception("engine step failed")
                 await asyncio.sleep(0.01)
 
-    def _step_cost(self, batch: list[tuple[SimRequest, int]]) -> float:
-        s = self.settings
-        tokens = 0
-        resident = 0
-        for req, n in batch:
-            tokens += n
-            resident += req.num_computed + n
-        return s.step_overhead_s + s.compute_s_per_token * tokens + s.kv_read_s_per_token * resident
+    # --- the core's hooks: metrics, output tokens, NIXL leases ----------------------------------
+    def _on_admitted(self, req: SimRequest, hit_tokens: int, now: float) -> None:
+        self.metrics.queue_time.observe(now - req.arrival)
+        self._count_prefix(req, hit_tokens)
 
-    # --- scheduling ----------------------------------------------------------------------------
-    def _blocks_needed(self, req: SimRequest, n: int) -> int:
-        return _ceil_div(req.num_computed + n, self.block_size) - len(req.block_ids)
-
-    def _preempt(self, req: SimRequest) -> None:
-        self.running.remove(req)
-        self.pool.release(req.block_ids)
-        req.block_ids = []
-        req.num_computed = 0
-        req.num_cached_blocks = 0
-        self.waiting.appendleft(req)
+    def _on_preempted(self, req: SimRequest) -> None:
         self.metrics.preemptions.inc()
 
-    def _drop(self, req: SimRequest) -> None:
-        """Remove an aborted request and free its blocks."""
-        if req in self.running:
-            self.running.remove(req)
-        self.pool.release(req.block_ids)
-        req.block_ids = []
-        self._record_finish(req, "abort", self.now())
+    def _on_prefill_tokens(self, req: SimRequest, n: int) -> None:
+        self.metrics.prompt_tokens.inc(n)
 
-    def _schedule(self) -> list[tuple[SimRequest, int]]:
-        s = self.settings
-        bs = self.block_size
-        pool = self.pool
-        budget = s.max_num_batched_tokens
-        batch: list[tuple[SimRequest, int]] = []
-        in_batch: set[int] = set()
+    def _output_token(self, i: int) -> int:
+        return self.output.at(i)
 
-        for req in [r for r in self.running if r.aborted]:
-            self._drop(req)
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(len(req.all_tokens) - req.num_computed, budget)
-            need = self._blocks_needed(req, n)
-            preempted_self = False
-            while need > pool.num_free:
-                victim = self.running[-1]
-                if id(victim) in in_batch:  # cannot take blocks back from a request already scheduled
-                    break
-                self._preempt(victim)
-                if victim is req:
-                    preempted_self = True
-                    break
-            if preempted_self:
-                continue
-            if need > pool.num_free:
-                break
-            if need > 0:
-                req.block_ids.extend(pool.allocate(need))
-            batch.append((req, n))
-            in_batch.add(id(req))
-            budget -= n
-            i += 1
-
-        waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < s.max_num_seqs:
-            req = waiting[0]
-            if req.aborted:
-                waiting.popleft()
-                self._record_finish(req, "abort", self.now())
-                continue
-            first_time = not req.admitted
-            hit = pool.match_prefix(req.hashes[:self._max_hit_blocks(req)])
-            computed = len(hit) * bs
-            remote = req.remote_tokens if req.remote_tokens > computed else 0
-            start = max(computed, remote)
-            n = min(len(req.all_tokens) - start, budget)
-            need = _ceil_div(start + n, bs) - len(hit)
-            if pool.free_after_touch(hit) < need:
-                break  # FIFO: the head waits for blocks
-            pool.touch(hit)
-            new = pool.allocate(need) if need > 0 else []
-            req.block_ids = hit + new
-            req.num_cached_blocks = len(hit)
-            req.num_computed = start
-            if remote:
-                # KV received from the prefill pod: its full blocks are cached now (BlockStored here)
-                self._cache_full_blocks(req)
-            if first_time:
-                req.admitted = True
-                req.scheduled_at = self.now()
-                self.metrics.queue_time.observe(req.scheduled_at - req.arrival)
-                self._count_prefix(req, computed)
-            waiting.popleft()
-            self.running.append(req)
-            batch.append((req, n))
-            in_batch.add(id(req))
-            budget -= n
-        return batch
-
-    def _cache_full_blocks(self, req: SimRequest) -> None:
-        bs = self.block_size
-        full = min(req.num_computed, len(req.all_tokens)) // bs
-        full = min(full, len(req.block_ids))
-        have = req.num_cached_blocks
-        if full <= have:
-            return
-        req.extend_hashes(full, bs)
-        parent = req.hashes[have - 1] if have else None
-        self.pool.cache(req.block_ids[have:full], req.hashes[have:full], parent,
-                        req.all_tokens[have * bs:full * bs])
-        req.num_cached_blocks = full
-
-    def _commit(self, batch: list[tuple[SimRequest, int]], now: float, duration: float) -> None:
+    def _on_token(self, req: SimRequest, first: bool, last: float | None, now: float) -> None:
         m = self.metrics
-        step_tokens = sum(n for _, n in batch)
-        for req, n in batch:
-            if req.aborted or req.finish_reason is not None:
-                continue
-            prefill = req.num_computed < req.n_prompt
-            req.num_computed += n
-            if prefill:
-                m.prompt_tokens.inc(n)
-                req.prefill_compute_s += duration * n / step_tokens
-            self._cache_full_blocks(req)
-            if req.num_computed < len(req.all_tokens):
-                continue  # still prefilling (chunked)
-            first = req.first_token_at is None
-            last = req.last_token_at
-            req.emit(self.output.at(req.num_output), now)
-            m.generation_tokens.inc()
-            if first:
-                m.ttft.observe(now - req.arrival)
-                if req.scheduled_at is not None:
-                    m.prefill_time.observe(now - req.scheduled_at)
-            elif last is not None:
-                m.itl.observe(now - last)
-            if req.done_generating:
-                self._finish(req, "length" if req.length_capped else "stop", now)
+        m.generation_tokens.inc()
+        if first:
+            m.ttft.observe(now - req.arrival)
+            if req.scheduled_at is not None:
+                m.prefill_time.observe(now - req.scheduled_at)
+        elif last is not None:
+            m.itl.observe(now - last)
 
-    def _finish(self, req: SimRequest, reason: str, now: float) -> None:
-        self.running.remove(req)
+    def _release_finished(self, req: SimRequest) -> None:
         if req.keep_blocks and self.on_release is not None:
             self.on_release(req)  # the NIXL lease now owns the blocks
         else:
             self.pool.release(req.block_ids)
             req.block_ids = []
+
+    def _on_finish(self, req: SimRequest, reason: str, now: float) -> None:
         self._record_finish(req, reason, now)
 
 
@@ -364,7 +245,7 @@ class SeedEngine(EngineBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._server_free_at = 0.0
+        self.core = SeedCore(self.pool, SeedParams.from_settings(self.settings))
         self._waiting = 0
         self._running = 0
         self._tasks: set[asyncio.Task] = set()
@@ -391,31 +272,10 @@ class SeedEngine(EngineBase):
         return self._waiting
 
     def submit(self, req: SimRequest) -> None:
-        s = self.settings
-        bs = self.block_size
-        pool = self.pool
-        now = self.now()
-        hit = pool.match_prefix(req.hashes[:self._max_hit_blocks(req)])
-        computed = max(len(hit) * bs, min(req.remote_tokens, req.n_prompt - 1))
-        req.admitted = True
-        self._count_prefix(req, len(hit) * bs)
-        # LRU update at admission: touch hits, store every other full prompt block (as many as fit)
-        pool.touch(hit)
-        full = len(req.hashes)
-        new = pool.allocate(min(full - len(hit), pool.num_free)) or []
-        parent = req.hashes[len(hit) - 1] if hit else None
-        span = slice(len(hit), len(hit) + len(new))
-        pool.cache(new, req.hashes[span], parent, req.prompt[span.start * bs:span.stop * bs])
-        req.block_ids = hit + new
-        if not req.keep_blocks:
-            pool.release(req.block_ids)
-            req.block_ids = []
+        adm = self.core.admit(req, self.now(), self.faults.slowdown)
+        self._count_prefix(req, adm.hit_tokens)
         self.flush_events()
-        uncached = req.n_prompt - computed
-        start = max(now, self._server_free_at)
-        compute = uncached / s.prefill_tokens_per_s * self.faults.slowdown
-        req.prefill_compute_s = compute
-        self._server_free_at = start + compute
+        start, compute = adm.start, adm.compute_s
         self._waiting += 1
         task = self.loop.create_task(self._serve(req, start, start + compute))
         self._tasks.add(task)
