@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("sidecar.cli", "run the prefill/decode sidecar beside a decode pod"),
     "sim": ("simulator.cli", "run simulated vLLM pods (HTTP, KV events, NIXL, metrics; no GPU)"),
     "replay": ("replay.cli", "replay a trace or synthetic workload against a target and report"),
+    "simulate": ("whatif.cli", "a workload through the router's own decisions against pod models, in simulated time"),
+    "plan": ("whatif.plan", "recommend aggregated or P/D (and the split) for a workload by simulating each"),
     "demo": ("fleet.demo", "start a local simulated fleet and the router, replay, print a report"),
     "events": ("indexer.cli", "print a pod's decoded KV-cache event stream as JSON lines"),
 }
