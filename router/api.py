@@ -206,7 +206,8 @@ def create_app(services: Services) -> FastAPI:
         plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
                       **await prompt_ids(r, kind, body, len(raw)))
         gate.settle(caller, charged, plan.request.prompt_tokens)
-        return Response(orjson.dumps(explain(plan, r.block_size, lifecycle.policy)), media_type="application/json")
+        answer = explain(plan, r.block_size, lifecycle.policy, settings.ttft_interval_level)
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:

@@ -106,6 +106,13 @@ class RouterSettings(BaseSettings):
                                             "misses it are rejected with 429 (none = no objective)")
     admission: bool = Field(True, description="reject early (429) when the best prediction misses the objective")
     admission_slack: float = Field(1.0, description="reject when predicted TTFT > objective x this factor")
+    admission_miss_probability: float | None = Field(0.5, gt=0, lt=1, description="reject when on every pod the "
+                                                     "probability of missing objective x slack is above this (the "
+                                                     "pods' learnt error model); none = compare the point estimate")
+    ttft_error_prior_sd: float = Field(0.25, ge=0, description="spread of ln(observed/predicted TTFT) assumed for a "
+                                       "pod before it has been observed")
+    ttft_interval_level: float = Field(0.9, gt=0, lt=1, description="level of the predicted TTFT interval that "
+                                       "/debug/route shows and kvroute_ttft_interval_total checks")
     slo_header: str = Field("x-slo-ttft-ms", description="request header carrying a per-request TTFT objective (ms)")
     priority_header: str = Field("x-priority", description="request header marking critical traffic")
     priority_exempt_values: list[str] = Field(default_factory=lambda: ["critical", "high"],

@@ -9,9 +9,10 @@ from router.disagg import explain_pd
 from router.routing import Plan
 
 
-def explain(plan: Plan, block_size: int, policy: str) -> dict[str, Any]:
+def explain(plan: Plan, block_size: int, policy: str, level: float = 0.9) -> dict[str, Any]:
     """The decision as JSON: per pod what it holds, what is pending, what is predicted, the verdict."""
     d = plan.decision
+    objective = plan.request.objective_s
     chosen = d.chosen.pod_id if d.chosen else None
     order = {c.pod_id: i for i, c in enumerate(d.ranked)}
     pods = []
@@ -27,6 +28,8 @@ def explain(plan: Plan, block_size: int, policy: str) -> dict[str, Any]:
             "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
             "predicted_ttft_ms": round(p.ttft_s * 1000, 3), "queue_ms": round(p.queue_s * 1000, 3),
             "prefill_ms": round(p.prefill_s * 1000, 3), "overhead_ms": round(p.overhead_s * 1000, 3),
+            f"ttft_interval_{round(level * 100)}_ms": [round(t * 1000, 3) for t in p.interval(level)],
+            "miss_probability": (round(p.miss_probability(objective), 4) if objective is not None else None),
         })
     best = d.best_prediction
     return {
@@ -34,6 +37,7 @@ def explain(plan: Plan, block_size: int, policy: str) -> dict[str, Any]:
         "block_size": block_size, "blocks": len(plan.keys),
         "objective_ms": plan.request.objective_s * 1000 if plan.request.objective_s is not None else None,
         "admitted": d.verdict.admitted, "reason": d.verdict.reason, "chosen": chosen,
+        "best_miss_probability": d.verdict.miss_probability,
         "best_predicted_ttft_ms": round(best.ttft_s * 1000, 3) if best else None,
         "pods": pods,
         **({"pd": explain_pd(d.pd)} if d.pd is not None else {}),

@@ -36,6 +36,9 @@ class RouterMetrics:
         self.prediction_relative_error = Histogram(
             "kvroute_ttft_prediction_relative_error", "Absolute error of the TTFT prediction over the observed TTFT",
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0), registry=r)
+        # inside / (inside + below + above) is how often the observed TTFT fell in the predicted interval
+        self.ttft_interval = Counter("kvroute_ttft_interval", "Observed TTFTs against the predicted interval "
+                                     "(ttft_interval_level): inside, below or above it", ["outcome"], registry=r)
         self.rejections = Counter("kvroute_rejections", "Requests rejected, by reason", ["reason"], registry=r)
         self.retries = Counter("kvroute_retries", "Requests retried on another pod, by cause", ["cause"], registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed", registry=r)

@@ -84,6 +84,7 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: lis
     cands, kv = [], {}
     for p in pods:
         cal = calibrator.pod(p.id)
+        error = cal.error_model()
         m = matches.get(p.id)
         if m is not None:
             cached = int(m.blocks) * bs
@@ -97,6 +98,7 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: lis
             inflight_requests=ledger.inflight(p.id),
             queue_tokens=ledger.queued_tokens(p.id, cal.rate),
             prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s,
+            log_error_mean=error[0], log_error_sd=error[1],
             cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
             tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
         ))
@@ -118,15 +120,18 @@ class Router:
         self.metrics = metrics
         self.ledger = ledger or Ledger(clock)
         self.calibrator = calibrator or Calibrator(settings.prefill_tokens_per_s, settings.overhead_ms / 1000.0,
-                                                   settings.calibration_halflife, settings.calibrate)
+                                                   settings.calibration_halflife, settings.calibrate,
+                                                   prior_sd=settings.ttft_error_prior_sd)
         self.block_size = block_size
         self.subscriber = subscriber
         self.policy = settings.policy if settings.scorers is None else "custom"
         state = PolicyState()
         state.rng.seed(settings.seed)
+        tolerance = settings.admission_miss_probability
         self.planner = AggregatedPlanner(scoring_from_settings(settings), state, settings.admission,
-                                         settings.admission_slack)
-        self.pd_planner = PDPlanner(params_from_settings(settings), settings.admission, settings.admission_slack)
+                                         settings.admission_slack, tolerance)
+        self.pd_planner = PDPlanner(params_from_settings(settings), settings.admission, settings.admission_slack,
+                                    tolerance)
         self.pd_metrics = pd_metrics(metrics.registry)
         self._clock = clock
         self._seeds: dict[str, int] = {}
@@ -288,10 +293,11 @@ class Router:
         bs = self.block_size
         new_blocks = max(0, plan.request.prompt_tokens // bs - route.cached_tokens // bs) \
             if route.mode == "aggregated" else 0
+        low, high = pred.interval(self.settings.ttft_interval_level, route.ttft_s)
         return Booking(pod_id=route.pod_id, prefill_pod=route.prefill_pod, prefill_ticket=ticket,
                        work_tokens=pred.queue_s * rate + pred.uncached_tokens, predicted_ttft_s=route.ttft_s,
                        cached_tokens=route.cached_tokens, mode=route.mode, kv_ticket=kv_ticket,
-                       sent_at=self._clock(), new_blocks=new_blocks)
+                       sent_at=self._clock(), new_blocks=new_blocks, ttft_low_s=low, ttft_high_s=high)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
         """The pod produced its first token: release the booking and learn from the TTFT."""
@@ -304,8 +310,10 @@ class Router:
             self.metrics.prediction_error.observe(abs(ttft - booking.predicted_ttft_s))
             if ttft > 0:
                 self.metrics.prediction_relative_error.observe(abs(ttft - booking.predicted_ttft_s) / ttft)
+            where = "below" if ttft < booking.ttft_low_s else ("above" if ttft > booking.ttft_high_s else "inside")
+            self.metrics.ttft_interval.labels(where).inc()
             if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
-                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft)
+                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.predicted_ttft_s)
 
     def finish(self, booking: Booking) -> None:
         """The request ended without a usable first-token time (error, non-streaming, cancelled)."""

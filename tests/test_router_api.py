@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -478,3 +479,19 @@ async def test_a_custom_scorer_list_routes_and_is_labelled_custom():
                 r = await c.post("/v1/completions", json=completion())
                 assert r.headers["x-kvroute-pod"] == "pod-1"
                 assert 'policy="custom",status="200"} 1.0' in (await c.get("/metrics")).text
+
+
+async def test_each_first_token_is_checked_against_the_predicted_interval():
+    async with pods_running(2, chunks=1) as pods, running_router(settings_for(pods)) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            explained = (await c.post("/debug/route", json=completion(), headers={"x-slo-ttft-ms": "500"})).json()
+            for p in explained["pods"]:
+                low, high = p["ttft_interval_90_ms"]
+                assert low < p["predicted_ttft_ms"] < high and 0.0 <= p["miss_probability"] < 0.5
+            assert explained["best_miss_probability"] < 0.5
+            for _ in range(5):
+                assert (await c.post("/v1/completions", json=completion(stream=True))).status_code == 200
+            text = (await c.get("/metrics")).text
+        counts = {o: float(re.search(rf'kvroute_ttft_interval_total{{outcome="{o}"}} (\S+)', text).group(1))
+                  for o in ("inside", "below", "above") if f'outcome="{o}"' in text}
+        assert sum(counts.values()) == 5, counts  # every streamed first token, and only those

@@ -1,6 +1,8 @@
 """Scorers, predictor, admission and calibration on hand-built snapshots (no I/O)."""
 
+import math
 import random
+from statistics import NormalDist
 
 import pytest
 
@@ -143,7 +145,7 @@ def test_admission_rejects_only_when_the_best_pod_misses():
     assert decide([slow], no_slo, policy("predicted-ttft"), PolicyState()).verdict.reason == "no-objective"
     assert not decide([], req, policy("predicted-ttft"), PolicyState()).verdict.admitted
     assert decide([], req, policy("predicted-ttft"), PolicyState()).verdict.reason == "no-pods"
-    assert admit(predict(slow, req), req, enabled=False).admitted
+    assert admit([predict(slow, req)], req, enabled=False).admitted
 
 
 def test_affinity_bonus_keeps_a_session_on_its_pod_when_nearly_tied():
@@ -262,3 +264,33 @@ def test_a_new_scorer_is_one_class_and_one_registration():
         build_scoring([{"type": "test-fewest-running"}])
     with pytest.raises(ValueError, match="at least one scorer"):
         build_scoring([{"type": "load", "weight": 0}])
+
+
+def test_the_calibrator_learns_how_a_pod_errs():
+    cal = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=100, enabled=False, prior_sd=0.25)
+    assert cal.pod("a").error_model() == (0.0, 0.25)  # nothing seen: the prior
+    rng = random.Random(2)
+    for _ in range(400):  # this pod's TTFTs run about twice the predictions, with a little noise
+        predicted = rng.uniform(0.05, 1.0)
+        cal.observe("a", 0.0, predicted * 2.0 * math.exp(rng.gauss(0, 0.05)), predicted)
+    mean, sd = cal.pod("a").error_model()
+    assert mean == pytest.approx(math.log(2.0), abs=0.05) and 0.03 < sd < 0.1
+
+
+def test_admission_on_the_probability_of_a_miss():
+    req = RequestView(prompt_tokens=8000, objective_s=1.0)
+    honest = cand("a", log_error_sd=0.25)                  # predicted 0.81 s, unbiased
+    late = cand("a", log_error_mean=math.log(2.0), log_error_sd=0.1)  # the same prediction, but it runs 2x late
+    p_honest, p_late = predict(honest, req), predict(late, req)
+    assert p_honest.ttft_s == p_late.ttft_s == pytest.approx(0.81)
+    assert p_honest.miss_probability(1.0) == pytest.approx(1 - NormalDist().cdf(math.log(1 / 0.81) / 0.25))
+    assert p_late.miss_probability(1.0) > 0.99
+    low, high = p_honest.interval(0.9)
+    assert low < 0.81 < high and high / 0.81 == pytest.approx(math.exp(1.6449 * 0.25), rel=1e-3)
+    scoring = policy("predicted-ttft")
+    assert decide([honest], req, scoring, PolicyState(), miss_tolerance=0.5).verdict.admitted
+    rejected = decide([late], req, scoring, PolicyState(), miss_tolerance=0.5).verdict
+    assert not rejected.admitted and rejected.reason == "slo" and rejected.miss_probability > 0.99
+    assert decide([late], req, scoring, PolicyState()).verdict.admitted  # the point rule lets it through
+    # a stricter tolerance rejects the honest pod too: 0.81 s against 1 s is a 20 % risk
+    assert not decide([honest], req, scoring, PolicyState(), miss_tolerance=0.1).verdict.admitted

@@ -1,7 +1,15 @@
-"""Early rejection: say no at once when even the best pod is predicted to miss the objective."""
+"""Early rejection: say no at once when even the best pod is likely to miss the objective.
+
+With ``miss_tolerance`` (the router's ``admission_miss_probability``) a request is rejected when,
+on every pod, the probability of missing the objective (``objective x slack``) is above it: the
+prediction's error model (``Prediction.miss_probability``) says how far to trust the point
+estimate. With a tolerance of 0.5 and an unbiased model this is the point rule; a pod whose
+predictions have run late moves the line earlier. ``None`` keeps the point rule.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .snapshot import Prediction, RequestView
@@ -10,16 +18,25 @@ from .snapshot import Prediction, RequestView
 @dataclass(frozen=True, slots=True)
 class Verdict:
     admitted: bool
-    reason: str  # "ok", "no-objective", "exempt", "slo" (rejected), "no-pods" (rejected)
+    reason: str  # "ok", "no-objective", "exempt", "slo" (rejected), "no-pods" (rejected), "kv" (rejected)
+    miss_probability: float | None = None  # the best pod's, when the objective was checked
 
 
-def admit(best: Prediction | None, request: RequestView, enabled: bool = True, slack: float = 1.0) -> Verdict:
-    if best is None:
+def admit(predictions: Iterable[Prediction], request: RequestView, enabled: bool = True, slack: float = 1.0,
+          miss_tolerance: float | None = None, ttfts: Iterable[float] | None = None) -> Verdict:
+    """Admit or reject on the best of ``predictions`` (``ttfts``, if given, replace their TTFTs: a
+    P/D path adds a transfer to its prefill prediction)."""
+    preds = list(predictions)
+    if not preds:
         return Verdict(False, "no-pods")
     if not enabled or request.objective_s is None:
         return Verdict(True, "no-objective")
     if request.exempt:
         return Verdict(True, "exempt")
-    if best.ttft_s > request.objective_s * slack:
-        return Verdict(False, "slo")
-    return Verdict(True, "ok")
+    times = list(ttfts) if ttfts is not None else [p.ttft_s for p in preds]
+    limit = request.objective_s * slack
+    if miss_tolerance is None:
+        best = min(times)
+        return Verdict(best <= limit, "ok" if best <= limit else "slo")
+    risk = min(p.miss_probability(limit, t) for p, t in zip(preds, times, strict=True))
+    return Verdict(risk <= miss_tolerance, "ok" if risk <= miss_tolerance else "slo", risk)

@@ -5,6 +5,12 @@ and including the request when it was routed. Recursive least squares with expon
 fits ``(overhead, 1/rate)`` per pod, so a pod that slows down (or was configured wrong) is
 re-learned within a few hundred requests. The prior is the configured rate and overhead; estimates
 are clamped to sane bounds so one outlier cannot send the rate negative.
+
+**Error model.** Each pod also learns how its predictions err: ``ln(observed / predicted)``, as an
+exponentially weighted mean and variance with the same memory. Before ``prior_weight``
+observations it is shrunk towards no bias and ``prior_sd``. Admission uses it to ask how likely a
+miss is rather than whether the point estimate crosses the objective, and ``/debug/route`` shows
+the interval it gives.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ class PodCalibration:
     forget: float
     samples: int = 0
     abs_error_sum: float = 0.0
+    prior_sd: float = 0.25
+    prior_weight: float = 10.0
+    log_mean: float = 0.0
+    log_var: float = 0.0
+    log_n: int = 0
     # RLS state: theta = [overhead_s, s_per_kilotoken], P = covariance (row-major 2x2)
     _theta: list[float] = field(default_factory=list)
     _p: list[float] = field(default_factory=list)
@@ -32,13 +43,33 @@ class PodCalibration:
         self._theta = [self.overhead_s, _KT / self.rate]
         self._p = [1.0, 0.0, 0.0, 1.0]  # a weak prior: a few observations outweigh it
 
-    def observe(self, work_tokens: float, ttft_s: float) -> float:
-        """Fold one observation in; returns the prediction error (observed - predicted) in seconds."""
+    def error_model(self) -> tuple[float, float]:
+        """(mean, sd) of ln(observed / predicted), shrunk towards (0, prior_sd) while data is scarce."""
+        n, n0 = float(self.log_n), self.prior_weight
+        mean = self.log_mean * n / (n + n0)
+        var = (n0 * self.prior_sd ** 2 + n * self.log_var) / (n + n0)
+        return mean, math.sqrt(max(var, 0.0))
+
+    def observe_error(self, predicted_s: float, ttft_s: float) -> None:
+        """Fold one (predicted, observed) pair into the error model."""
+        if not (predicted_s > 0 and ttft_s > 0 and math.isfinite(ttft_s) and math.isfinite(predicted_s)):
+            return
+        r = math.log(ttft_s / predicted_s)
+        w = max(1.0 - self.forget, 1.0 / (self.log_n + 1))
+        d = r - self.log_mean
+        self.log_mean += w * d
+        self.log_var = (1.0 - w) * (self.log_var + w * d * d)
+        self.log_n += 1
+
+    def observe(self, work_tokens: float, ttft_s: float, predicted_s: float | None = None) -> float:
+        """Fold one observation in; returns the prediction error (observed - predicted) in seconds.
+        ``predicted_s``: what the router predicted for it (else this model's own prediction)."""
         x0, x1 = 1.0, max(work_tokens, 0.0) / _KT
         predicted = self.overhead_s + max(work_tokens, 0.0) / self.rate
         error = ttft_s - predicted
         if not math.isfinite(ttft_s) or ttft_s < 0:
             return 0.0
+        self.observe_error(predicted if predicted_s is None else predicted_s, ttft_s)
         p00, p01, p10, p11 = self._p
         px0 = p00 * x0 + p01 * x1
         px1 = p10 * x0 + p11 * x1
@@ -65,13 +96,15 @@ class Calibrator:
     """Per-pod calibrations, created on first use from the prior."""
 
     def __init__(self, prior_rate: float, prior_overhead_s: float, halflife: float = 200.0,
-                 enabled: bool = True, min_rate: float | None = None, max_rate: float | None = None):
+                 enabled: bool = True, min_rate: float | None = None, max_rate: float | None = None,
+                 prior_sd: float = 0.25):
         self.prior_rate = prior_rate
         self.prior_overhead_s = prior_overhead_s
         self.enabled = enabled
         self.forget = 0.5 ** (1.0 / max(halflife, 1.0))
         self.min_rate = min_rate if min_rate is not None else prior_rate / 20
         self.max_rate = max_rate if max_rate is not None else prior_rate * 20
+        self.prior_sd = prior_sd
         self.pods: dict[str, PodCalibration] = {}
 
     def pod(self, pod_id: str, prior_rate: float | None = None) -> PodCalibration:
@@ -79,12 +112,15 @@ class Calibrator:
         if cal is None:
             rate = prior_rate or self.prior_rate
             cal = PodCalibration(overhead_s=self.prior_overhead_s, rate=rate, min_rate=min(self.min_rate, rate),
-                                 max_rate=max(self.max_rate, rate), forget=self.forget)
+                                 max_rate=max(self.max_rate, rate), forget=self.forget, prior_sd=self.prior_sd)
             self.pods[pod_id] = cal
         return cal
 
-    def observe(self, pod_id: str, work_tokens: float, ttft_s: float) -> float:
+    def observe(self, pod_id: str, work_tokens: float, ttft_s: float, predicted_s: float | None = None) -> float:
+        """Learn from one TTFT; with calibration off only the error model learns."""
         cal = self.pod(pod_id)
         if not self.enabled:
-            return ttft_s - (cal.overhead_s + work_tokens / cal.rate)
-        return cal.observe(work_tokens, ttft_s)
+            own = cal.overhead_s + work_tokens / cal.rate
+            cal.observe_error(own if predicted_s is None else predicted_s, ttft_s)
+            return ttft_s - own
+        return cal.observe(work_tokens, ttft_s, predicted_s)

@@ -56,13 +56,14 @@ class Decision:
 
 
 def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scoring, state: PolicyState,
-           admission: bool = True, slack: float = 1.0, dry_run: bool = False) -> Decision:
+           admission: bool = True, slack: float = 1.0, dry_run: bool = False,
+           miss_tolerance: float | None = None) -> Decision:
     """Rank ``candidates`` for ``request`` by ``scoring``; ``dry_run`` leaves ``state`` untouched."""
     if dry_run and scoring.stateful:
         state = copy.deepcopy(state)
     predictions = {c.pod_id: predict(c, request) for c in candidates}
     ranked = rank(candidates, request, predictions, scoring, state)
-    verdict = admit(min(predictions.values(), key=lambda p: p.ttft_s, default=None), request, admission, slack)
+    verdict = admit(predictions.values(), request, admission, slack, miss_tolerance)
     routes = {c.pod_id: Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=predictions[c.pod_id],
                               ttft_s=predictions[c.pod_id].ttft_s,
                               cached_tokens=min(int(c.effective_cached_tokens), request.prompt_tokens))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .admission import Verdict
+from .admission import Verdict, admit
 from .predictor import predict
 from .snapshot import Candidate, Prediction, RequestView
 
@@ -254,7 +254,8 @@ def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: Reque
 
 
 def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], request: RequestView,
-              output_tokens: int, params: PDParams, admission: bool = True, slack: float = 1.0) -> PDDecision:
+              output_tokens: int, params: PDParams, admission: bool = True, slack: float = 1.0,
+              miss_tolerance: float | None = None) -> PDDecision:
     """Rank the decode pods (each with its prefill plan) and admit or reject the request."""
     if params.decider not in DECIDER_FUNCTIONS:
         raise ValueError(f"unknown P/D decider {params.decider!r}; expected one of {', '.join(DECIDER_FUNCTIONS)}")
@@ -285,12 +286,7 @@ def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], requ
         notes.append("no decode pod has KV room for the prompt and the expected output")
         verdict = Verdict(True, "exempt") if (request.exempt and admission) else \
             (Verdict(True, "no-objective") if not admission else Verdict(False, "kv"))
-    elif not admission or objective is None:
-        verdict = Verdict(True, "no-objective")
-    elif request.exempt:
-        verdict = Verdict(True, "exempt")
-    elif min(o.ttft_s for o in roomy) > objective * slack:
-        verdict = Verdict(False, "slo")
-    else:
-        verdict = Verdict(True, "ok")
+    else:  # each path's TTFT with the error model of the pod that prefills it
+        paths = [o.remote.prediction if o.mode == "remote" and o.remote else o.local for o in roomy]
+        verdict = admit(paths, request, admission, slack, miss_tolerance, ttfts=[o.ttft_s for o in roomy])
     return PDDecision(ranked=ranked, verdict=verdict, decider=params.decider, best_tpot_s=best_tpot, notes=notes)

@@ -31,11 +31,12 @@ class AggregatedPlanner:
     state: PolicyState = field(default_factory=PolicyState)
     admission: bool = True
     slack: float = 1.0
+    miss_tolerance: float | None = None
 
     def decide(self, snapshot: FleetSnapshot, request: RequestView, dry_run: bool = False) -> Decision:
         cands = [c for c in snapshot.candidates if c.role in AGGREGATED_ROLES] or list(snapshot.candidates)
         return decide(cands, request, self.scoring, self.state, admission=self.admission, slack=self.slack,
-                      dry_run=dry_run)
+                      dry_run=dry_run, miss_tolerance=self.miss_tolerance)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class PDPlanner:
     params: PDParams
     admission: bool = True
     slack: float = 1.0
+    miss_tolerance: float | None = None
 
     def decide(self, snapshot: FleetSnapshot, request: RequestView, dry_run: bool = False) -> Decision:
         decodes = []
@@ -54,7 +56,7 @@ class PDPlanner:
                                       kv_booked_tokens=room.booked_tokens if room else 0.0,
                                       active_requests=room.active_requests if room else 0))
         pd = decide_pd(decodes, snapshot.by_role("prefill"), request, request.output_tokens, self.params,
-                       admission=self.admission, slack=self.slack)
+                       admission=self.admission, slack=self.slack, miss_tolerance=self.miss_tolerance)
         by_id = {c.pod_id: c for c in snapshot.candidates}
         return Decision(ranked=[by_id[o.decode_pod] for o in pd.ranked],
                         predictions={o.decode_pod: _prediction(o) for o in pd.ranked}, verdict=pd.verdict,

@@ -27,4 +27,4 @@ def predict(candidate: Candidate, request: RequestView) -> Prediction:
     queued = candidate.queue_tokens + foreign_waiting(candidate) * request.unknown_request_tokens
     own = uncached_tokens(candidate, request)
     return Prediction(queue_s=queued / rate, prefill_s=own / rate, overhead_s=candidate.overhead_s,
-                      uncached_tokens=own)
+                      uncached_tokens=own, log_mean=candidate.log_error_mean, log_sd=candidate.log_error_sd)

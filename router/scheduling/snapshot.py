@@ -8,8 +8,10 @@ explained (``/debug/route``) and tested on hand-built snapshots.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,9 @@ class Candidate:
     # calibrated speed of this pod
     prefill_tokens_per_s: float = 20000.0
     overhead_s: float = 0.005
+    # how this pod's predictions have erred: ln(observed / predicted) ~ Normal(mean, sd) (calibrator)
+    log_error_mean: float = 0.0
+    log_error_sd: float = 0.0
     # the prefix index's answer for this prompt
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
@@ -55,16 +60,42 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Predicted time to first token on one pod, by part."""
+    """Predicted time to first token on one pod, by part, with the pod's error model: the observed
+    TTFT is taken to be ``ttft_s x exp(e)`` with ``e ~ Normal(log_mean, log_sd)`` (log_sd 0: exact)."""
 
     queue_s: float
     prefill_s: float
     overhead_s: float
     uncached_tokens: int
+    log_mean: float = 0.0
+    log_sd: float = 0.0
 
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.prefill_s + self.overhead_s
+
+    def miss_probability(self, objective_s: float, ttft_s: float | None = None) -> float:
+        """P(observed TTFT > ``objective_s``) for a prediction of ``ttft_s`` (default: this one's)."""
+        return miss_probability(self.ttft_s if ttft_s is None else ttft_s, objective_s, self.log_mean, self.log_sd)
+
+    def interval(self, level: float = 0.9, ttft_s: float | None = None) -> tuple[float, float]:
+        """The central ``level`` interval of the observed TTFT."""
+        t = self.ttft_s if ttft_s is None else ttft_s
+        z = NormalDist().inv_cdf(0.5 + level / 2.0)
+        return t * math.exp(self.log_mean - z * self.log_sd), t * math.exp(self.log_mean + z * self.log_sd)
+
+
+def miss_probability(ttft_s: float, objective_s: float, log_mean: float, log_sd: float) -> float:
+    """P(ttft_s x exp(e) > objective_s), e ~ Normal(log_mean, log_sd); a step at the objective when
+    log_sd is 0."""
+    if objective_s <= 0:
+        return 1.0
+    if ttft_s <= 0:
+        return 0.0
+    margin = math.log(objective_s / ttft_s) - log_mean
+    if log_sd <= 0:
+        return 0.0 if margin >= 0 else 1.0
+    return 1.0 - NormalDist().cdf(margin / log_sd)
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,11 +197,12 @@ async def slow_pod(tmp: Path, requests: int = 40, factor: float = 10.0) -> Row:
                                           json=completion_body(prompt(9999, 1500), stream=False))).json()
                 pred = {p["pod"]: p["predicted_ttft_ms"] for p in explained["pods"]}
                 rates = {p["pod"]: p["prefill_tokens_per_s"] for p in explained["pods"]}
+                overheads = {p["pod"]: p["overhead_ms"] for p in explained["pods"]}
                 # when did routing move: index of the last request sent to the slow pod
                 last_slow = max((i for i, o in enumerate(after) if o.pod == slow), default=-1)
                 row.recovery_s = None if last_slow < 0 else after[last_slow].sent_at + after[last_slow].took_s - t0
                 row.figures.update(share_before=share_before, share_after=share_after, predicted_ttft_ms=pred,
-                                   prefill_tokens_per_s=rates, chosen=explained["chosen"])
+                                   prefill_tokens_per_s=rates, overhead_ms=overheads, chosen=explained["chosen"])
     row.sent, row.answered = tally.sent, tally.answered
     row.saw = (f"all {tally.saw()}; slow pod's share {share_before:.0%} -> {share_after:.0%}; "
                f"predicted {pred.get('sim-0', 0):.0f} vs {pred.get('sim-1', 0):.0f} ms")

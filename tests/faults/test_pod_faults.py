@@ -40,7 +40,10 @@ async def test_slow_pod_loses_its_traffic_and_its_predictions_say_why(tmp_path):
     assert f["share_after"] <= 0.2 < f["share_before"] + 0.01, f
     pred = f["predicted_ttft_ms"]
     assert pred["sim-0"] > 1.5 * pred["sim-1"], f  # learnt from the few requests it got before routing moved
-    assert f["prefill_tokens_per_s"]["sim-0"] < f["prefill_tokens_per_s"]["sim-1"] / 1.5, f
+    # the calibration says why: a slower prefill rate or a longer fixed part (with chunked prefill and
+    # cache hits the fit may put a slowdown of every step in either, depending on the requests seen)
+    rate, over = f["prefill_tokens_per_s"], f["overhead_ms"]
+    assert rate["sim-0"] < rate["sim-1"] / 1.5 or over["sim-0"] > 1.5 * over["sim-1"] + 5, f
     assert f["chosen"] == "sim-1"
 
 
