@@ -16,6 +16,11 @@ p50/p99, TPOT p50/p99 and attainment of the TTFT objective over all requests sen
 
     .venv/bin/python bench/pd.py                    # both workloads, every target (< 3 minutes)
     .venv/bin/python bench/pd.py --workloads multiturn --targets predicted,always
+    .venv/bin/python bench/pd.py --workloads multiturn --targets always --splits 0:4,1:3,2:2,3:1 --simulate
+
+``--splits`` runs other prefill:decode splits of the fleet (0:N: an aggregated fleet of N pods) and
+``--simulate`` adds, beside each kvroute row, the same trial simulated by ``kvroute plan``'s engine
+(whatif/) on the same requests (docs/simulate.md).
 
 The last line printed is the headline.
 """
@@ -40,8 +45,16 @@ sys.path.insert(0, str(ROOT))
 
 from replay import arrivals, workloads  # noqa: E402
 from replay.runner import run  # noqa: E402
-from simulator.testing import (consecutive_free_ports, free_port, pd_pods, running_sims, spawn,  # noqa: E402
-                               stop_process, wait_ready)
+from simulator.testing import (  # noqa: E402
+    consecutive_free_ports,
+    free_port,
+    pd_pods,
+    running_sims,
+    sim_kv_events,
+    spawn,
+    stop_process,
+    wait_ready,
+)
 
 MODEL = "sim-model"
 RATE = float(os.environ.get("PD_RATE", 20))          # multi-turn arrivals per second
@@ -65,20 +78,25 @@ def sim_args(events: int, compute_s_per_token: float) -> list[str]:
             "--compute-s-per-token", str(compute_s_per_token), "--kv-events-port", str(events), "--log-level", "error"]
 
 
-def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl: "Workload") -> tuple[list, str]:
-    """Two sidecars and the router; returns (processes, router URL)."""
+def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl: Workload,
+                  prefill: int = 2) -> tuple[list, str]:
+    """A sidecar beside each decode pod and the router; returns (processes, router URL). ``prefill`` 0:
+    an aggregated fleet (every pod prefills and decodes, policy predicted-ttft, no sidecars)."""
     procs = []
     sidecars = []
-    for i, url in enumerate(urls[2:]):
+    if prefill == 0:
+        return start_aggregated(urls, events, workdir, wl)
+    for i, url in enumerate(urls[prefill:]):
         port = free_port()
         log = workdir / f"sidecar-{decider}-{i}.log"
         p = spawn([sys.executable, "-m", "router.cli", "sidecar", "--host", "127.0.0.1", "--port", str(port),
-                   "--vllm-url", url, "--prefill-allowlist", json.dumps([u.removeprefix("http://") for u in urls[:2]]),
+                   "--vllm-url", url, "--prefill-allowlist",
+                   json.dumps([u.removeprefix("http://") for u in urls[:prefill]]),
                    "--log-level", "warning"], log)
         procs.append(p)
         sidecars.append(f"http://127.0.0.1:{port}")
         wait_ready(sidecars[-1] + "/health", p, log=log)
-    pods = pd_pods(urls, sidecars, events)
+    pods = pd_pods(urls, sidecars, events, prefill=prefill)
     port = free_port()
     log = workdir / f"router-{decider}.log"
     cfg = {"port": port, "pods": pods, "pd_decider": decider, "block_size": BLOCK, "admission": False,
@@ -91,6 +109,22 @@ def start_kvroute(decider: str, urls: list[str], events: int, workdir: Path, wl:
     base = f"http://127.0.0.1:{port}"
     wait_ready(base + "/ready", p, log=log)
     return procs, base
+
+
+def start_aggregated(urls: list[str], events: int, workdir: Path, wl: Workload) -> tuple[list, str]:
+    pods = [{"id": f"pod-{i}", "url": u, "role": "both", "kv_events": sim_kv_events(events, i)}
+            for i, u in enumerate(urls)]
+    port = free_port()
+    log = workdir / "router-aggregated.log"
+    cfg = {"port": port, "pods": pods, "policy": "predicted-ttft", "block_size": BLOCK, "admission": False,
+           "prefill_tokens_per_s": 1.0 / wl.compute_s_per_token, "ttft_objective_ms": wl.objective_s * 1000,
+           "log_level": "warning"}
+    cfg_path = workdir / "router-aggregated.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    p = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base + "/ready", p, log=log)
+    return [p], base
 
 
 def start_peer(urls: list[str], workdir: Path, venv: Path) -> tuple[list, str]:
@@ -110,42 +144,73 @@ def start_peer(urls: list[str], workdir: Path, venv: Path) -> tuple[list, str]:
     return [p], base
 
 
-def trial(target: str, wl: Workload, workdir: Path, venv: Path) -> dict[str, Any]:
-    events = consecutive_free_ports(8)
-    workdir = workdir / wl.name
-    workdir.mkdir(exist_ok=True)
-    with running_sims(4, sim_args(events, wl.compute_s_per_token)) as urls:
+def trial(target: str, wl: Workload, workdir: Path, venv: Path, split: tuple[int, int] = (2, 2)) -> dict[str, Any]:
+    prefill, decode = split
+    events = consecutive_free_ports(2 * (prefill + decode))
+    workdir = workdir / wl.name / f"{prefill}-{decode}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if prefill == 0:
+        target = "aggregated"
+    with running_sims(prefill + decode, sim_args(events, wl.compute_s_per_token)) as urls:
         procs: list = []
         try:
             if target == "vllm-router":
                 procs, base = start_peer(urls, workdir, venv)
             else:
-                procs, base = start_kvroute(target, urls, events, workdir, wl)
+                procs, base = start_kvroute(target, urls, events, workdir, wl, prefill)
         except (FileNotFoundError, RuntimeError, TimeoutError, OSError) as exc:
             for p in procs:
                 stop_process(p, grace=10.0)
-            return {"target": target, "workload": wl.name, "error": str(exc).splitlines()[0][:200]}
+            return {"target": target, "workload": wl.name, "split": f"{prefill}:{decode}",
+                    "error": str(exc).splitlines()[0][:200]}
         try:
             warm_up(base)
             before = _decisions(base) if target != "vllm-router" else (0.0, 0.0)
-            reads_before = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2])
+            reads_before = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:prefill])
             res = asyncio.run(run(base, wl.specs, wl.offsets, model=MODEL, slo_ttft=wl.objective_s,
                                   pod_metrics=urls, duration=wl.duration_s, drain_timeout=20.0,
                                   request_timeout=60.0))
-            reads = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:2]) - reads_before
+            reads = sum(_metric(u, "kvsim_nixl_reads_total") for u in urls[:prefill]) - reads_before
             remote = local = None
-            if target != "vllm-router":
+            if target not in ("vllm-router", "aggregated"):
                 after = _decisions(base)
                 remote, local = after[0] - before[0], after[1] - before[1]
         finally:
             for p in procs:
                 stop_process(p, grace=10.0)
     s = res.summary
-    return {"target": target, "workload": wl.name, "requests": s["requests"], "completed": s["completed"],
+    return {"target": target, "workload": wl.name, "split": f"{prefill}:{decode}", "requests": s["requests"],
+            "completed": s["completed"],
             "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
             "tpot_p50_ms": s.get("median_tpot_ms"), "tpot_p99_ms": s.get("p99_tpot_ms"),
             "attainment": s.get("slo_attainment"), "nixl_reads": reads,
             "remote": remote, "local": local, "error": None}
+
+
+def simulated(target: str, wl: Workload, split: tuple[int, int]) -> dict[str, Any]:
+    """The same trial in ``kvroute plan``'s engine: the router's decision code against the simulator's
+    cost model, in simulated time, on the same requests (whatif/)."""
+    from whatif.podmodel import PodSpec
+    from whatif.simulate import SimConfig, simulate
+
+    prefill, decode = split
+    spec = PodSpec(timing="cost", block_size=BLOCK, num_gpu_blocks=8192, compute_s_per_token=wl.compute_s_per_token)
+    router: dict[str, Any] = {"ttft_objective_ms": wl.objective_s * 1000}
+    if prefill:
+        router["pd_decider"] = target
+    n = arrivals.cut(wl.offsets, duration=wl.duration_s)
+    res = simulate(wl.specs[:n], wl.offsets[:n], SimConfig(policy="predicted-ttft", objective_s=wl.objective_s,
+                                                           pods=prefill + decode, prefill=prefill, spec=spec,
+                                                           router=router, model=MODEL))
+    s = res.summary
+    routes = s.get("routes") or {}
+    return {"target": target, "workload": wl.name, "split": f"{prefill}:{decode}", "simulated": True,
+            "requests": s["requests"], "completed": s["completed"], "errors": s["errors"],
+            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"), "tpot_p50_ms": s.get("median_tpot_ms"),
+            "tpot_p99_ms": s.get("p99_tpot_ms"), "attainment": s.get("slo_attainment"), "nixl_reads": None,
+            "remote": routes.get("remote", 0) if prefill else None,
+            "local": routes.get("local", 0) if prefill else None,
+            "error": None}
 
 
 def warm_up(base: str, n: int = 6) -> None:
@@ -222,11 +287,13 @@ def table(rows: list[dict[str, Any]]) -> str:
              "remote / local | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["target"] if r["target"] == "vllm-router" else f"kvroute {r['target']}"
+        if r.get("split", "2:2") != "2:2" or r.get("simulated"):
+            name += f" {r.get('split')}" + (" (simulated)" if r.get("simulated") else "")
         if r.get("error"):
             lines.append(f"| {r['workload']} | {name} | — | — | — | — | — | — | not run: {r['error']} |")
             continue
-        split = f"{r['remote']:.0f} / {r['local']:.0f}" if r.get("remote") is not None else \
-            f"{r['nixl_reads']:.0f} NIXL reads"
+        split = f"{r['remote'] or 0:.0f} / {r['local'] or 0:.0f}" if r.get("remote") is not None else \
+            f"{r['nixl_reads']:.0f} NIXL reads" if r.get("nixl_reads") is not None else "—"
         lines.append(f"| {r['workload']} | {name} | {fmt(r['ttft_p50'], 's')} | {fmt(r['ttft_p99'], 's')} | "
                      f"{fmt(r['tpot_p50_ms'], 'ms')} | {fmt(r['tpot_p99_ms'], 'ms')} | {fmt(r['attainment'], '%')} | "
                      f"{split} | {r['errors']} |")
@@ -240,20 +307,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-venv", default="/tmp/peers-venv")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--splits", default="2:2", help="prefill:decode splits to run, comma-separated; 0:N is an "
+                    "aggregated fleet of N pods (policy predicted-ttft, no sidecars) (default: 2:2)")
+    ap.add_argument("--simulate", action="store_true", help="also simulate each kvroute row (kvroute plan's engine, "
+                    "whatif/) on the same requests, for docs/simulate.md")
     args = ap.parse_args(argv)
+    splits = [(int(a), int(b)) for a, b in (x.split(":") for x in args.splits.split(",") if x.strip())]
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-pd-bench-"))
     started = time.monotonic()
     rows = []
     for wl in build_workloads(args.workloads.split(","), args.seed):
         print(f"# {wl.name}: {len(wl.specs)} requests over {wl.duration_s:g} s, objective {wl.objective_s:g} s",
               flush=True)
-        for target in args.targets.split(","):
-            t0 = time.monotonic()
-            rows.append(trial(target, wl, workdir, Path(args.peers_venv)))
-            r = rows[-1]
-            print(f"  {target:12s} {time.monotonic() - t0:5.1f} s  "
-                  + (f"p99 {fmt(r['ttft_p99'], 's')} met {fmt(r['attainment'], '%')}" if not r.get("error")
-                     else f"not run: {r['error']}"), flush=True)
+        for split in splits:
+            for target in (args.targets.split(",") if split[0] else ["aggregated"]):
+                if target == "vllm-router" and split != (2, 2):
+                    continue
+                t0 = time.monotonic()
+                rows.append(trial(target, wl, workdir, Path(args.peers_venv), split))
+                r = rows[-1]
+                print(f"  {target:12s} {split[0]}:{split[1]} {time.monotonic() - t0:5.1f} s  "
+                      + (f"p99 {fmt(r['ttft_p99'], 's')} met {fmt(r['attainment'], '%')}" if not r.get("error")
+                         else f"not run: {r['error']}"), flush=True)
+                if args.simulate and target != "vllm-router":
+                    rows.append(simulated(target, wl, split))
+                    r = rows[-1]
+                    print(f"  {target:12s} {split[0]}:{split[1]} simulated  p99 {fmt(r['ttft_p99'], 's')} "
+                          f"met {fmt(r['attainment'], '%')}", flush=True)
     print()
     print(table(rows))
     if args.json:
@@ -261,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(logs in {workdir}; {time.monotonic() - started:.0f} s in all)")
     heads = []
     for wl in {r["workload"] for r in rows}:
-        got = {r["target"]: r for r in rows if r["workload"] == wl and not r.get("error")}
+        got = {r["target"]: r for r in rows if r["workload"] == wl and not r.get("error") and not r.get("simulated")
+               and r.get("split") == "2:2"}
         if "predicted" in got:
             others = [f"{t} {got[t]['ttft_p99'] * 1000:.0f} ms/{got[t]['attainment'] * 100:.1f} %" for t in got
                       if t != "predicted" and got[t].get("ttft_p99") is not None]
