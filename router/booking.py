@@ -229,6 +229,7 @@ class Booking:
     kv_ticket: int | None = None
     sent_at: float = field(default_factory=time.monotonic)
     new_blocks: int = 0  # full prompt blocks the pod did not hold: its engine must announce them
+    running: int = 0          # requests the prefilling pod was running when this one was routed
     ttft_low_s: float = 0.0   # the predicted interval of the TTFT (ttft_interval_level)
     ttft_high_s: float = float("inf")
     released: bool = False

@@ -68,6 +68,7 @@ class FleetCollector(Collector):
         "booked_tokens": "Prefill tokens the router has booked there",
         "prefill_tokens_per_s": "Calibrated prefill rate",
         "overhead_seconds": "Calibrated fixed TTFT overhead",
+        "per_running_seconds": "Calibrated TTFT added per request running on the pod (the batch)",
         "mean_abs_prediction_error_seconds": "Mean absolute TTFT prediction error",
         "index_blocks": "Blocks of the pod in the prefix index",
         "event_lag_seconds": "Lag of the pod's KV events (publish to apply)",

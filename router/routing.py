@@ -97,7 +97,7 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: lis
             waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
             inflight_requests=ledger.inflight(p.id),
             queue_tokens=ledger.queued_tokens(p.id, cal.rate),
-            prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s,
+            prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s, per_running_s=cal.per_running_s,
             log_error_mean=error[0], log_error_sd=error[1],
             cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
             tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
@@ -297,7 +297,8 @@ class Router:
         return Booking(pod_id=route.pod_id, prefill_pod=route.prefill_pod, prefill_ticket=ticket,
                        work_tokens=pred.queue_s * rate + pred.uncached_tokens, predicted_ttft_s=route.ttft_s,
                        cached_tokens=route.cached_tokens, mode=route.mode, kv_ticket=kv_ticket,
-                       sent_at=self._clock(), new_blocks=new_blocks, ttft_low_s=low, ttft_high_s=high)
+                       sent_at=self._clock(), new_blocks=new_blocks, ttft_low_s=low, ttft_high_s=high,
+                       running=plan.snapshot.candidate(route.prefill_pod).running)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
         """The pod produced its first token: release the booking and learn from the TTFT."""
@@ -313,7 +314,8 @@ class Router:
             where = "below" if ttft < booking.ttft_low_s else ("above" if ttft > booking.ttft_high_s else "inside")
             self.metrics.ttft_interval.labels(where).inc()
             if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
-                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.predicted_ttft_s)
+                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.predicted_ttft_s,
+                                        booking.running)
 
     def finish(self, booking: Booking) -> None:
         """The request ended without a usable first-token time (error, non-streaming, cancelled)."""
@@ -351,6 +353,7 @@ class Router:
                 "healthy": 1.0 if p.healthy else 0.0, "waiting": p.waiting, "running": p.running,
                 "kv_usage": p.kv_usage, "booked_requests": n, "booked_tokens": tokens,
                 "prefill_tokens_per_s": cal.rate, "overhead_seconds": cal.overhead_s,
+                "per_running_seconds": cal.per_running_s,
                 "mean_abs_prediction_error_seconds": (cal.abs_error_sum / cal.samples) if cal.samples else None,
             }
             try:

@@ -294,3 +294,17 @@ def test_admission_on_the_probability_of_a_miss():
     assert decide([late], req, scoring, PolicyState()).verdict.admitted  # the point rule lets it through
     # a stricter tolerance rejects the honest pod too: 0.81 s against 1 s is a 20 % risk
     assert not decide([honest], req, scoring, PolicyState(), miss_tolerance=0.1).verdict.admitted
+
+
+def test_the_calibrator_learns_what_the_running_batch_adds():
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200)
+    rng = random.Random(4)
+    for _ in range(600):  # a batched engine: 8,000 tokens/s, 20 ms fixed, 30 ms per running request
+        work, running = rng.uniform(200, 4000), rng.randint(0, 8)
+        cal.observe("p", work, 0.02 + work / 8000 + 0.03 * running + rng.gauss(0, 0.003), running=running)
+    c = cal.pod("p")
+    assert c.rate == pytest.approx(8000, rel=0.1) and c.per_running_s == pytest.approx(0.03, rel=0.15)
+    assert c.overhead_s == pytest.approx(0.02, abs=0.01)
+    busy = cand("p", running=6, per_running_s=c.per_running_s, prefill_tokens_per_s=c.rate, overhead_s=c.overhead_s)
+    p = predict(busy, RequestView(prompt_tokens=2000))
+    assert p.batch_s == pytest.approx(6 * c.per_running_s) and p.ttft_s == pytest.approx(0.02 + 0.25 + 0.18, rel=0.1)

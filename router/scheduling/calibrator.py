@@ -1,10 +1,15 @@
 """Online calibration of each pod's prefill rate and fixed overhead from observed TTFTs.
 
-Model: ``ttft = overhead + work_tokens / rate``, where ``work_tokens`` is the prefill work ahead of
-and including the request when it was routed. Recursive least squares with exponential forgetting
-fits ``(overhead, 1/rate)`` per pod, so a pod that slows down (or was configured wrong) is
-re-learned within a few hundred requests. The prior is the configured rate and overhead; estimates
-are clamped to sane bounds so one outlier cannot send the rate negative.
+Model: ``ttft = overhead + work_tokens / rate + running x per_running``, where ``work_tokens`` is
+the prefill work ahead of and including the request when it was routed and ``running`` the
+requests the pod was running beside it (its ``vllm:num_requests_running``). The last term is the
+batched engine: vLLM admits requests into the running batch and shares every step between their
+prefills and the running decodes, so a prefill takes longer the more runs beside it, even with
+nothing waiting. Recursive least squares with exponential forgetting fits ``(overhead, 1/rate,
+per_running)`` per pod, so a pod that slows down (or was configured wrong) is re-learned within a
+few hundred requests; a pod whose TTFT does not grow with its batch keeps ``per_running`` near 0.
+The prior is the configured rate and overhead (and no batch cost); estimates are clamped to sane
+bounds so one outlier cannot send the rate negative.
 
 **Error model.** Each pod also learns how its predictions err: ``ln(observed / predicted)``, as an
 exponentially weighted mean and variance with the same memory. Before ``prior_weight``
@@ -35,13 +40,18 @@ class PodCalibration:
     log_mean: float = 0.0
     log_var: float = 0.0
     log_n: int = 0
-    # RLS state: theta = [overhead_s, s_per_kilotoken], P = covariance (row-major 2x2)
+    per_running_s: float = 0.0
+    # RLS state: theta = [overhead_s, s_per_kilotoken, s_per_running], P = its covariance (3x3)
     _theta: list[float] = field(default_factory=list)
-    _p: list[float] = field(default_factory=list)
+    _p: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._theta = [self.overhead_s, _KT / self.rate]
-        self._p = [1.0, 0.0, 0.0, 1.0]  # a weak prior: a few observations outweigh it
+        self._theta = [self.overhead_s, _KT / self.rate, self.per_running_s]
+        # a weak prior: a few observations outweigh it (the batch term starts at 0, a little firmer)
+        self._p = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.01]]
+
+    def predict(self, work_tokens: float, running: float = 0.0) -> float:
+        return self.overhead_s + max(work_tokens, 0.0) / self.rate + max(running, 0.0) * self.per_running_s
 
     def error_model(self) -> tuple[float, float]:
         """(mean, sd) of ln(observed / predicted), shrunk towards (0, prior_sd) while data is scarce."""
@@ -61,32 +71,30 @@ class PodCalibration:
         self.log_var = (1.0 - w) * (self.log_var + w * d * d)
         self.log_n += 1
 
-    def observe(self, work_tokens: float, ttft_s: float, predicted_s: float | None = None) -> float:
+    def observe(self, work_tokens: float, ttft_s: float, predicted_s: float | None = None,
+                running: float = 0.0) -> float:
         """Fold one observation in; returns the prediction error (observed - predicted) in seconds.
-        ``predicted_s``: what the router predicted for it (else this model's own prediction)."""
-        x0, x1 = 1.0, max(work_tokens, 0.0) / _KT
-        predicted = self.overhead_s + max(work_tokens, 0.0) / self.rate
+        ``predicted_s``: what the router predicted for it (else this model's own prediction);
+        ``running``: the requests the pod was running when it was routed."""
+        x = [1.0, max(work_tokens, 0.0) / _KT, max(running, 0.0)]
+        predicted = self.predict(work_tokens, running)
         error = ttft_s - predicted
         if not math.isfinite(ttft_s) or ttft_s < 0:
             return 0.0
         self.observe_error(predicted if predicted_s is None else predicted_s, ttft_s)
-        p00, p01, p10, p11 = self._p
-        px0 = p00 * x0 + p01 * x1
-        px1 = p10 * x0 + p11 * x1
-        denom = self.forget + x0 * px0 + x1 * px1
-        k0, k1 = px0 / denom, px1 / denom
-        resid = ttft_s - (self._theta[0] * x0 + self._theta[1] * x1)
-        self._theta[0] += k0 * resid
-        self._theta[1] += k1 * resid
-        # P = (P - k x^T P) / forget
-        xp0 = x0 * p00 + x1 * p10
-        xp1 = x0 * p01 + x1 * p11
-        self._p = [(p00 - k0 * xp0) / self.forget, (p01 - k0 * xp1) / self.forget,
-                   (p10 - k1 * xp0) / self.forget, (p11 - k1 * xp1) / self.forget]
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
+        denom = self.forget + sum(x[i] * px[i] for i in range(3))
+        k = [v / denom for v in px]
+        resid = ttft_s - sum(t * xi for t, xi in zip(self._theta, x, strict=True))
+        self._theta = [t + ki * resid for t, ki in zip(self._theta, k, strict=True)]
+        # P = (P - k x^T P) / forget; x^T P is px^T since P is symmetric
+        self._p = [[(p[i][j] - k[i] * px[j]) / self.forget for j in range(3)] for i in range(3)]
         self.overhead_s = min(max(self._theta[0], 0.0), 2.0)
         s_per_kt = self._theta[1]
         rate = _KT / s_per_kt if s_per_kt > 0 else self.max_rate
         self.rate = min(max(rate, self.min_rate), self.max_rate)
+        self.per_running_s = min(max(self._theta[2], 0.0), 1.0)
         self.samples += 1
         self.abs_error_sum += abs(error)
         return error
@@ -116,11 +124,12 @@ class Calibrator:
             self.pods[pod_id] = cal
         return cal
 
-    def observe(self, pod_id: str, work_tokens: float, ttft_s: float, predicted_s: float | None = None) -> float:
+    def observe(self, pod_id: str, work_tokens: float, ttft_s: float, predicted_s: float | None = None,
+                running: float = 0.0) -> float:
         """Learn from one TTFT; with calibration off only the error model learns."""
         cal = self.pod(pod_id)
         if not self.enabled:
-            own = cal.overhead_s + work_tokens / cal.rate
+            own = cal.predict(work_tokens, running)
             cal.observe_error(own if predicted_s is None else predicted_s, ttft_s)
             return ttft_s - own
-        return cal.observe(work_tokens, ttft_s, predicted_s)
+        return cal.observe(work_tokens, ttft_s, predicted_s, running)

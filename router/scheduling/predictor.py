@@ -1,4 +1,5 @@
-"""Predicted time to first token: queue wait + this request's uncached prefill + a fixed overhead.
+"""Predicted time to first token: queue wait + this request's uncached prefill + a fixed overhead
++ the running batch's share of the steps (calibrated per pod: ``calibrator.py``).
 
 The pod is modelled as one FIFO prefill server. Its queue is the uncached prefill work the router
 has booked there and not yet seen start (``queue_tokens``), plus any requests its metrics say are
@@ -27,4 +28,5 @@ def predict(candidate: Candidate, request: RequestView) -> Prediction:
     queued = candidate.queue_tokens + foreign_waiting(candidate) * request.unknown_request_tokens
     own = uncached_tokens(candidate, request)
     return Prediction(queue_s=queued / rate, prefill_s=own / rate, overhead_s=candidate.overhead_s,
-                      uncached_tokens=own, log_mean=candidate.log_error_mean, log_sd=candidate.log_error_sd)
+                      uncached_tokens=own, log_mean=candidate.log_error_mean, log_sd=candidate.log_error_sd,
+                      batch_s=max(candidate.running, 0) * candidate.per_running_s)

@@ -31,6 +31,7 @@ class Candidate:
     # calibrated speed of this pod
     prefill_tokens_per_s: float = 20000.0
     overhead_s: float = 0.005
+    per_running_s: float = 0.0  # TTFT added per request running beside it (the batch; calibrated)
     # how this pod's predictions have erred: ln(observed / predicted) ~ Normal(mean, sd) (calibrator)
     log_error_mean: float = 0.0
     log_error_sd: float = 0.0
@@ -69,10 +70,11 @@ class Prediction:
     uncached_tokens: int
     log_mean: float = 0.0
     log_sd: float = 0.0
+    batch_s: float = 0.0  # the running batch's share of the steps the prefill needs
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.overhead_s
+        return self.queue_s + self.prefill_s + self.overhead_s + self.batch_s
 
     def miss_probability(self, objective_s: float, ttft_s: float | None = None) -> float:
         """P(observed TTFT > ``objective_s``) for a prediction of ``ttft_s`` (default: this one's)."""
