@@ -74,6 +74,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_workers_share_bookings_through_the_forwarder",
         "test_serve_with_two_workers_shares_bookings_between_them",
         "test_replicas_follow_the_peer_list_a_resolver_gives",
+        "test_two_replicas_with_bind_and_peers_see_each_others_bookings",
     }),
     "test_chat_template_parity.py": frozenset({"test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order"}),
     "test_cli.py": frozenset({"test_help_lists_every_subcommand"}),

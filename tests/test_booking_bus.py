@@ -367,3 +367,44 @@ def test_build_bus_follows_the_settings():
     assert replica.resolve_peers is not None and replica.snapshot_s == 0.25
     with pytest.raises(ValueError):
         settings(booking_bus_peers=["10.0.0.2:5570"])
+
+
+async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_path):
+    """Router replicas (two `kvroute serve` processes) configured with booking_bus_bind and
+    booking_bus_peers: a burst sent through A is booked in B."""
+    port_a, port_b, bus_a, bus_b = free_ports(4)
+    burst = 8
+    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "2000"]) as urls, \
+            contextlib.ExitStack() as stack:
+        pods = [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]
+        bases = []
+        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
+            cfg = tmp_path / f"router-{name}.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "port": port, "pods": pods, "prefill_tokens_per_s": 2000.0, "calibrate": False,
+                "booking_bus_bind": f"tcp://127.0.0.1:{mine}", "booking_bus_peers": [f"tcp://127.0.0.1:{other}"],
+                "booking_bus_snapshot_s": 0.2}))
+            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
+                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
+            bases.append(f"http://127.0.0.1:{port}")
+        a, b = bases
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def peers(base: str) -> bool:
+                return "kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text
+            for _ in range(100):
+                if await peers(a) and await peers(b):
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the replicas never heard each other")
+            sends = [asyncio.create_task(c.post(a + "/v1/completions", json={
+                "model": "sim-model", "prompt": [11 * k + j for j in range(2000)], "max_tokens": 1, "stream": True}))
+                for k in range(burst)]
+            await asyncio.sleep(1.0)
+            _, booked_at_b = scrape((await c.get(b + "/metrics")).text)
+            _, booked_at_a = scrape((await c.get(a + "/metrics")).text)
+            assert all(r.status_code == 200 for r in await asyncio.gather(*sends))
+            await asyncio.sleep(0.5)
+            _, after = scrape((await c.get(b + "/metrics")).text)
+    assert booked_at_b >= burst - 2 and abs(booked_at_b - booked_at_a) <= 1, (booked_at_a, booked_at_b)
+    assert after == 0  # the releases reached B too
