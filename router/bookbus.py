@@ -17,7 +17,8 @@ PUB/SUB loses messages (a slow joiner, a reconnect, a full high-water mark), so 
 publishes its full snapshot every ``booking_bus_snapshot_s``; a snapshot *replaces* what the others
 hold for that origin, repairing whatever was lost, and doubles as the heartbeat. An origin silent
 for ``booking_bus_peer_timeout_s`` has its bookings dropped (a replica that dies takes its bookings
-with it) and later messages from it are ignored. A message older than one already applied from the
+with it); later book and release messages from it are ignored until a snapshot from it (it was cut
+off, not dead) brings it back with exactly its open bookings. A message older than one already applied from the
 same origin (a duplicate through a second path) is skipped; a gap in ``seq`` is counted as lost.
 
 Every buffer is bounded: ZeroMQ's high-water marks, the largest frame accepted, bookings held per
@@ -216,8 +217,11 @@ class BookingBus:
         if origin == self.origin:
             return  # our own, back through the forwarder or our own bind
         if origin in self.forgotten:
-            self.stats.count("stale", "dropped")
-            return
+            if kind != "s":  # a straggler from an origin timed out: only its full snapshot brings it back
+                self.stats.count("stale", "dropped")
+                return
+            del self.forgotten[origin]  # it was cut off, not dead: its snapshot is its whole state
+            log.info("booking bus: peer %s is back", origin)
         now = self.clock()
         peer = self.peers.get(origin)
         if peer is None:

@@ -119,6 +119,9 @@ def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
     bus.handle(encode("b", "other", 7, ["p0", 5, 1.0, "p"]))
     assert led.foreign_count("other") == 0 and bus.stats.get("stale", "dropped") == 2
     assert set(bus.peers) == {"big"}
+    # ... until a snapshot says it is alive (it was cut off, not dead): exactly what it holds now
+    bus.handle(encode("s", "other", 8, [["p0", 6, 3.0, "p"]]))
+    assert led.foreign_count("other") == 1 and led.inflight("p0") == 1 and set(bus.peers) == {"big", "other"}
 
 
 # ---- e2e: buses on loopback --------------------------------------------------------------------
