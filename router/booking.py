@@ -230,6 +230,7 @@ class Booking:
     sent_at: float = field(default_factory=time.monotonic)
     new_blocks: int = 0  # full prompt blocks the pod did not hold: its engine must announce them
     running: int = 0          # requests the prefilling pod was running when this one was routed
+    model_ttft_s: float = 0.0  # the calibrated model's TTFT before its error correction (what it learns against)
     ttft_low_s: float = 0.0   # the predicted interval of the TTFT (ttft_interval_level)
     ttft_high_s: float = float("inf")
     released: bool = False

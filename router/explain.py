@@ -29,6 +29,7 @@ def explain(plan: Plan, block_size: int, policy: str, level: float = 0.9) -> dic
             "predicted_ttft_ms": round(p.ttft_s * 1000, 3), "queue_ms": round(p.queue_s * 1000, 3),
             "prefill_ms": round(p.prefill_s * 1000, 3), "overhead_ms": round(p.overhead_s * 1000, 3),
             "batch_ms": round(p.batch_s * 1000, 3),
+            "error_correction": round(p.ttft_s / p.model_ttft_s, 4) if p.model_ttft_s > 0 else 1.0,
             f"ttft_interval_{round(level * 100)}_ms": [round(t * 1000, 3) for t in p.interval(level)],
             "miss_probability": (round(p.miss_probability(objective), 4) if objective is not None else None),
         })

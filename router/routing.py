@@ -298,6 +298,7 @@ class Router:
                        work_tokens=pred.queue_s * rate + pred.uncached_tokens, predicted_ttft_s=route.ttft_s,
                        cached_tokens=route.cached_tokens, mode=route.mode, kv_ticket=kv_ticket,
                        sent_at=self._clock(), new_blocks=new_blocks, ttft_low_s=low, ttft_high_s=high,
+                       model_ttft_s=pred.model_ttft_s if route.mode != "remote" else route.ttft_s,
                        running=plan.snapshot.candidate(route.prefill_pod).running)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
@@ -314,7 +315,7 @@ class Router:
             where = "below" if ttft < booking.ttft_low_s else ("above" if ttft > booking.ttft_high_s else "inside")
             self.metrics.ttft_interval.labels(where).inc()
             if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
-                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.predicted_ttft_s,
+                self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.model_ttft_s,
                                         booking.running)
 
     def finish(self, booking: Booking) -> None:

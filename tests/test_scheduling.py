@@ -280,20 +280,25 @@ def test_the_calibrator_learns_how_a_pod_errs():
 def test_admission_on_the_probability_of_a_miss():
     req = RequestView(prompt_tokens=8000, objective_s=1.0)
     honest = cand("a", log_error_sd=0.25)                  # predicted 0.81 s, unbiased
-    late = cand("a", log_error_mean=math.log(2.0), log_error_sd=0.1)  # the same prediction, but it runs 2x late
+    late = cand("a", log_error_mean=math.log(1.2), log_error_sd=0.1)  # the same model, but it runs 20 % late
     p_honest, p_late = predict(honest, req), predict(late, req)
-    assert p_honest.ttft_s == p_late.ttft_s == pytest.approx(0.81)
+    assert p_honest.model_ttft_s == p_late.model_ttft_s == pytest.approx(0.81)
+    assert p_honest.ttft_s == pytest.approx(0.81) and p_late.ttft_s == pytest.approx(0.972)  # corrected
     assert p_honest.miss_probability(1.0) == pytest.approx(1 - NormalDist().cdf(math.log(1 / 0.81) / 0.25))
-    assert p_late.miss_probability(1.0) > 0.99
+    assert p_late.miss_probability(1.0) == pytest.approx(1 - NormalDist().cdf(math.log(1 / 0.972) / 0.1))
     low, high = p_honest.interval(0.9)
     assert low < 0.81 < high and high / 0.81 == pytest.approx(math.exp(1.6449 * 0.25), rel=1e-3)
     scoring = policy("predicted-ttft")
     assert decide([honest], req, scoring, PolicyState(), miss_tolerance=0.5).verdict.admitted
-    rejected = decide([late], req, scoring, PolicyState(), miss_tolerance=0.5).verdict
-    assert not rejected.admitted and rejected.reason == "slo" and rejected.miss_probability > 0.99
-    assert decide([late], req, scoring, PolicyState()).verdict.admitted  # the point rule lets it through
+    # 0.97 s against 1 s: admitted on the median, but a 39 % risk is too much for a 0.3 tolerance
+    assert decide([late], req, scoring, PolicyState(), miss_tolerance=0.5).verdict.admitted
+    rejected = decide([late], req, scoring, PolicyState(), miss_tolerance=0.3).verdict
+    assert not rejected.admitted and rejected.reason == "slo" and 0.3 < rejected.miss_probability < 0.5
     # a stricter tolerance rejects the honest pod too: 0.81 s against 1 s is a 20 % risk
     assert not decide([honest], req, scoring, PolicyState(), miss_tolerance=0.1).verdict.admitted
+    # ranking uses the corrected prediction: the pod that runs late loses to an honest one slightly slower
+    slower = cand("b", log_error_sd=0.25, queue_tokens=1000)  # 0.91 s
+    assert decide([late, slower], req, scoring, PolicyState()).chosen.pod_id == "b"
 
 
 def test_the_calibrator_learns_what_the_running_batch_adds():

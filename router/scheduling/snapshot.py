@@ -62,7 +62,9 @@ class RequestView:
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """Predicted time to first token on one pod, by part, with the pod's error model: the observed
-    TTFT is taken to be ``ttft_s x exp(e)`` with ``e ~ Normal(log_mean, log_sd)`` (log_sd 0: exact)."""
+    TTFT is taken to be ``model_ttft_s x exp(e)`` with ``e ~ Normal(log_mean, log_sd)``. ``ttft_s``
+    is that distribution's median, ``model_ttft_s x exp(log_mean)``: the model's parts corrected by
+    how this pod's predictions have erred (log_mean 0 and log_sd 0: the model, exactly)."""
 
     queue_s: float
     prefill_s: float
@@ -73,28 +75,33 @@ class Prediction:
     batch_s: float = 0.0  # the running batch's share of the steps the prefill needs
 
     @property
-    def ttft_s(self) -> float:
+    def model_ttft_s(self) -> float:
+        """The model's own sum of the parts (what the calibrator fits)."""
         return self.queue_s + self.prefill_s + self.overhead_s + self.batch_s
 
+    @property
+    def ttft_s(self) -> float:
+        return self.model_ttft_s * math.exp(self.log_mean) if self.log_mean else self.model_ttft_s
+
     def miss_probability(self, objective_s: float, ttft_s: float | None = None) -> float:
-        """P(observed TTFT > ``objective_s``) for a prediction of ``ttft_s`` (default: this one's)."""
-        return miss_probability(self.ttft_s if ttft_s is None else ttft_s, objective_s, self.log_mean, self.log_sd)
+        """P(observed TTFT > ``objective_s``) around a median of ``ttft_s`` (default: this one's)."""
+        return miss_probability(self.ttft_s if ttft_s is None else ttft_s, objective_s, self.log_sd)
 
     def interval(self, level: float = 0.9, ttft_s: float | None = None) -> tuple[float, float]:
-        """The central ``level`` interval of the observed TTFT."""
+        """The central ``level`` interval of the observed TTFT around a median of ``ttft_s``."""
         t = self.ttft_s if ttft_s is None else ttft_s
         z = NormalDist().inv_cdf(0.5 + level / 2.0)
-        return t * math.exp(self.log_mean - z * self.log_sd), t * math.exp(self.log_mean + z * self.log_sd)
+        return t * math.exp(-z * self.log_sd), t * math.exp(z * self.log_sd)
 
 
-def miss_probability(ttft_s: float, objective_s: float, log_mean: float, log_sd: float) -> float:
-    """P(ttft_s x exp(e) > objective_s), e ~ Normal(log_mean, log_sd); a step at the objective when
+def miss_probability(median_s: float, objective_s: float, log_sd: float) -> float:
+    """P(median_s x exp(e) > objective_s), e ~ Normal(0, log_sd); a step at the objective when
     log_sd is 0."""
     if objective_s <= 0:
         return 1.0
-    if ttft_s <= 0:
+    if median_s <= 0:
         return 0.0
-    margin = math.log(objective_s / ttft_s) - log_mean
+    margin = math.log(objective_s / median_s)
     if log_sd <= 0:
         return 0.0 if margin >= 0 else 1.0
     return 1.0 - NormalDist().cdf(margin / log_sd)
