@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from simulator.block_pool import BlockPool
 from simulator.core import CostCore, CostParams, SeedCore, SeedParams
