@@ -38,6 +38,7 @@ COPY sidecar sidecar
 COPY simulator simulator
 COPY replay replay
 COPY fleet fleet
+COPY whatif whatif
 RUN "$VENV/bin/pip" install --no-cache-dir --require-virtualenv --no-deps . \
  && "$VENV/bin/pip" check \
  && "$VENV/bin/kvroute" --version

@@ -104,7 +104,7 @@ if [[ "$version" != "$expected" ]]; then
   echo "installed version '$version' != '$expected'" >&2; exit 1
 fi
 # Every service the image is for must at least import and print its help.
-for cmd in serve sidecar sim replay events demo; do
+for cmd in serve sidecar sim replay events demo simulate plan; do
   if ! out="$(cd "$scratch" && "$venv/bin/kvroute" "$cmd" --help 2>&1)"; then
     echo "kvroute $cmd --help failed in the image's environment:" >&2
     echo "$out" | tail -20 >&2
