@@ -294,6 +294,16 @@ async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes])
 # orchestration
 # ---------------------------------------------------------------------------------------------
 
+def start_backend(procs: list[subprocess.Popen]) -> tuple[int, str]:
+    """The static backend in a child process (added to ``procs``); returns its port and URL."""
+    port = free_port()
+    backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(port)])
+    procs.append(backend)
+    upstream = f"http://127.0.0.1:{port}"
+    wait_ready(f"{upstream}/health", backend)
+    return port, upstream
+
+
 def measure(name: str, port: int, args, requests: list[bytes] | None = None) -> dict:
     one = asyncio.run(load(port, 1, args.seconds, requests=requests))
     many = asyncio.run(load(port, args.connections, args.seconds, requests=requests))
@@ -323,11 +333,7 @@ def sized(args) -> int:
                  "sizes": {}, "mixed": {}}
     peer = Path(args.peers_venv) / "bin" / "vllm-router"
     try:
-        bport = free_port()
-        backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(bport)])
-        procs.append(backend)
-        upstream = f"http://127.0.0.1:{bport}"
-        wait_ready(f"{upstream}/health", backend)
+        bport, upstream = start_backend(procs)
         print(f"overhead bench at real sizes: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
               f"tokenizer {folder}")
         if peer.exists():
@@ -424,11 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     rows = []
     try:
-        bport = free_port()
-        backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(bport)])
-        procs.append(backend)
-        upstream = f"http://127.0.0.1:{bport}"
-        wait_ready(f"{upstream}/health", backend)
+        bport, upstream = start_backend(procs)
         print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
               f"static backend on :{bport}")
         rows.append(measure("direct", bport, args))
