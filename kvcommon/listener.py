@@ -18,9 +18,11 @@ route that does not read it, stays open for ever. Here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from kvcommon.errors import error_body
@@ -31,6 +33,40 @@ try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # pragma: no cover - httptools is a dependency; without it uvicorn's h11 limits apply
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+# connections the guard closed, by reason: header_timeout, body_timeout, header_too_large, bad_framing
+# (one process; each worker process of ``--workers N`` counts its own)
+CLOSED: collections.Counter[str] = collections.Counter()
+_last_log = 0.0
+
+
+def _closed(reason: str, detail: str) -> None:
+    """Counts a close and logs it, at most once per 10 s (a slowloris flood must not flood the log)."""
+    global _last_log
+    CLOSED[reason] += 1
+    now = time.monotonic()
+    if now - _last_log >= 10.0:
+        _last_log = now
+        log.warning("closed a client connection: %s (%s; %d closed so far for this reason)",
+                    reason.replace("_", " "), detail, CLOSED[reason])
+
+
+class ListenerCollector:
+    """``<prefix>_connections_closed_total{reason}`` at scrape time, from ``CLOSED``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.name = f"{prefix}_connections_closed"
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(self.name, "Client connections the listener closed on its own bounds "
+                                     "(request head or body too slow, head too large, bad framing)",
+                                     labels=["reason"])
+        for reason in ("header_timeout", "body_timeout", "header_too_large", "bad_framing"):
+            family.add_metric([reason], CLOSED[reason])
+        yield family
+
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -92,6 +128,7 @@ if HttpToolsProtocol is not None:
         def _arm(self, delay: float | None) -> None:
             self._disarm()
             if delay:
+                self._armed_at = self.loop.time()
                 self._guard = self.loop.call_later(delay, self._expire)
 
         def _disarm(self) -> None:
@@ -102,6 +139,9 @@ if HttpToolsProtocol is not None:
         def _expire(self) -> None:
             self._guard = None
             if not self.transport.is_closing():
+                reason = "header_timeout" if self._in_head else "body_timeout"
+                waited = self.loop.time() - self._armed_at
+                _closed(reason, f"waited {waited:.1f} s, {self._head_bytes} bytes of the request head received")
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
@@ -114,6 +154,7 @@ if HttpToolsProtocol is not None:
             super().data_received(data)
             limit = self.max_header_bytes
             if self._in_head and self._head_bytes > limit and not self.transport.is_closing():
+                _closed("header_too_large", f"{self._head_bytes} bytes")
                 self.transport.write(_raw_error(431, f"request line and headers exceed {limit} bytes"))
                 self.transport.close()
 
@@ -137,6 +178,7 @@ if HttpToolsProtocol is not None:
             if problem is None:
                 super().on_headers_complete()
                 return
+            _closed("header_too_large" if problem[0] == 431 else "bad_framing", problem[1])
             real = self.app  # answer from here instead of the app, and close the connection after
             self.app = _error_app(*problem)
             try:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
@@ -97,3 +97,24 @@ class FleetCollector(Collector):
                 g = GaugeMetricFamily(f"kvroute_{name}", name.replace("_", " "))
                 g.add_metric([], float(value))
                 yield g
+
+
+class IndexCollector(Collector):
+    """``kvroute_index_operations_total{kind}``: the prefix index's own counters (blocks stored,
+    removed, evicted by the cap, duplicate copies announced and removed, orphans, refusals, ...),
+    read at scrape time from ``PrefixIndex.stats()``."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], kinds: tuple[str, ...]):
+        self._stats = stats
+        self._kinds = kinds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._stats()
+        family = CounterMetricFamily("kvroute_index_operations", "Prefix index operations and anomalies, by kind",
+                                     labels=["kind"])
+        for kind in self._kinds:
+            family.add_metric([kind], float(stats.get(kind, 0)))
+        yield family

@@ -12,12 +12,13 @@ import logging
 from typing import Any
 
 from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvcommon.listener import ListenerCollector
 from router.booking import Ledger
 from router.config import RouterSettings
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
-from router.metrics import FleetCollector, RouterMetrics
+from router.metrics import FleetCollector, IndexCollector, RouterMetrics
 from router.pods import PodRegistry
 from router.prompts import TokenizePool
 from router.routing import Router
@@ -153,6 +154,8 @@ class Services:
             await self.bus.start()
             self.metrics.add_collector(BusCollector(self.bus))
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
+        self.metrics.add_collector(ListenerCollector("kvroute"))
+        self.metrics.add_collector(IndexCollector(self.index.stats, tuple(self.index.counters)))
         if self.discovery is not None:
             self.metrics.add_collector(DiscoveryCollector(self.fleet_sync, self._pod_states))
         await self.dispatcher.start()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvcommon.listener import ListenerCollector
+
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -41,6 +43,7 @@ class SidecarMetrics:
                                        "Allowed prefill networks in the current snapshot", registry=r)
         self.allowlist_refresh_errors = Counter("kvroute_sidecar_allowlist_refresh_errors",
                                                 "Failed refreshes of an allowlist source", ["source"], registry=r)
+        r.register(ListenerCollector("kvroute_sidecar"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

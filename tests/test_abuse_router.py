@@ -167,6 +167,13 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return True
 
 
+def _closed_count(port: int, reason: str, key: str | None = ADMIN) -> float:
+    headers = auth(key) if key else {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f'kvroute_connections_closed_total{{reason="{reason}"}}'))
+
+
 def test_idle_slow_header_and_slow_body_connections_are_closed(pod, tmp_path):
     with served(pod, tmp_path, api_keys=KEYS, header_timeout_s=1, body_timeout_s=1, keep_alive_s=1) as (port, _):
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
@@ -220,6 +227,10 @@ def test_idle_slow_header_and_slow_body_connections_are_closed(pod, tmp_path):
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status(read_response(s, 3)) == 200
             assert _closed_within(s, 4)
+        # each close is counted by its reason (the idle keep-alive close is uvicorn's, not counted)
+        assert _closed_count(port, "header_timeout") >= 31   # 30 idle + the trickled head
+        assert _closed_count(port, "body_timeout") >= 1      # the body /health never read
+        assert _closed_count(port, "header_too_large") == 0
 
 
 def test_oversized_headers_and_http10_chunked_bodies_are_refused(pod, tmp_path):
@@ -233,6 +244,8 @@ def test_oversized_headers_and_http10_chunked_bodies_are_refused(pod, tmp_path):
         chunked += b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
         resp = exchange(port, chunked)
         assert status(resp) == 400 and "HTTP/1.0" in error(resp)["message"]
+        assert _closed_count(port, "header_too_large", key=None) == 1
+        assert _closed_count(port, "bad_framing", key=None) == 1
         # a 60 KB request id is replaced, not passed on (and never a 502)
         resp = exchange(port, post("/v1/completions", completion(),
                                    {"Content-Type": "application/json", "X-Request-Id": "r" * 60_000}))

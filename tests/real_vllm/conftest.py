@@ -89,6 +89,12 @@ def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Eng
 # the router (and sidecars) in front of real engines
 # ---------------------------------------------------------------------------------------------
 
+# how long a router or sidecar process may take to answer: about 2 s on a quiet machine, but CI machines
+# run the engines' busy threads beside it, and a 2-core machine six times oversubscribed took over 30 s
+# just to import (an upper bound only: a healthy start does not wait for it)
+START_TIMEOUT_S = 120.0
+
+
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition", interval: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -108,8 +114,9 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
     log = tmp_path / f"router-{port}.log"
     proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
     try:
-        wait_ready(base + "/ready", proc, 30, log=log)
-        wait_for(lambda: httpx.get(base + "/ready", timeout=5).json().get("healthy_pods") == len(pods), 30,
+        wait_ready(base + "/ready", proc, START_TIMEOUT_S, log=log)
+        wait_for(lambda: httpx.get(base + "/ready", timeout=10).json().get("healthy_pods") == len(pods),
+                 START_TIMEOUT_S,
                  "every pod healthy")
         yield base
     except BaseException:

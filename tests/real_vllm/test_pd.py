@@ -37,7 +37,14 @@ import pytest
 from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, restart, router_pod
 from simulator.testing import free_port, spawn, stop_process, wait_ready
 from tests.helpers import metric
-from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
+from tests.real_vllm.conftest import (
+    START_TIMEOUT_S,
+    cached_tokens,
+    debug_route,
+    engine_metric,
+    running_router,
+    wait_for,
+)
 
 # a loaded 2-core machine (other engines, NIXL's progress threads) can make one leg take seconds
 TIMEOUT = 300.0
@@ -126,7 +133,7 @@ def sidecar(pd_engines: list[Engine], tmp_path_factory: pytest.TempPathFactory) 
                   "--prefill-timeout", str(TIMEOUT)], log=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url + "/health", proc, 30, log=log)
+        wait_ready(url + "/health", proc, START_TIMEOUT_S, log=log)
         yield Sidecar(url, proc, log)
     finally:
         stop_process(proc)
