@@ -69,13 +69,18 @@ NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
 class _Source:
     """One event publisher: a pod, or one data-parallel rank of a pod."""
 
-    __slots__ = ("pod", "rank", "bit", "blocks", "pred", "stored", "removed", "evicted", "orphans", "dead")
+    __slots__ = ("pod", "rank", "bit", "blocks", "copies", "pred", "stored", "removed", "evicted", "orphans",
+                 "dead")
 
     def __init__(self, pod: _Pod, rank: int, bit: int):
         self.pod = pod
         self.rank = rank
         self.bit = bit
         self.blocks: dict[int, int] = {}   # engine hash -> key, oldest first
+        # (tier, engine hash) -> physical copies, only while there are two or more: vLLM announces a
+        # BlockStored for every block that computed the hash (two requests with one prompt in flight)
+        # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes
+        self.copies: dict[tuple[str, int], int] = {}
         self.pred: dict[int, float] = {}   # predicted key -> expiry (only on the pod's first source)
         self.stored = self.removed = self.evicted = self.orphans = 0
         self.dead = False
@@ -133,7 +138,8 @@ class PrefixIndex:
             "events", "blocks_stored", "blocks_removed", "blocks_evicted", "clears", "orphan_blocks",
             "hash_only_joined", "hash_only_unknown", "unknown_removals", "unknown_pod_events",
             "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
-            "predicted_added", "predicted_expired", "predicted_confirmed", "lookups")}
+            "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
+            "copies_removed")}
 
     # --- fleet ------------------------------------------------------------------------------------
     def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:
@@ -330,8 +336,12 @@ class PrefixIndex:
         if n == 1:  # blocks filled while decoding come one per event: skip the iterator set-up
             h, k = hashes[0], keys[0]
             old = blocks.pop(h, None)
-            if old is not None and old != k:
-                self._drop_key(src, old)
+            if old is not None:
+                if old != k:
+                    self._drop_key(src, old)
+                    self._forget_copies(src, h)
+                elif d.get(k, 0) & bit:
+                    self._copy(src, tier, h)
             blocks[h] = k
             d[k] = d.get(k, 0) | bit
             if anyd is not d:
@@ -340,10 +350,14 @@ class PrefixIndex:
             blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
         else:
             pop = blocks.pop
-            for h, k in zip(hashes, keys):     # re-announced: refresh the LRU position
+            for h, k in zip(hashes, keys):     # re-announced (another copy): refresh the LRU position
                 old = pop(h, None)
-                if old is not None and old != k:
-                    self._drop_key(src, old)
+                if old is not None:
+                    if old != k:
+                        self._drop_key(src, old)
+                        self._forget_copies(src, h)
+                    elif d.get(k, 0) & bit:
+                        self._copy(src, tier, h)
                 blocks[h] = k
         if n > 1:
             # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
@@ -357,6 +371,17 @@ class PrefixIndex:
             self._confirm_predicted(primary, keys)
         if len(blocks) > self.max_blocks_per_pod:
             self._evict(src)
+
+    def _copy(self, src: _Source, tier: str, h: int) -> None:
+        key = (tier, h)
+        src.copies[key] = src.copies.get(key, 1) + 1
+        self.counters["duplicate_copies"] += 1
+
+    @staticmethod
+    def _forget_copies(src: _Source, h: int) -> None:
+        if src.copies:
+            for key in [c for c in src.copies if c[1] == h]:
+                del src.copies[key]
 
     def _join_hash_only(self, src: _Source, hashes: Sequence[int], tier: str) -> bool:
         """Offload-tier events without tokens: add the tier to blocks we already know by hash."""
@@ -388,6 +413,15 @@ class PrefixIndex:
             if not m & bit:
                 self.counters["unknown_removals"] += 1
                 continue
+            if src.copies:
+                c = src.copies.get((tier, h))
+                if c is not None:  # one copy of several went: the block is still cached
+                    if c > 2:
+                        src.copies[(tier, h)] = c - 1
+                    else:
+                        del src.copies[(tier, h)]
+                    self.counters["copies_removed"] += 1
+                    continue
             m &= ~bit
             if m:
                 d[k] = m
@@ -434,9 +468,12 @@ class PrefixIndex:
         it = iter(blocks.items())
         for _ in range(n):
             victims.append(next(it))
+        copies = src.copies
         for h, k in victims:
             del blocks[h]
             self._drop_key(src, k)
+            if copies:
+                self._forget_copies(src, h)
         src.evicted += n
         self.counters["blocks_evicted"] += n
 
@@ -444,6 +481,7 @@ class PrefixIndex:
         for k in src.blocks.values():
             self._drop_key(src, k)
         src.blocks = {}
+        src.copies = {}
         if predicted and src.pred:
             bit = src.bit
             pred = self._pred
@@ -645,6 +683,7 @@ class PrefixIndex:
             "approximate": pod.approximate,
             "dp_ranks": sorted(pod.sources),
             "blocks": sum(len(s.blocks) for s in srcs),
+            "copies": sum(n - 1 for s in srcs for n in s.copies.values()),
             "predicted": sum(len(s.pred) for s in srcs),
             "stored": sum(s.stored for s in srcs),
             "removed": sum(s.removed for s in srcs),

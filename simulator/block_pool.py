@@ -4,8 +4,9 @@ It follows vLLM's block pool: a block is named by a hash chained over its parent
 tokens (sha256 over ``parent digest || tokens as uint32``, published as the digest's last 8 bytes
 read as an unsigned big-endian integer, like vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 Blocks in use have a positive ref count; a freed block goes to the tail of the free queue and
-keeps its hash, so it can still be hit until it is reallocated. Allocation takes the head of the
-queue (least recently freed) and evicts its hash. Every change that vLLM would publish is handed
+keeps its hash, so it can still be hit until it is reallocated; a freed block without a hash goes
+to the head, to be reused first. Allocation takes the head of the queue (least recently freed) and
+evicts its hash. Every change that vLLM would publish is handed
 to ``on_event`` as ``("stored", hashes, parent, token_ids)``, ``("removed", [hash])`` or
 ``("cleared",)``.
 """
@@ -55,7 +56,8 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}
+        self.cached: dict[int, int] = {}           # hash -> the block a lookup returns
+        self.copies: dict[int, list[int]] = {}     # hash -> further blocks holding it (duplicates)
         self.on_event = on_event or (lambda event: None)
 
     # --- queries ---------------------------------------------------------------------------------
@@ -100,56 +102,84 @@ class BlockPool:
             h = self.block_hash[b]
             if h is not None:
                 self.block_hash[b] = None
-                if self.cached.get(h) == b:
-                    del self.cached[h]
-                    self.on_event(("removed", [h]))
+                self._evict(h, b)
             self.ref[b] = 1
             out.append(b)
         return out
+
+    def _evict(self, h: int, b: int) -> None:
+        """Block ``b`` loses hash ``h``: one BlockRemoved per copy, as vLLM's eviction sends."""
+        extra = self.copies.get(h)
+        if self.cached.get(h) == b:
+            if extra:
+                self.cached[h] = extra.pop(0)
+            else:
+                del self.cached[h]
+        elif extra and b in extra:
+            extra.remove(b)
+        else:
+            return
+        if extra is not None and not extra:
+            del self.copies[h]
+        self.on_event(("removed", [h]))
 
     def cache(self, block_ids: Sequence[int], hashes: Sequence[int], parent: int | None,
               token_ids: Sequence[int]) -> None:
         """Name newly full blocks by their hashes and announce them (one BlockStored for the run).
 
-        A hash already cached in another block is not announced again (vLLM keeps both copies; the
-        event stream only ever needs one).
+        A hash already cached in another block (its prompt was computed twice at once) makes this
+        block a further copy, announced like any other, as vLLM announces it.
         """
         new_hashes: list[int] = []
         new_tokens: list[int] = []
         bs = self.block_size
         run_parent = parent
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
-            if h in self.cached or self.block_hash[b] is not None:
+            if self.block_hash[b] is not None:   # already named (a prefix hit): not new
                 if new_hashes:
                     self.on_event(("stored", new_hashes, run_parent, new_tokens))
                     new_hashes, new_tokens = [], []
                 run_parent = h
                 continue
             self.block_hash[b] = h
-            self.cached[h] = b
+            if h in self.cached:
+                self.copies.setdefault(h, []).append(b)
+            else:
+                self.cached[h] = b
             new_hashes.append(h)
             new_tokens.extend(token_ids[i * bs:(i + 1) * bs])
         if new_hashes:
             self.on_event(("stored", new_hashes, run_parent, new_tokens))
 
     def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference; unreferenced blocks join the free queue's tail, last block first
-        (so a sequence's tail is evicted before its head, as in vLLM)."""
+        """Drop one reference. As vLLM's ``free_blocks``: unreferenced blocks with a hash join the free
+        queue's tail, last block first (a sequence's tail is evicted before its head); blocks without
+        one (a partial last block) go to its head, in that order, to be reused first and spare the
+        cached ones."""
+        first: list[int] = []
         for b in reversed(block_ids):
             r = self.ref[b] - 1
             self.ref[b] = r
             if r == 0:
-                self.free[b] = None
+                if self.block_hash[b] is None:
+                    first.append(b)
+                else:
+                    self.free[b] = None
             elif r < 0:  # defensive: never go negative
                 self.ref[b] = 0
+        for b in reversed(first):
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
 
     def reset(self) -> None:
         """Forget every cached hash (vLLM's reset_prefix_cache) and announce AllBlocksCleared."""
         self.cached.clear()
+        self.copies.clear()
         self.block_hash = [None] * self.num_blocks
         self.on_event(("cleared",))
 
     def forget(self) -> None:
         """Lose the cache silently, as a restarted engine does (no event: a new process knows nothing)."""
         self.cached.clear()
+        self.copies.clear()
         self.block_hash = [None] * self.num_blocks

@@ -86,6 +86,37 @@ def test_removed_maps_engine_hashes_to_keys_and_unknown_removals_are_counted():
     assert ix.stats()["unknown_removals"] == 1
 
 
+def test_a_second_copy_of_a_block_outlives_the_first_copys_eviction():
+    # two requests with one prompt computed it at once: vLLM keeps two blocks per hash, announces both
+    # and removes each on its own eviction; the prefix stays cached until the last copy goes
+    ix = new_index()
+    t = toks(2)
+    ix.apply_event("a", stored([1, 2], None, t))
+    ix.apply_event("a", stored([1, 2], None, t))
+    ix.apply_event("a", stored([2], 1, t[4:]))        # a third copy of the second block, one per event
+    assert ix.stats()["duplicate_copies"] == 3 and ix.pod_stats("a")["copies"] == 3
+    ix.apply_event("a", BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 2
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 2
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 1
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 0
+    assert ix.stats()["copies_removed"] == 3 and ix.stats()["unknown_removals"] == 0
+    # copies are per tier: a CPU copy is not a second GPU copy, and a clear forgets them all
+    ix.apply_event("a", stored([1], None, t[:4]))
+    ix.apply_event("a", stored([1], None, t[:4], medium="CPU"))
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="GPU"))
+    m = ix.match(keys_of(t))["a"]
+    assert m.blocks == 1 and m.by_tier == {"CPU": 1}
+    ix.apply_event("a", stored([1], None, t[:4], medium="CPU"))
+    ix.apply_event("a", AllBlocksCleared())
+    ix.apply_event("a", stored([1], None, t[:4]))
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 0 and ix.pod_stats("a")["copies"] == 0
+
+
 def test_all_blocks_cleared_and_clear_pod():
     ix = new_index()
     t = toks(2)
@@ -298,8 +329,9 @@ def test_index_agrees_with_a_brute_force_model(ops, query_doc):
     ix = PrefixIndex(block_size=BS, tier_weights={"GPU": 1.0, "CPU": 0.5})
     for p in PODS:
         ix.add_pod(p, MODEL)
-    # model: (pod, rank) -> {(doc, i): set(tiers)}
-    model: dict[tuple[str, int], dict[tuple[int, int], set[str]]] = {(p, r): {} for p in PODS for r in (0, 1)}
+    # model: (pod, rank) -> {(doc, i): {tier: physical copies}}; each store is one more copy (vLLM
+    # announces every block that computed a hash) and each removal one copy fewer
+    model: dict[tuple[str, int], dict[tuple[int, int], dict[str, int]]] = {(p, r): {} for p in PODS for r in (0, 1)}
     for o in ops:
         if o[0] == "store":
             _, p, r, d, start, n, tier = o
@@ -312,14 +344,18 @@ def test_index_agrees_with_a_brute_force_model(ops, query_doc):
             ix.apply_event(p, ev, dp_rank=r)
             if parent_known:
                 for i in range(start, start + n):
-                    held.setdefault((d, i), set()).add(tier)
+                    copies = held.setdefault((d, i), {})
+                    copies[tier] = copies.get(tier, 0) + 1
         elif o[0] == "remove":
             _, p, r, d, i, tier = o
             ix.apply_event(p, BlockRemoved(block_hashes=[ehash(p, r, d, i)], medium=tier), dp_rank=r)
             held = model[(p, r)]
-            if (d, i) in held:
-                held[(d, i)].discard(tier)
-                if not held[(d, i)]:
+            if tier in held.get((d, i), {}):
+                copies = held[(d, i)]
+                copies[tier] -= 1
+                if not copies[tier]:
+                    del copies[tier]
+                if not copies:
                     del held[(d, i)]
         elif o[0] == "clear":
             _, p, r = o

@@ -75,6 +75,36 @@ def test_block_pool_lru_eviction_and_refcounts():
     assert events[-1] == ("cleared",) and pool.match_prefix([101]) == []
 
 
+def test_a_prompt_computed_twice_at_once_leaves_two_announced_copies_evicted_one_by_one():
+    events: list = []
+    pool = BlockPool(4, 2, events.append)
+    a, b = pool.allocate(2), pool.allocate(2)      # two requests, one prompt, neither cached yet
+    pool.cache(a, [101, 102], None, [1, 2, 3, 4])
+    pool.cache(b, [101, 102], None, [1, 2, 3, 4])
+    assert events == [("stored", [101, 102], None, [1, 2, 3, 4])] * 2   # as vLLM: every copy announced
+    assert pool.match_prefix([101, 102]) == a
+    pool.release(a)
+    pool.release(b)
+    pool.allocate(1)                               # evicts a's last block: one copy of 102 goes
+    assert events[-1] == ("removed", [102]) and len(pool.match_prefix([101, 102])) == 2
+    pool.allocate(3)                               # the rest: one BlockRemoved per copy
+    assert events[-3:] == [("removed", [101]), ("removed", [102]), ("removed", [101])]
+    assert pool.match_prefix([101]) == [] and pool.copies == {}
+
+
+def test_a_freed_block_without_a_hash_is_reused_before_any_cached_block():
+    events: list = []
+    pool = BlockPool(4, 2, events.append)
+    cached = pool.allocate(2)
+    pool.cache(cached, [101, 102], None, [1, 2, 3, 4])
+    pool.release(cached)
+    for _ in range(5):                 # a one-block request over and over (its block is never full)
+        partial = pool.allocate(1)
+        pool.release(partial)
+    assert events == [("stored", [101, 102], None, [1, 2, 3, 4])]   # vLLM: nothing cached was evicted
+    assert pool.match_prefix([101, 102]) == cached
+
+
 def test_kv_events_config_parsing_and_offsets():
     cfg = KVEventsConfig.from_json({"enable_kv_cache_events": True, "publisher": "zmq",
                                     "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",

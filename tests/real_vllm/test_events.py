@@ -8,6 +8,9 @@ reading of vLLM's events fails here even when our own simulator agrees with it.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from realvllm.engines import MODEL_NAME, restart, router_pod
@@ -96,6 +99,49 @@ def test_eviction_removes_entries_as_the_engine_evicts(agg_engines, real_env, tm
         observed = hits_for(engine.url, victim)
         print(f"victim: {full} tokens credited before eviction, {credited} after; engine hit {observed}")
         assert credited == observed
+
+
+def index_count(base: str, kind: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'kvroute_index_operations_total{{kind="{kind}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_block_computed_twice_stays_credited_until_its_last_copy_is_evicted(agg_engines, real_env, tmp_path):
+    """Two identical greedy requests decoding side by side fill identical output blocks: vLLM keeps both
+    copies under one hash, announces each (BlockStored twice) and removes each on its own eviction. The
+    router counts copies, so evicting the first copy leaves the prefix credited, as the engine still
+    hits it through the second."""
+    engine = agg_engines[0]
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        twin = {**completion(text("twins", 300), max_tokens=160), "ignore_eos": True, "return_token_ids": True}
+        copies = index_count(base, "duplicate_copies")
+        with ThreadPoolExecutor(2) as pool:
+            a, b = (r.json()["choices"][0] for r in pool.map(lambda body: send(engine.url, body), [twin, twin]))
+        assert a["token_ids"] == b["token_ids"], "greedy twins decoded differently"
+        follow = {"model": MODEL_NAME, "prompt": a["prompt_token_ids"] + a["token_ids"], "max_tokens": 2,
+                  "temperature": 0}
+        wait_for(lambda: index_count(base, "duplicate_copies") > copies, 10, "the second copies announced")
+        full = cached_tokens(base, follow, engine.name)
+        # 35-token requests evict about one cached block each from the head of the free queue, where the
+        # first twin's output blocks went when it finished, ahead of the second's (a full block, cached,
+        # and a partial one; vLLM frees an uncached block to the head, so the next request reuses it)
+        removed, started, fillers = index_count(base, "copies_removed"), time.monotonic(), 0
+        # (stop when the router counts a copy removed, or when its credit drops: without copies counted
+        # it would drop at the first copy's removal, which this test exists to catch)
+        while index_count(base, "copies_removed") == removed and cached_tokens(base, follow, engine.name) == full:
+            assert fillers < 400 and time.monotonic() - started < 240, "no copy was evicted"
+            send(engine.url, completion(f"filler {fillers} {text('filler', 6)}", max_tokens=1))
+            fillers += 1
+        credited = cached_tokens(base, follow, engine.name)
+        observed = hits_for(engine.url, follow)
+        print(f"twins: {len(a['token_ids'])} output tokens, {index_count(base, 'duplicate_copies') - copies:.0f} "
+              f"copies announced; after {fillers} fillers: credited {credited} "
+              f"(of {full}), engine hit {observed}")
+        assert credited == observed
+        assert observed > len(a["prompt_token_ids"])   # past the prompt: the output blocks' survivors
 
 
 def test_engine_restart_clears_the_pod_and_rebuilds_it(agg_engines, real_env, tmp_path):
