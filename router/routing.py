@@ -109,6 +109,14 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: lis
     return FleetSnapshot(model=model, candidates=tuple(cands), kv=kv)
 
 
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """The request's ``cache_salt`` (vLLM's per-tenant prefix-cache isolation), checked as vLLM checks it."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    return salt
+
+
 class Router:
     def __init__(self, settings: RouterSettings, registry: PodRegistry, index: Any, tokenizer: Tokenizer,
                  metrics: RouterMetrics, *, ledger: Ledger | None = None, calibrator: Calibrator | None = None,
@@ -198,11 +206,14 @@ class Router:
             return value
         return self.settings.pd_expected_output_tokens
 
-    def keys_for(self, model: str, tokens: list[int]) -> list[int]:
+    def keys_for(self, model: str, tokens: list[int], salt: str | None = None) -> list[int]:
+        """The prompt's block keys; a ``cache_salt`` goes into the first block's extra keys, where
+        vLLM puts it (and announces it in that block's BlockStored ``extra_keys``), so a salted
+        prompt meets only the same salt's blocks."""
         seed = self._seeds.get(model)
         if seed is None:
             seed = self._seeds[model] = key_seed(model)
-        return block_keys(tokens, self.block_size, seed)
+        return block_keys(tokens, self.block_size, seed, [[salt]] if salt is not None else None)
 
     def snapshot(self, model: str, keys: list[int], tokens: list[int]) -> FleetSnapshot:
         pods = [p for p in self.registry.healthy() if p.config.model == model]
@@ -220,7 +231,7 @@ class Router:
     def prompt_and_keys(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int, list[int]]:
         """``prompt`` and the prompt's block keys: the CPU-heavy part of ``plan``, for a tokenize thread."""
         tokens, rest = self.prompt(kind, body)
-        return tokens, rest, self.keys_for(self.resolve_model(body), tokens)
+        return tokens, rest, self.keys_for(self.resolve_model(body), tokens, cache_salt(body))
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
              tokens: list[int] | None = None, exact: bool = True, grants: Any = None,
@@ -241,8 +252,9 @@ class Router:
             tokens, rest = self.prompt(kind, body)
         elif rest is None:  # a pod tokenized the first prompt: estimate the others
             rest = batch_rest_tokens(body, None, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
+        salt = cache_salt(body)
         if keys is None:
-            keys = self.keys_for(model, tokens) if exact else []
+            keys = self.keys_for(model, tokens, salt) if exact else []
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,

@@ -26,6 +26,12 @@ def none_hash(seed: str = "") -> bytes:
     return hashlib.sha256(b"kvroute-sim-none-hash:" + seed.encode()).digest()
 
 
+def salted_root(root: bytes, salt: str) -> bytes:
+    """The chain's root for a request with ``cache_salt``: vLLM folds the salt into the first block's
+    extra keys, so every block of a salted prompt hashes apart from the unsalted and other salts'."""
+    return hashlib.sha256(root + b"\x00cache_salt\x00" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids packed as little-endian uint32 (ids outside [0, 2^32) are reduced modulo 2^32)."""
     try:
@@ -124,11 +130,13 @@ class BlockPool:
         self.on_event(("removed", [h]))
 
     def cache(self, block_ids: Sequence[int], hashes: Sequence[int], parent: int | None,
-              token_ids: Sequence[int]) -> None:
+              token_ids: Sequence[int], salt: str | None = None) -> None:
         """Name newly full blocks by their hashes and announce them (one BlockStored for the run).
 
         A hash already cached in another block (its prompt was computed twice at once) makes this
-        block a further copy, announced like any other, as vLLM announces it.
+        block a further copy, announced like any other, as vLLM announces it. With ``salt`` (the
+        request's cache_salt) a run that starts at the first block announces it in that block's
+        extra keys (``("stored", ..., extra_keys)``), as vLLM does.
         """
         new_hashes: list[int] = []
         new_tokens: list[int] = []
@@ -137,7 +145,7 @@ class BlockPool:
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             if self.block_hash[b] is not None:   # already named (a prefix hit): not new
                 if new_hashes:
-                    self.on_event(("stored", new_hashes, run_parent, new_tokens))
+                    self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt))
                     new_hashes, new_tokens = [], []
                 run_parent = h
                 continue
@@ -149,7 +157,13 @@ class BlockPool:
             new_hashes.append(h)
             new_tokens.extend(token_ids[i * bs:(i + 1) * bs])
         if new_hashes:
-            self.on_event(("stored", new_hashes, run_parent, new_tokens))
+            self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt))
+
+    @staticmethod
+    def _stored(hashes: list[int], parent: int | None, token_ids: list[int], salt: str | None) -> tuple:
+        if salt is None or parent is not None:
+            return ("stored", hashes, parent, token_ids)
+        return ("stored", hashes, parent, token_ids, [[salt]] + [None] * (len(hashes) - 1))
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference. As vLLM's ``free_blocks``: unreferenced blocks with a hash join the free

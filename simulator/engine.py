@@ -71,7 +71,8 @@ class EngineBase:
     def _on_pool_event(self, ev: tuple) -> None:
         kind = ev[0]
         if kind == "stored":
-            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size))
+            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size,
+                                                    extra_keys=ev[4] if len(ev) > 4 else None))
         elif kind == "removed":
             self.pending_events.append(block_removed(self.fmt, ev[1]))
         else:

@@ -92,12 +92,14 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def block_stored(fmt: str, hashes: list[int], parent: int | None, token_ids: list[int],
-                 block_size: int, medium: str = "GPU") -> Event:
-    """A BlockStored event in ``fmt`` ('map' or 'array') for one run of newly cached blocks."""
+                 block_size: int, medium: str = "GPU", extra_keys: list[Any] | None = None) -> Event:
+    """A BlockStored event in ``fmt`` ('map' or 'array') for one run of newly cached blocks;
+    ``extra_keys`` one entry per block (a cache salt on the first block: ``[salt]``)."""
     if fmt == "array":
-        return LegacyBlockStored(hashes, parent, token_ids, block_size, None, medium, None, None, 0)
+        return LegacyBlockStored(hashes, parent, token_ids, block_size, None, medium, None, extra_keys, 0)
     return BlockStored(hashes, parent, token_ids, block_size, None, medium, None,
-                       extra_keys=[None] * len(hashes), group_idx=0, kv_cache_spec_kind="full_attention")
+                       extra_keys=extra_keys or [None] * len(hashes), group_idx=0,
+                       kv_cache_spec_kind="full_attention")
 
 
 def block_removed(fmt: str, hashes: list[int], medium: str = "GPU") -> Event:

@@ -45,6 +45,7 @@ class GenRequest:
     body_request_id: str | None
     ignore_eos: bool = False
     min_tokens: int = 0
+    cache_salt: str | None = None   # folded into the first block's hash, as vLLM does
 
 
 def _is_int(v: Any) -> bool:
@@ -143,6 +144,9 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
     if kv is not None and not isinstance(kv, dict):
         raise ShapeError("'kv_transfer_params' must be an object or null", param="kv_transfer_params")
     request_id = _opt(body, "request_id", (str,), "a string")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ShapeError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
 
     max_tokens = _opt(body, "max_tokens", (int,), "an integer")
     if kind == "chat":
@@ -180,11 +184,12 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
     if n_prompt + max_tokens > max_prompt_tokens:
         raise ShapeError(f"The prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV blocks "
                          f"than this pod has ({max_prompt_tokens} tokens).", param="max_tokens")
-    include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
+    # vLLM 0.32 StreamOptions: include_usage and continuous_usage_stats both default to false
+    include_usage = bool(stream_options.get("include_usage")) if stream_options else False
     continuous = (include_usage and bool(stream_options.get("continuous_usage_stats", False))
                   if stream_options else False)
     return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id,
-                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0)
+                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0, cache_salt=salt)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from simulator.block_pool import chain_digests, digest_to_u64, token_bytes
+from simulator.block_pool import chain_digests, digest_to_u64, salted_root, token_bytes
 
 FINISH = object()  # queue item that ends a request's output; the reason is on the request
 
@@ -19,10 +19,10 @@ class SimRequest:
                  "num_computed", "block_ids", "num_cached_blocks", "digests", "hashes", "root",
                  "cached_tokens", "remote_tokens", "arrival", "scheduled_at", "first_token_at",
                  "last_token_at", "finished_at", "finish_reason", "aborted", "queue", "keep_blocks",
-                 "num_output", "admitted", "prefill_compute_s")
+                 "num_output", "admitted", "prefill_compute_s", "salt")
 
     def __init__(self, request_id: str, prompt: Sequence[int], max_tokens: int, length_capped: bool,
-                 block_size: int, root: bytes, arrival: float):
+                 block_size: int, root: bytes, arrival: float, salt: str | None = None):
         self.request_id = request_id
         self.prompt = list(prompt)
         self.n_prompt = len(self.prompt)
@@ -33,9 +33,10 @@ class SimRequest:
         self.num_output = 0
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0
-        self.root = root
+        self.salt = salt   # cache_salt: a chain of its own from the first block on
+        self.root = root if salt is None else salted_root(root, salt)
         full = self.n_prompt // block_size
-        self.digests = chain_digests(root, token_bytes(self.prompt), block_size, 0, full)
+        self.digests = chain_digests(self.root, token_bytes(self.prompt), block_size, 0, full)
         self.hashes = [digest_to_u64(d) for d in self.digests]
         self.cached_tokens = 0
         self.remote_tokens = 0  # tokens whose KV came from a remote prefill (NIXL decode leg)

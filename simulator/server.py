@@ -410,7 +410,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     response_id = f"{prefix}-{base_id}"
     internal_id = f"{response_id}-{next(pod._ids):x}"
     req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
-                     pod.root_hash, arrival)
+                     pod.root_hash, arrival, salt=gen.cache_salt)
 
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))

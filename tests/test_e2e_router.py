@@ -143,3 +143,40 @@ def test_several_worker_processes_serve_on_one_port():
                                headers={"connection": "close"})  # new connections reach both workers
                     assert r.status_code == 200 and r.headers["x-kvroute-pod"] in {"sim-0", "sim-1"}
                     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_cache_salt_keeps_a_tenants_prefix_apart_in_the_router_and_the_pod(tmp_path):
+    """A salted prompt is cached under a chain of its own (vLLM folds ``cache_salt`` into the first
+    block's hash and announces it in that block's ``extra_keys``): the router credits the same salt's
+    prefix, as the pod then hits it, and nothing to another salt or to no salt."""
+    events = consecutive_free_ports(2)
+    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+        port = free_port()
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.05}))
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"), \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            prefix = "The tenant's long shared context. " * 40
+            first = {"model": "sim-model", "prompt": prefix, "max_tokens": 2, "cache_salt": "tenant-a"}
+            assert c.post("/v1/completions", json=first).status_code == 200
+            follow = {"model": "sim-model", "prompt": prefix + "And now a question?", "max_tokens": 2}
+
+            def credited(body: dict) -> int:
+                row = c.post("/debug/route", json=body).json()["pods"][0]
+                return int(sum(row["cached_tokens_by_tier"].values()))
+
+            asyncio.run(until(lambda: credited({**follow, "cache_salt": "tenant-a"}) > 0, 10, "the salted prefix"))
+            seen = {}
+            for salt in ("tenant-b", None, "tenant-a"):   # the same salt last: the others must miss
+                body = follow if salt is None else {**follow, "cache_salt": salt}
+                before = credited(body)
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                seen[salt] = (before, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert seen["tenant-b"] == (0, 0) and seen[None] == (0, 0), seen
+            assert seen["tenant-a"][0] == seen["tenant-a"][1] > 0, seen
+            with httpx.Client(base_url=urls[0], timeout=30) as pod:
+                for bad in ("", 7, ["x"]):    # refused as vLLM refuses it, by the router and by the pod
+                    for target in (c, pod):
+                        r = target.post("/v1/completions", json={**follow, "cache_salt": bad})
+                        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

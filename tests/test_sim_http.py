@@ -59,6 +59,10 @@ def test_streaming_with_usage(pods):
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(ch.choices[0].finish_reason is None for ch in text_chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    # vLLM's StreamOptions default include_usage to false: options without it mean no usage chunk
+    bare = list(c.completions.create(model="sim-model", prompt="stream me", max_tokens=2, stream=True,
+                                     stream_options={"continuous_usage_stats": False}))
+    assert all(ch.choices for ch in bare) and all(ch.usage is None for ch in bare)
     chat = list(c.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "x"}],
                                           max_tokens=3, stream=True))
     assert chat[0].choices[0].delta.role == "assistant"
