@@ -61,7 +61,9 @@ class FleetCollector(Collector):
 
     GAUGES = {
         "healthy": "1 if the pod is in the candidate set",
-        "waiting": "Requests waiting on the pod (its own metric)",
+        "waiting": "Requests waiting on the pod for capacity (its own metric, less those deferred)",
+        "waiting_deferred": "Requests waiting on the pod for a KV transfer or other transient constraint "
+                            "(its own metric, reason=deferred)",
         "running": "Requests running on the pod (its own metric)",
         "kv_usage": "KV cache usage 0..1 (its own metric)",
         "booked_requests": "Requests the router sent there that have not produced a first token",

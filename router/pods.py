@@ -32,7 +32,8 @@ class PodState:
     failures: int = 0
     unhealthy_since: float | None = None
     forgotten: bool = False
-    waiting: int = 0
+    waiting: int = 0             # waiting for capacity (vLLM's waiting less its deferred ones)
+    waiting_deferred: int = 0    # waiting for something else, chiefly a NIXL read (vLLM's reason="deferred")
     running: int = 0
     kv_usage: float = 0.0
     block_size: int | None = None
@@ -48,6 +49,10 @@ class PodState:
 @dataclass
 class PodMetrics:
     waiting: float = 0.0
+    # vllm:num_requests_waiting_by_reason{reason="deferred"} (vLLM >= 0.32): waiting requests held back
+    # by transient constraints, chiefly decode requests waiting for their KV over NIXL; they are counted
+    # in vllm:num_requests_waiting but need none of the pod's prefill capacity (None: not reported)
+    deferred: float | None = None
     running: float = 0.0
     kv_usage: float | None = None
     block_size: int | None = None
@@ -99,6 +104,9 @@ def parse_vllm_metrics(text: str) -> PodMetrics:
             continue
         if name == "vllm:num_requests_waiting":
             m.waiting += value
+        elif name == "vllm:num_requests_waiting_by_reason":
+            if _labels(labels_text).get("reason") == "deferred":
+                m.deferred = (m.deferred or 0.0) + value
         elif name == "vllm:num_requests_running":
             m.running += value
         elif name == "vllm:kv_cache_usage_perc":
@@ -193,7 +201,9 @@ class PodRegistry:
         pod = self.pods.get(pod_id)
         if pod is None:  # left the fleet while the scrape was in flight
             return
-        pod.waiting = int(m.waiting)
+        # the queue ahead of a new prompt: what waits for capacity, not for a KV transfer
+        pod.waiting_deferred = int(m.deferred or 0)
+        pod.waiting = max(0, int(m.waiting) - pod.waiting_deferred)
         pod.running = int(m.running)
         if m.kv_usage is not None:
             pod.kv_usage = m.kv_usage

@@ -364,6 +364,7 @@ class Router:
             n, tokens = self.ledger.inflight(pid), self.ledger.queued_tokens(pid, cal.rate)
             row: dict[str, Any] = {
                 "healthy": 1.0 if p.healthy else 0.0, "waiting": p.waiting, "running": p.running,
+                "waiting_deferred": p.waiting_deferred,
                 "kv_usage": p.kv_usage, "booked_requests": n, "booked_tokens": tokens,
                 "prefill_tokens_per_s": cal.rate, "overhead_seconds": cal.overhead_s,
                 "per_running_seconds": cal.per_running_s,

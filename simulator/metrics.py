@@ -39,6 +39,13 @@ class PodMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason",
+                          "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                          "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+                          "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+                          [*lab, "reason"], registry=r)
+        self.waiting_capacity = by_reason.labels(*v, "capacity")
+        self.waiting_deferred = by_reason.labels(*v, "deferred")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")

@@ -92,6 +92,7 @@ class Pod:
                       "enable_prefix_caching": "True", "cache_dtype": "auto", "prefix_caching_hash_algo": "sha256",
                       "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
         self.metrics = PodMetrics(s.model, "0", cache_info)
+        self.kv_waiting = 0   # decode requests waiting for their NIXL read (vLLM: waiting, reason "deferred")
         self.faults = Faults(s.fault_status, s.fault_delay_s, s.fault_drop_after_chunks, s.fault_events_stop,
                              s.fault_slowdown, s.fault_eos_after)
         self.events_config = events_config
@@ -251,7 +252,10 @@ def build_app(pod: Pod):
     async def metrics(scope, receive, send):
         m = pod.metrics
         m.running.set(pod.engine.num_running)
-        m.waiting.set(pod.engine.num_waiting)
+        # as vLLM: a request waiting for its KV counts as waiting, under reason="deferred"
+        m.waiting.set(pod.engine.num_waiting + pod.kv_waiting)
+        m.waiting_capacity.set(pod.engine.num_waiting)
+        m.waiting_deferred.set(pod.kv_waiting)
         m.kv_usage.set(pod.engine.usage())
         await respond(send, 200, m.render(), [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
@@ -448,9 +452,13 @@ async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
         pod.metrics.nixl_transfers.labels("invalid").inc()
         return
     local = len(pod.engine.pool.match_prefix(req.hashes[:(req.n_prompt - 1) // s.block_size]))
-    read = await remote_read(pod.http, kv, skip_blocks=local, block_size=s.block_size,
-                             kv_bytes_per_token=s.kv_bytes_per_token, bandwidth=s.nixl_bandwidth_bytes_per_s,
-                             latency=s.nixl_latency_s, slowdown=pod.faults.slowdown)
+    pod.kv_waiting += 1
+    try:
+        read = await remote_read(pod.http, kv, skip_blocks=local, block_size=s.block_size,
+                                 kv_bytes_per_token=s.kv_bytes_per_token, bandwidth=s.nixl_bandwidth_bytes_per_s,
+                                 latency=s.nixl_latency_s, slowdown=pod.faults.slowdown)
+    finally:
+        pod.kv_waiting -= 1
     if read.tokens != req.n_prompt:
         pod.metrics.nixl_transfers.labels("failed" if read.tokens == 0 else "mismatch").inc()
         pod.metrics.nixl_failed.inc()

@@ -33,6 +33,23 @@ def test_parse_vllm_metrics_sums_engines_and_reads_the_deprecated_kv_name():
     assert parse_vllm_metrics("garbage\nvllm:num_requests_waiting{x=\"1\"} notanumber\n").waiting == 0
 
 
+def test_a_decode_request_waiting_for_its_kv_is_not_queued_prefill_work():
+    # vLLM 0.32 counts a request waiting for its NIXL read in vllm:num_requests_waiting, and again under
+    # vllm:num_requests_waiting_by_reason{reason="deferred"}: it needs no prefill capacity on the pod
+    text = VLLM_METRICS + (
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 2.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 0.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="deferred"} 2.0\n')
+    m = parse_vllm_metrics(text)
+    assert (m.waiting, m.deferred) == (5, 4)
+    reg = PodRegistry(build_settings(RouterSettings, {"pods": [{"id": "a", "url": "http://127.0.0.1:1"}]}).pods)
+    reg.apply_metrics("a", m)
+    assert (reg.pods["a"].waiting, reg.pods["a"].waiting_deferred) == (1, 4)
+    reg.apply_metrics("a", parse_vllm_metrics(VLLM_METRICS))   # an older vLLM without the reasons
+    assert (reg.pods["a"].waiting, reg.pods["a"].waiting_deferred) == (5, 0)
+
+
 def test_registry_marks_pods_unhealthy_after_n_failures_and_forgets_later():
     now = [0.0]
     forgotten = []

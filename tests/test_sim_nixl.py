@@ -125,3 +125,32 @@ def test_decoder_refuses_hosts_outside_the_allowlist(pair):
     d = httpx.post(d_url + "/v1/completions", json={"prompt": list(range(8000, 8050)), "max_tokens": 1,
                                                     "kv_transfer_params": flat})
     assert d.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 49
+
+
+def test_a_decode_leg_waiting_for_its_read_counts_as_deferred_waiting():
+    """As vLLM 0.32: a request waiting for its KV counts in vllm:num_requests_waiting, and under
+    vllm:num_requests_waiting_by_reason{reason="deferred"}, not under "capacity"."""
+    import threading
+
+    base = consecutive_free_ports(2)
+    with kvroute_process(["sim", "--port", str(base), "--count", "2", "--nixl-latency-s", "1.5"],
+                         ready_url=f"http://127.0.0.1:{base + 1}/health"):
+        p_url, d_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+        kv = prefill_leg(p_url, PROMPT)["kv_transfer_params"]
+        answers: list[int] = []
+        leg = threading.Thread(target=lambda: answers.append(httpx.post(
+            d_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": kv},
+            timeout=30).status_code))
+        leg.start()
+        try:
+            deadline = time.monotonic() + 5
+            while metric(d_url, "vllm:num_requests_waiting") == 0:
+                assert time.monotonic() < deadline, "the decode leg never showed as waiting"
+                time.sleep(0.05)
+            assert metric(d_url, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1
+            assert metric(d_url, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+        finally:
+            leg.join(30)
+        assert answers == [200]
+        assert metric(d_url, "vllm:num_requests_waiting") == 0
+        assert metric(d_url, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0
