@@ -435,16 +435,21 @@ def main(argv: list[str] | None = None) -> int:
               f"static backend on :{bport}")
         rows.append(measure("direct", bport, args))
 
-        for workers in (1, 2):
+        # 2 workers with the booking bus (the default) and without it, to show what sharing costs
+        for workers, bus in ((1, True), (2, True), (2, False)):
+            if not bus and "no-bus" in skip:
+                continue
             kport = free_port()
             pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
             kv = spawn([sys.executable, "-m", "router.cli", "serve", "--port", str(kport), "--pods", pods,
-                        "--log-level", "error", "--workers", str(workers)])
+                        "--log-level", "error", "--workers", str(workers)],
+                       env={**os.environ, "KVROUTE_BOOKING_BUS": "true" if bus else "false"})
             procs.append(kv)
             wait_ready(f"http://127.0.0.1:{kport}/ready", kv)
             if workers > 1:
                 time.sleep(2.0)  # let every worker finish starting
-            rows.append(measure(f"kvroute ({workers} worker{'s' if workers > 1 else ''})", kport, args))
+            name = f"kvroute ({workers} worker{'s' if workers > 1 else ''}{'' if bus else ', no booking bus'})"
+            rows.append(measure(name, kport, args))
             stop_process(kv)
 
         peer = Path(args.peers_venv) / "bin" / "vllm-router"

@@ -12,6 +12,10 @@ the origin's messages from 1.
 - ``"b"`` book:     body ``[pod, ticket, tokens, resource]`` (resource ``"p"`` prefill, ``"k"`` KV room)
 - ``"r"`` release:  body ``[pod, ticket, resource]``
 - ``"s"`` snapshot: body ``[[pod, ticket, tokens, resource], ...]``, the origin's open bookings
+- ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
+  applied in order: the books and releases of one event-loop turn go out as one message (a lone
+  one goes as ``"b"``/``"r"``), so a busy worker sends and its peers decode one frame per turn
+  rather than one per change (at most ``MAX_OPS`` per message)
 
 PUB/SUB loses messages (a slow joiner, a reconnect, a full high-water mark), so every origin also
 publishes its full snapshot every ``booking_bus_snapshot_s``; a snapshot *replaces* what the others
@@ -65,6 +69,7 @@ VERSION = 1
 _RES = {PREFILL: "p", KV: "k"}
 _RES_BACK = {"p": PREFILL, "k": KV}
 MAX_FORGOTTEN = 1024
+MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -112,18 +117,35 @@ def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
     if kind == "b":
         return kind, origin, seq, _booking(body)
     if kind == "r":
-        if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str)
-                and isinstance(body[1], int) and body[2] in _RES_BACK):
-            raise BadFrame("release is not [pod, ticket, resource]")
-        return kind, origin, seq, (body[0], body[1], _RES_BACK[body[2]])
+        return kind, origin, seq, _release(body)
     if kind == "s":
         if not isinstance(body, list):
             raise BadFrame("snapshot is not a list")
         return kind, origin, seq, [_booking(b) for b in body]
+    if kind == "m":
+        if not (isinstance(body, list) and 0 < len(body) <= MAX_OPS):
+            raise BadFrame(f"several is not a list of 1 to {MAX_OPS} changes")
+        return kind, origin, seq, [_change(op) for op in body]
     raise BadFrame(f"unknown kind {kind!r}")
 
 
-KINDS = {"b": "book", "r": "release", "s": "snapshot"}
+def _release(body: Any) -> tuple[str, int, str]:
+    if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str)
+            and isinstance(body[1], int) and not isinstance(body[1], bool) and body[2] in _RES_BACK):
+        raise BadFrame("release is not [pod, ticket, resource]")
+    return body[0], body[1], _RES_BACK[body[2]]
+
+
+def _change(op: Any) -> tuple[str, tuple]:
+    """One change of an "m" message: ("b", booking) or ("r", release)."""
+    if isinstance(op, list) and op and op[0] == "b":
+        return "b", _booking(op[1:])
+    if isinstance(op, list) and op and op[0] == "r":
+        return "r", _release(op[1:])
+    raise BadFrame("a change is neither ['b', ...] nor ['r', ...]")
+
+
+KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch"}
 
 
 @dataclass
@@ -177,6 +199,8 @@ class BookingBus:
         self.connected: set[str] = set()
         self.bound: list[str] = []  # the endpoints really bound (a port 0 resolved)
         self._seq = 0
+        self._pending: list[list[Any]] = []   # this loop turn's books and releases, not yet sent
+        self._flush_handle: asyncio.Handle | None = None
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._sub: Any = None
@@ -194,12 +218,37 @@ class BookingBus:
             self.stats.count(KINDS[kind], "send_failed")
 
     def on_change(self, event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
+        """A local book or release: queued, and sent with the rest of this loop turn's at its end."""
+        if self._pub is None:
+            return
         if event == "book":
-            self._send("b", [pod, ticket, tokens, _RES[resource]])
+            self._pending.append(["b", pod, ticket, tokens, _RES[resource]])
         else:
-            self._send("r", [pod, ticket, _RES[resource]])
+            self._pending.append(["r", pod, ticket, _RES[resource]])
+        if len(self._pending) >= MAX_OPS:
+            self.flush()
+        elif self._flush_handle is None:
+            try:
+                self._flush_handle = asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop running (a synchronous caller): send now
+                self.flush()
+
+    def flush(self) -> None:
+        """Send the queued changes: one as its own message, several as one "m" message."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        ops, self._pending = self._pending, []
+        if len(ops) == 1:
+            op = ops[0]
+            self._send(op[0], op[1:])
+        elif ops:
+            self._send("m", ops)
+            for op in ops:
+                self.stats.count(KINDS[op[0]], "sent")
 
     def publish_snapshot(self) -> None:
+        self.flush()  # the changes before it go first, so it never runs ahead of them
         self._send("s", [[p, t, tok, _RES[r]] for p, t, tok, r in self.ledger.local_bookings()])
 
     # ---- receiving -------------------------------------------------------------------------
@@ -238,22 +287,33 @@ class BookingBus:
         peer.seq, peer.last_seen = seq, now
         name = KINDS[kind]
         led = self.ledger
-        if kind == "s":
+        if kind == "m":
+            for op, change in body:
+                if self._apply(origin, op, change):
+                    self.stats.count(KINDS[op], "received")
+        elif kind == "s":
             added, released = led.replace_origin(origin, body, self.max_bookings_per_origin)
             self.stats.repaired += added + released
             over = len(body) - led.foreign_count(origin)
             if over > 0:
                 self.stats.count("full", "dropped", over)
-        elif kind == "b":
+        elif not self._apply(origin, kind, body):
+            return
+        self.stats.count(name, "received")
+
+    def _apply(self, origin: str, kind: str, body: tuple) -> bool:
+        """One foreign book ("b") or release ("r"); False if a book did not fit."""
+        led = self.ledger
+        if kind == "b":
             pod, ticket, tokens, res = body
             if not led.apply_foreign(origin, "book", pod, ticket, tokens, res, self.max_bookings_per_origin) \
                     and led.foreign_count(origin) >= self.max_bookings_per_origin:
                 self.stats.count("full", "dropped")
-                return
+                return False
         else:
             pod, ticket, res = body
             led.apply_foreign(origin, "release", pod, ticket, resource=res)
-        self.stats.count(name, "received")
+        return True
 
     def expire(self) -> list[str]:
         """Drop the bookings of origins silent for ``peer_timeout_s``; the origins dropped."""
@@ -326,6 +386,15 @@ class BookingBus:
                 await asyncio.sleep(0.1)
                 continue
             self.handle(frames)
+            # then whatever else has arrived, without a trip through the event loop per message
+            for _ in range(255):
+                try:
+                    frames = await self._sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    break
+                self.handle(frames)
 
     async def _tick(self) -> None:
         while True:
@@ -351,6 +420,7 @@ class BookingBus:
             await self._resolve_once()
 
     async def stop(self) -> None:
+        self.flush()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

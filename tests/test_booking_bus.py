@@ -165,6 +165,30 @@ async def test_bookings_and_releases_propagate_and_a_lost_message_is_repaired_by
         b.ledger.release("p0", a_ticket)
 
 
+async def test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_order():
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
+        sent, got = a.stats.get("batch", "sent"), b.stats.get("book", "received")
+        tickets = [a.ledger.book("p0", 100) for _ in range(5)]     # one loop turn: nothing sent yet
+        a.ledger.release("p0", tickets[0])
+        a.ledger.book_kv("d0", 300)
+        assert a.stats.get("book", "sent") == 0
+        await until(lambda: b.ledger.inflight("p0") == 4 and b.ledger.kv_booked("d0") == (1, 300.0), 5, "the batch")
+        assert a.stats.get("batch", "sent") == sent + 1 and a.stats.get("book", "sent") == 6
+        assert b.stats.get("batch", "received") == 1 and b.stats.get("book", "received") == got + 6
+        assert b.stats.get("release", "received") == 1
+        a.ledger.release("p0", tickets[1])                          # a lone change goes as itself
+        await until(lambda: b.ledger.inflight("p0") == 3, 5, "the lone release")
+        assert a.stats.get("batch", "sent") == sent + 1
+    # a malformed batch is dropped whole, counted
+    led = Ledger()
+    bus = BookingBus(led, origin="me")
+    for body in ([], [["b", "p0", 1, 1.0, "p"], ["x"]], [["r", "p0", True, "p"]], [["b"] * 9] * 5000):
+        bus.handle([TOPIC, msgspec.msgpack.encode([1, "m", "o", 1, body])])
+    assert bus.stats.get("bad", "dropped") == 4 and led.inflight("p0") == 0
+    bus.handle(encode("m", "o", 1, [["b", "p0", 1, 1.0, "p"], ["b", "p0", 2, 1.0, "p"], ["r", "p0", 1, "p"]]))
+    assert led.inflight("p0") == 1
+
+
 async def test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working():
     (port,) = free_ports(1)
     bus = BookingBus(Ledger(), sub_connect=[f"tcp://127.0.0.1:{port}"])
