@@ -69,8 +69,8 @@ NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
 class _Source:
     """One event publisher: a pod, or one data-parallel rank of a pod."""
 
-    __slots__ = ("pod", "rank", "bit", "blocks", "copies", "pred", "stored", "removed", "evicted", "orphans",
-                 "dead")
+    __slots__ = ("pod", "rank", "bit", "blocks", "copies", "group", "pred", "stored", "removed", "evicted",
+                 "orphans", "dead")
 
     def __init__(self, pod: _Pod, rank: int, bit: int):
         self.pod = pod
@@ -81,6 +81,10 @@ class _Source:
         # BlockStored for every block that computed the hash (two requests with one prompt in flight)
         # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes
         self.copies: dict[tuple[str, int], int] = {}
+        # the KV-cache group whose blocks are indexed: the first full-attention group_idx seen. A hybrid
+        # model stores and removes the same hashes in its sliding-window (or mamba) groups too, on
+        # their own schedule; only the full-attention group decides a prefix hit
+        self.group: int | None = None
         self.pred: dict[int, float] = {}   # predicted key -> expiry (only on the pod's first source)
         self.stored = self.removed = self.evicted = self.orphans = 0
         self.dead = False
@@ -139,7 +143,7 @@ class PrefixIndex:
             "hash_only_joined", "hash_only_unknown", "unknown_removals", "unknown_pod_events",
             "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
             "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
-            "copies_removed")}
+            "copies_removed", "skipped_group")}
 
     # --- fleet ------------------------------------------------------------------------------------
     def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:
@@ -272,13 +276,21 @@ class PrefixIndex:
         return seed
 
     def _store(self, pod: _Pod, src: _Source, ev: BlockStored) -> bool:
+        # the group first: another group of a hybrid model may use another block size, harmlessly
+        if ev.kv_cache_spec_kind not in INDEXED_KINDS:
+            self.counters["skipped_kind"] += 1
+            return True
+        g = ev.group_idx
+        if g is not None and g != src.group:
+            if src.group is None:
+                src.group = g
+            else:
+                self.counters["skipped_group"] += 1   # a second full-attention group: one decides
+                return True
         bs = ev.block_size
         if bs != self.block_size or pod.block_size_mismatch is not None:
             if not self.check_block_size(pod.pod_id, bs):
                 return False
-        if ev.kv_cache_spec_kind not in INDEXED_KINDS:
-            self.counters["skipped_kind"] += 1
-            return True
         # block hashes arrive as int or bytes; decode_payload has made them uint64 ints (events._fix_hashes)
         hashes = cast(list[int], ev.block_hashes)
         tokens = ev.token_ids
@@ -399,6 +411,11 @@ class PrefixIndex:
         return True
 
     def _remove(self, src: _Source, ev: BlockRemoved) -> bool:
+        if ev.group_idx is not None and ev.group_idx != src.group:
+            # another group's eviction (a sliding window drops old blocks long before full attention
+            # does): the indexed group still holds the block (before any store, src.group is None)
+            self.counters["skipped_group"] += 1
+            return True
         tier = ev.medium.upper() if ev.medium else DEFAULT_TIER
         d = self._tiers.get(tier)
         bit = src.bit

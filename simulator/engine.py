@@ -63,6 +63,8 @@ class EngineBase:
         self.output = output
         self.fmt = settings.kv_events_format
         self.pending_events: list = []
+        self.window_blocks = settings.hybrid_window_blocks
+        self.window_held: set[int] = set()   # hashes the sliding-window group holds (hybrid mode)
         self.pool = BlockPool(settings.num_gpu_blocks, settings.block_size, self._on_pool_event)
         self.on_release: Callable[[SimRequest], None] | None = None  # NIXL lease hook
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,12 +73,30 @@ class EngineBase:
     def _on_pool_event(self, ev: tuple) -> None:
         kind = ev[0]
         if kind == "stored":
-            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size,
-                                                    extra_keys=ev[4] if len(ev) > 4 else None))
+            extra = ev[4] if len(ev) > 4 else None
+            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size, extra_keys=extra))
+            if self.window_blocks:  # the sliding-window group stores the same blocks
+                self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size,
+                                                        extra_keys=extra, group_idx=1, kind="sliding_window"))
+                self.window_held.update(ev[1])
         elif kind == "removed":
             self.pending_events.append(block_removed(self.fmt, ev[1]))
+            gone = [h for h in ev[1] if h in self.window_held]
+            if gone:
+                self.window_held.difference_update(gone)
+                self.pending_events.append(block_removed(self.fmt, gone, group_idx=1))
         else:
+            self.window_held.clear()
             self.pending_events.append(all_blocks_cleared(self.fmt))
+
+    def _drop_out_of_window(self, req: SimRequest) -> None:
+        """Hybrid mode: a finished request's blocks older than the window leave the sliding-window
+        group (vLLM frees them as the sequence moves past the window; here they go at the finish,
+        as if evicted at once), while the full-attention group keeps them."""
+        old = [h for h in req.hashes[:max(0, len(req.hashes) - self.window_blocks)] if h in self.window_held]
+        if old:
+            self.window_held.difference_update(old)
+            self.pending_events.append(block_removed(self.fmt, old, group_idx=1))
 
     def flush_events(self) -> None:
         if self.pending_events:
@@ -122,6 +142,9 @@ class EngineBase:
                 m.decode_time.observe(now - req.first_token_at)
         m.success[reason].inc()
         req.finish(reason, now)
+        if self.window_blocks:
+            self._drop_out_of_window(req)
+            self.flush_events()
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset()
@@ -140,6 +163,7 @@ class EngineBase:
 
     def forget_cache(self) -> None:
         self.pool.forget()
+        self.window_held.clear()
 
 
 class CostEngine(EngineBase, CostCore):

@@ -92,20 +92,21 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def block_stored(fmt: str, hashes: list[int], parent: int | None, token_ids: list[int],
-                 block_size: int, medium: str = "GPU", extra_keys: list[Any] | None = None) -> Event:
+                 block_size: int, medium: str = "GPU", extra_keys: list[Any] | None = None,
+                 group_idx: int = 0, kind: str = "full_attention") -> Event:
     """A BlockStored event in ``fmt`` ('map' or 'array') for one run of newly cached blocks;
     ``extra_keys`` one entry per block (a cache salt on the first block: ``[salt]``)."""
     if fmt == "array":
-        return LegacyBlockStored(hashes, parent, token_ids, block_size, None, medium, None, extra_keys, 0)
+        return LegacyBlockStored(hashes, parent, token_ids, block_size, None, medium, None, extra_keys, group_idx)
     return BlockStored(hashes, parent, token_ids, block_size, None, medium, None,
-                       extra_keys=extra_keys or [None] * len(hashes), group_idx=0,
-                       kv_cache_spec_kind="full_attention")
+                       extra_keys=extra_keys or [None] * len(hashes), group_idx=group_idx,
+                       kv_cache_spec_kind=kind)
 
 
-def block_removed(fmt: str, hashes: list[int], medium: str = "GPU") -> Event:
+def block_removed(fmt: str, hashes: list[int], medium: str = "GPU", group_idx: int = 0) -> Event:
     if fmt == "array":
-        return LegacyBlockRemoved(hashes, medium, None)
-    return BlockRemoved(hashes, medium, group_idx=0)
+        return LegacyBlockRemoved(hashes, medium, group_idx)
+    return BlockRemoved(hashes, medium, group_idx=group_idx)
 
 
 def all_blocks_cleared(fmt: str) -> Event:

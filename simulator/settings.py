@@ -37,6 +37,10 @@ class SimSettings(BaseSettings):
     num_gpu_blocks: int = Field(4096, ge=1, description="KV blocks per pod (capacity = this x block size)")
     hash_seed: str = Field("", description="seed of the block-hash chain (like PYTHONHASHSEED); equal "
                                            "seeds give equal hashes across pods")
+    hybrid_window_blocks: int = Field(0, ge=0, description="a hybrid model: besides its full-attention KV group "
+                                      "(group_idx 0) a sliding-window group (group_idx 1, the same hashes) that "
+                                      "keeps only a request's last N blocks: its BlockStored events mirror group "
+                                      "0's and it removes the older blocks when the request finishes; 0 = off")
 
     # --- timing -----------------------------------------------------------------------------------
     timing: Literal["cost", "seed"] = Field(

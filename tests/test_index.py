@@ -117,6 +117,27 @@ def test_a_second_copy_of_a_block_outlives_the_first_copys_eviction():
     assert ix.match(keys_of(t))["a"].blocks == 0 and ix.pod_stats("a")["copies"] == 0
 
 
+def test_a_hybrid_models_sliding_window_group_neither_stores_nor_removes_the_full_attention_prefix():
+    # a hybrid model (full attention + sliding window) stores and evicts the same hashes per group; the
+    # window drops old blocks early, and only the full-attention group decides a prefix hit
+    ix = new_index()
+    t = toks(3)
+    full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    window = {"group_idx": 1, "kv_cache_spec_kind": "sliding_window"}
+    ix.apply_event("a", stored([1, 2, 3], None, t, **full))
+    ix.apply_event("a", stored([1, 2, 3], None, t, **window))
+    ix.apply_event("a", stored([9], None, toks(1, 500)[:2], bs=2, **window))  # its own block size: harmless
+    assert ix.pod_stats("a")["block_size_mismatch"] is None and ix.pod_stats("a")["copies"] == 0
+    ix.apply_event("a", BlockRemoved(block_hashes=[1, 2], medium="GPU", group_idx=1))  # out of the window
+    assert ix.match(keys_of(t))["a"].blocks == 3
+    assert ix.stats()["skipped_group"] == 1 and ix.stats()["unknown_removals"] == 0
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU", group_idx=0))
+    assert ix.match(keys_of(t))["a"].blocks == 1
+    # a second full-attention group: the first one seen decides (no double counting as copies)
+    ix.apply_event("a", stored([1, 2, 3], None, t, group_idx=2, kv_cache_spec_kind="full_attention"))
+    assert ix.match(keys_of(t))["a"].blocks == 1 and ix.pod_stats("a")["copies"] == 0
+
+
 def test_all_blocks_cleared_and_clear_pod():
     ix = new_index()
     t = toks(2)
