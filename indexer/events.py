@@ -47,12 +47,18 @@ class _StoredFields(msgspec.Struct, gc=False):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None      # "LOCAL" or "REMOTE" relative to the publisher (a shared tier)
+    ownership: str | None = None     # which secondary offloading tier stored it
+    session_id: str | None = None    # the request context that caused the store (not an owner)
 
 
 class _RemovedFields(msgspec.Struct, gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 # --- public event types (also the typed decoder's targets for the map form) -------------------------
@@ -182,9 +188,12 @@ def _from_array_struct(e: Any) -> Event:
         return BlockStored(block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
                            token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id,
                            medium=e.medium, lora_name=e.lora_name, extra_keys=e.extra_keys,
-                           group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind)
+                           group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind,
+                           kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window, locality=e.locality,
+                           ownership=e.ownership, session_id=e.session_id)
     if t is _ArrRemoved:
-        return BlockRemoved(block_hashes=e.block_hashes, medium=e.medium, group_idx=e.group_idx)
+        return BlockRemoved(block_hashes=e.block_hashes, medium=e.medium, group_idx=e.group_idx,
+                            locality=e.locality, ownership=e.ownership)
     return AllBlocksCleared()
 
 
@@ -239,8 +248,11 @@ def _generic_event(raw: Any) -> Event | None:
     hashes = [normalize_hash(h) for h in hashes]
     medium = _opt(fields.get("medium"), str, "medium")
     group_idx = _opt(fields.get("group_idx"), int, "group_idx")
+    locality = _opt(fields.get("locality"), str, "locality")
+    ownership = _opt(fields.get("ownership"), str, "ownership")
     if tag == "BlockRemoved":
-        return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx)
+        return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx, locality=locality,
+                            ownership=ownership)
     parent = fields.get("parent_block_hash")
     token_ids = fields.get("token_ids") or []
     if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
@@ -254,7 +266,11 @@ def _generic_event(raw: Any) -> Event | None:
                        lora_id=_opt(fields.get("lora_id"), int, "lora_id"), medium=medium,
                        lora_name=_opt(fields.get("lora_name"), str, "lora_name"),
                        extra_keys=extra if isinstance(extra, list) else None, group_idx=group_idx,
-                       kv_cache_spec_kind=_opt(fields.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"))
+                       kv_cache_spec_kind=_opt(fields.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"),
+                       kv_cache_spec_sliding_window=_opt(fields.get("kv_cache_spec_sliding_window"), int,
+                                                         "kv_cache_spec_sliding_window"),
+                       locality=locality, ownership=ownership,
+                       session_id=_opt(fields.get("session_id"), str, "session_id"))
 
 
 def _opt(value: Any, typ: type, name: str) -> Any:

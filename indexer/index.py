@@ -43,6 +43,19 @@ DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5, "FS": 0.5, "OBJ"
 INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
 
 
+def tier_name(medium: str | None, locality: str | None = None, ownership: str | None = None) -> str:
+    """The tier an event's blocks live in: the medium (``GPU`` when unset), then ``/OWNER`` for a
+    secondary offloading tier that names itself, then ``@REMOTE`` for a store the publisher reports
+    as remote (a shared tier: not this pod's own cache, so it weighs what ``tier_weights`` gives the
+    full name, else ``default_tier_weight``)."""
+    tier = medium.upper() if medium else DEFAULT_TIER
+    if ownership:
+        tier += "/" + ownership.upper()
+    if locality and locality.upper() == "REMOTE":
+        tier += "@REMOTE"
+    return tier
+
+
 class PodMatch:
     """How much of a prompt one pod holds: leading blocks on any tier, per tier, and weighted."""
 
@@ -294,8 +307,7 @@ class PrefixIndex:
         # block hashes arrive as int or bytes; decode_payload has made them uint64 ints (events._fix_hashes)
         hashes = cast(list[int], ev.block_hashes)
         tokens = ev.token_ids
-        medium = ev.medium
-        tier = DEFAULT_TIER if not medium or medium == DEFAULT_TIER else medium.upper()
+        tier = tier_name(ev.medium, ev.locality, ev.ownership)
         if not tokens:
             return self._join_hash_only(src, hashes, tier)
         if len(tokens) != len(hashes) * bs:
@@ -416,7 +428,7 @@ class PrefixIndex:
             # does): the indexed group still holds the block (before any store, src.group is None)
             self.counters["skipped_group"] += 1
             return True
-        tier = ev.medium.upper() if ev.medium else DEFAULT_TIER
+        tier = tier_name(ev.medium, ev.locality, ev.ownership)
         d = self._tiers.get(tier)
         bit = src.bit
         blocks = src.blocks

@@ -87,8 +87,26 @@ def test_unknown_fields_and_unknown_event_types_are_ignored():
 
 def test_extra_array_fields_are_ignored():
     ev = ["BlockStored", [1], None, list(range(16)), 16, None, "GPU", None, [None], 0, "full_attention", None,
-          "LOCAL", "x"]
-    assert decode_payload(enc([1.0, [ev], 0])).events[0].group_idx == 0
+          "LOCAL", "x", "session-1", "a field of a later vLLM"]
+    got = decode_payload(enc([1.0, [ev], 0])).events[0]
+    assert (got.group_idx, got.locality, got.ownership, got.session_id) == (0, "LOCAL", "x", "session-1")
+
+
+def test_vllm_032_store_and_remove_fields_are_decoded_in_both_forms():
+    # vLLM 0.32's BlockStored: ... group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality,
+    # ownership, session_id; BlockRemoved: block_hashes, medium, group_idx, locality, ownership
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)),
+              "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None, "extra_keys": [None],
+              "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4096,
+              "locality": "REMOTE", "ownership": "kvcr", "session_id": "s-9"}
+    removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": 1, "locality": "REMOTE",
+               "ownership": "kvcr"}
+    for batch in (decode_payload(enc([1.0, [stored, removed], 0])),                      # the typed path
+                  decode_payload(enc([1.0, [stored, removed, {"type": "New"}], 0]))):  # the tolerant path
+        s, r = batch.events
+        assert (s.kv_cache_spec_sliding_window, s.locality, s.ownership, s.session_id) == (4096, "REMOTE", "kvcr",
+                                                                                           "s-9")
+        assert (r.group_idx, r.locality, r.ownership) == (1, "REMOTE", "kvcr")
 
 
 @pytest.mark.parametrize("payload", [
@@ -115,4 +133,5 @@ def test_malformed_frames():
 
 def test_event_to_dict_has_type_and_all_fields():
     d = event_to_dict(BlockRemoved(block_hashes=[1], medium="CPU"))
-    assert d == {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": None}
+    assert d == {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": None, "locality": None,
+                 "ownership": None}

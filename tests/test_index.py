@@ -138,6 +138,23 @@ def test_a_hybrid_models_sliding_window_group_neither_stores_nor_removes_the_ful
     assert ix.match(keys_of(t))["a"].blocks == 1 and ix.pod_stats("a")["copies"] == 0
 
 
+def test_a_remote_shared_tier_is_a_tier_of_its_own_with_its_own_weight():
+    # an offloading connector reports blocks it put in a shared store as locality REMOTE: not the pod's own
+    # cache, so a tier of its own (configurable weight), removed by its own removals
+    ix = new_index(tier_weights={"GPU": 1.0, "CPU": 0.8, "OBJ@REMOTE": 0.25})
+    t = toks(2)
+    ix.apply_event("a", stored([1], None, t[:4]))
+    ix.apply_event("a", stored([1, 2], None, t, medium="OBJ", locality="REMOTE"))
+    ix.apply_event("a", stored([1, 2], None, t, medium="CPU", ownership="kvcr"))
+    m = ix.match(keys_of(t))["a"]
+    assert m.by_tier == {"GPU": 1, "OBJ@REMOTE": 2, "CPU/KVCR": 2} and m.blocks == 2
+    assert m.weighted == 1.0 + 0.5 * 1   # GPU's block, then CPU/KVCR (default 0.5) beats OBJ@REMOTE (0.25)
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="CPU", ownership="kvcr"))
+    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="OBJ"))   # LOCAL: not the remote tier's
+    assert ix.match(keys_of(t))["a"].by_tier == {"GPU": 1, "OBJ@REMOTE": 2, "CPU/KVCR": 1}
+    assert ix.stats()["unknown_removals"] == 1
+
+
 def test_all_blocks_cleared_and_clear_pod():
     ix = new_index()
     t = toks(2)
