@@ -113,6 +113,11 @@ class RouterSettings(BaseSettings):
                                        "pod before it has been observed")
     ttft_interval_level: float = Field(0.9, gt=0, lt=1, description="level of the predicted TTFT interval that "
                                        "/debug/route shows and kvroute_ttft_interval_total checks")
+    prediction_log_path: str | None = Field(None, description="write one JSON line per timed first token (what "
+                                            "was predicted, the work and batch behind it, what was observed) to "
+                                            "this file (router/predlog.py); workers append .<pid>; none = off")
+    prediction_log_max_bytes: int = Field(64 * 1024 * 1024, gt=0, description="stop the prediction log after "
+                                          "this many bytes")
     slo_header: str = Field("x-slo-ttft-ms", description="request header carrying a per-request TTFT objective (ms)")
     priority_header: str = Field("x-priority", description="request header marking critical traffic")
     priority_exempt_values: list[str] = Field(default_factory=lambda: ["critical", "high"],

@@ -12,6 +12,7 @@ calibrator, the planners) and exposes the steps of a request (``router/lifecycle
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from router.disagg import params_from_settings, pd_metrics, sidecar_prefill_seco
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
+from router.predlog import PredictionLog
 from router.prompts import prompt_tokens
 from router.scheduling import (
     AggregatedPlanner,
@@ -148,6 +150,10 @@ class Router:
         self._exempt = [v.lower() for v in settings.priority_exempt_values]
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
         self.chars_per_token = settings.estimate_chars_per_token or (1.0 if settings.tokenizer == "byte" else 4.0)
+        self.prediction_log: PredictionLog | None = None
+        if settings.prediction_log_path:
+            path = settings.prediction_log_path + (f".{os.getpid()}" if settings.workers > 1 else "")
+            self.prediction_log = PredictionLog(path, settings.prediction_log_max_bytes)
         for pid, p in registry.pods.items():
             self.calibrator.pod(pid, p.config.prefill_tokens_per_s)
 
@@ -326,6 +332,8 @@ class Router:
                 self.metrics.prediction_relative_error.observe(abs(ttft - booking.predicted_ttft_s) / ttft)
             where = "below" if ttft < booking.ttft_low_s else ("above" if ttft > booking.ttft_high_s else "inside")
             self.metrics.ttft_interval.labels(where).inc()
+            if self.prediction_log is not None:
+                self.prediction_log.write(booking, ttft)
             if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
                 self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.model_ttft_s,
                                         booking.running)

@@ -191,6 +191,9 @@ class Services:
         watchdog = getattr(self, "watchdog", None)
         if watchdog is not None:
             await watchdog.stop()
+        router = getattr(self, "router", None)
+        if router is not None and router.prediction_log is not None:
+            router.prediction_log.close()
         if self.subscriber is not None:
             try:
                 await self.subscriber.stop()

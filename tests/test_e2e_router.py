@@ -39,7 +39,8 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
         port = free_port()
         cfg = tmp_path / "router.yaml"
         cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.2,
-                                       "scrape_interval_s": 0.1, "prefill_tokens_per_s": 4000}))
+                                       "scrape_interval_s": 0.1, "prefill_tokens_per_s": 4000,
+                                       "prediction_log_path": str(tmp_path / "predictions.jsonl")}))
         with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"):
             base = f"http://127.0.0.1:{port}"
             with httpx.Client(base_url=base, timeout=30) as c:
@@ -65,6 +66,10 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
 
                 asyncio.run(first_turns())  # sent together, so booked work spreads them
                 assert len(set(first_pods.values())) >= 3  # new conversations spread out
+                # the prediction log has a line per streamed first turn: where, what was predicted, what came
+                lines = [orjson.loads(ln) for ln in (tmp_path / "predictions.jsonl").read_bytes().splitlines()]
+                assert sorted(ln["pod"] for ln in lines) == sorted(first_pods.values())
+                assert all(ln["observed_s"] > 0 and ln["predicted_s"] > 0 and ln["work_tokens"] > 0 for ln in lines)
                 time.sleep(0.5)  # speculative credit (0.2 s) expires: only real events remain
                 metrics = c.get("/metrics").text
                 for pod in set(first_pods.values()):

@@ -131,3 +131,24 @@ def test_header_filter_drops_hop_by_hop_and_internal_headers():
     raw = [(b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"), (b"Accept", b"a"), (b"accept", b"b")]
     assert upstream_headers(raw, "rid", drop_authorization=True) == {"accept": "a, b", "x-request-id": "rid"}
     assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
+
+
+def test_the_prediction_log_writes_a_line_per_timed_request_and_stops_at_its_cap(tmp_path):
+    import orjson
+
+    from router.booking import Booking
+    from router.predlog import PredictionLog
+
+    path = tmp_path / "p.jsonl"
+    plog = PredictionLog(str(path), max_bytes=700)
+    b = Booking(pod_id="d0", prefill_pod="p0", prefill_ticket=1, work_tokens=1234.4, predicted_ttft_s=0.25,
+                cached_tokens=512, mode="remote", new_blocks=3, running=2, model_ttft_s=0.2, ttft_low_s=0.1)
+    for observed in (0.3, 0.31, 0.32, 0.33, 0.34):
+        plog.write(b, observed)
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    assert 1 < len(lines) < 5 and plog.written <= 700      # the cap stopped it
+    assert lines[0] == {"t": lines[0]["t"], "pod": "d0", "prefill_pod": "p0", "mode": "remote", "work_tokens": 1234,
+                        "cached_tokens": 512, "new_blocks": 3, "running": 2, "predicted_s": 0.25, "model_s": 0.2,
+                        "low_s": 0.1, "high_s": None, "observed_s": 0.3}
+    plog.write(b, 1.0)                                     # closed: nothing more
+    assert len(path.read_bytes().splitlines()) == len(lines)
