@@ -157,6 +157,51 @@ def prediction_row(world: str, base: str, result: Any, max_waiting: float) -> di
             "errors": s["errors"]}
 
 
+def breakdown(log: Path) -> dict[str, Any]:
+    """Where the prediction error sits, from the router's prediction log (router/predlog.py): the
+    median ratio observed / model TTFT and the MAPE of the corrected prediction, by uncached work,
+    by the batch the pod was running, and for requests with and without a cached prefix."""
+    recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def stats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not rs:
+            return {"n": 0}
+        ratios = sorted(r["observed_s"] / r["model_s"] for r in rs if r["model_s"] > 0)
+        ape = [abs(r["observed_s"] - r["predicted_s"]) / r["observed_s"] for r in rs if r["observed_s"] > 0]
+        return {"n": len(rs), "mape": sum(ape) / len(ape) if ape else None,
+                "median_observed_over_model": ratios[len(ratios) // 2] if ratios else None,
+                "median_observed_ms": 1000 * sorted(r["observed_s"] for r in rs)[len(rs) // 2],
+                "median_predicted_ms": 1000 * sorted(r["predicted_s"] for r in rs)[len(rs) // 2]}
+
+    def by(key, edges: Sequence[float]) -> dict[str, Any]:
+        out = {}
+        for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
+            out[f"{lo:g}-{hi:g}"] = stats([r for r in recs if lo <= key(r) < hi])
+        return out
+
+    return {"all": stats(recs),
+            "by_work_tokens": by(lambda r: r["work_tokens"], (256, 1024, 2048, 4096)),
+            "by_running": by(lambda r: r["running"], (1, 2, 4, 8)),
+            "by_cached": {"cold": stats([r for r in recs if not r["cached_tokens"]]),
+                          "warm": stats([r for r in recs if r["cached_tokens"]])}}
+
+
+def format_breakdown(world: str, b: dict[str, Any]) -> str:
+    lines = [f"{world}: where the error sits (prediction log)", "",
+             "| slice | requests | median observed | median predicted | observed / model (median) | MAPE |",
+             "|---|---|---|---|---|---|"]
+    slices = [("all", b["all"])] + [(f"work {k} tokens", v) for k, v in b["by_work_tokens"].items()] + \
+        [(f"running {k}", v) for k, v in b["by_running"].items()] + \
+        [(k + " prefix", v) for k, v in b["by_cached"].items()]
+    for name, st in slices:
+        if not st.get("n"):
+            continue
+        ratio = st["median_observed_over_model"]
+        lines.append(f"| {name} | {st['n']} | {st['median_observed_ms']:.0f} ms | {st['median_predicted_ms']:.0f} ms "
+                     f"| {'—' if ratio is None else f'{ratio:.2f}'} | {_pct(st['mape'])} |")
+    return "\n".join(lines)
+
+
 def _pct(v: float | None) -> str:
     return "—" if v is None else f"{v * 100:.1f} %"
 
@@ -212,13 +257,16 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             # real engines
             reset_prefix_caches(engines)
-            proc, base = start_kvroute(pods, workdir, "predict-real", policy="predicted-ttft")
+            plog = workdir / "predict-real.jsonl"
+            proc, base = start_kvroute(pods, workdir, "predict-real", policy="predicted-ttft",
+                                       prediction_log_path=str(plog))
             try:
                 with WaitingSampler(urls) as ws:
                     res = replay(base, specs, arrivals, urls, args.objective, args.duration, rv.MODEL_NAME)
                 rows.append(prediction_row("real vLLM 0.32 (CPU), 2 engines", base, res, ws.max_waiting))
             finally:
                 stop_process(proc)
+            rows[-1]["breakdown"] = breakdown(plog)
             # the simulator's two timing models, same requests
             for timing in ("seed", "cost"):
                 events = consecutive_free_ports(4)
@@ -227,16 +275,22 @@ def main(argv: list[str] | None = None) -> int:
                 with running_sims(2, sim_args) as sim_urls:
                     sim_pods = [{"id": f"sim-{i}", "url": u, "model": rv.MODEL_NAME,
                                  "kv_events": sim_kv_events(events, i)} for i, u in enumerate(sim_urls)]
-                    proc, base = start_kvroute(sim_pods, workdir, f"predict-sim-{timing}", policy="predicted-ttft")
+                    plog = workdir / f"predict-sim-{timing}.jsonl"
+                    proc, base = start_kvroute(sim_pods, workdir, f"predict-sim-{timing}", policy="predicted-ttft",
+                                               prediction_log_path=str(plog))
                     try:
                         with WaitingSampler(sim_urls) as ws:
                             res = replay(base, specs, arrivals, sim_urls, args.objective, args.duration, rv.MODEL_NAME)
                         rows.append(prediction_row(f"simulator, {timing} timing, 2 pods", base, res, ws.max_waiting))
                     finally:
                         stop_process(proc)
+                    rows[-1]["breakdown"] = breakdown(plog)
             results["prediction"] = rows
             print("\nTTFT prediction error of kvroute's calibrated predictor, same requests in each world\n")
             print(format_prediction(rows))
+            for r in rows:
+                if r.get("breakdown"):
+                    print("\n" + format_breakdown(r["world"], r["breakdown"]))
         if "routing" not in skip:
             routing_rows = []
             for target in [*POLICIES, PEER]:
