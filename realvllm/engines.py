@@ -103,6 +103,7 @@ class Engine:
     nixl_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     starts: int = 0
+    stuck: list[subprocess.Popen] = field(default_factory=list)  # killed but not yet reaped (``kill``)
 
     @property
     def url(self) -> str:
@@ -173,18 +174,45 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        """SIGTERM the engine's process group, SIGKILL after a grace period."""
+        """SIGTERM the engine's process group, SIGKILL after a grace period (and reap any set aside)."""
         if self.proc is not None:
             stop_process(self.proc, grace=15.0)
+        for proc in self.stuck:
+            stop_process(proc, grace=1.0)
+        self.stuck = []
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group at once (a crash, as far as the router can tell)."""
+    def kill(self, group_timeout: float = 300.0) -> None:
+        """SIGKILL the whole process group at once (a crash, as far as the router can tell).
+
+        Then it waits (up to ``group_timeout``) for the rest of the group to be gone, not just its
+        leader: a killed NIXL worker spends a long time exiting in the kernel (measured here: 90 s in
+        state R, its memory already gone, one core busy), and a new start beside it crawled; in CI
+        twice it printed nothing in 240 s. A leader stuck in the kernel beyond 30 s is set aside, to
+        be reaped by ``stop``, so that a new start is not held up by it."""
         if self.proc is not None and self.proc.poll() is None:
+            pgid = self.proc.pid
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"{self.name}: process {self.proc.pid} not reaped 30 s after SIGKILL; set aside", flush=True)
+                self.stuck.append(self.proc)
+                self.proc = None
+            started = time.monotonic()
+            while time.monotonic() - started < group_timeout:
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.5)
+            else:
+                print(f"{self.name}: process group {pgid} still alive {group_timeout:g} s after SIGKILL", flush=True)
+            if time.monotonic() - started > 5:
+                print(f"{self.name}: the killed process group took {time.monotonic() - started:.0f} s more to exit",
+                      flush=True)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""

@@ -16,8 +16,7 @@ engines themselves report:
 * a prefill leg whose one token is a stop token still hands its KV over (vLLM 0.32 keeps the blocks
   on a stop too);
 * with the prefill engine killed, the sidecar falls back to a local prefill (counted) and the request
-  succeeds; after the engine is restarted, P/D works again (that test is last: ``pd_engines`` is
-  shared by the session).
+  succeeds (that test is last: it leaves the module's prefill engine dead).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, restart, router_pod
+from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, router_pod
 from simulator.testing import free_port, spawn, stop_process, wait_ready
 from tests.helpers import metric
 from tests.real_vllm.conftest import (
@@ -289,11 +288,16 @@ def test_prefill_leg_that_stops_on_its_one_token_still_hands_over_the_kv(pd_engi
     assert (got.text, got.finish_reason, got.usage["completion_tokens"]) == ("", "stop", 1)
 
 
-def test_dead_prefill_engine_falls_back_to_a_local_prefill_then_pd_resumes(pd_engines, sidecar, real_env,
-                                                                           tmp_path):
-    """Last in the module: it kills the session's prefill engine and starts it again. The router's
-    health checks are slowed so it still names the prefill pod (the window between a crash and the
-    next check); the sidecar cannot reach it and prefills on the decode engine instead."""
+def test_dead_prefill_engine_falls_back_to_a_local_prefill(pd_engines, sidecar, real_env, tmp_path):
+    """Last in the module: it kills the session's prefill engine. The router's health checks are
+    slowed so it still names the prefill pod (the window between a crash and the next check); the
+    sidecar cannot reach it and prefills on the decode engine instead.
+
+    The engine is not started again here: on this kind of VM a new vLLM process started after a
+    NIXL engine was killed hung, now and then, inside ``sched_setaffinity`` (kernel stack:
+    ``affine_move_task``), with no CPU time and no output, and could not be killed (twice in CI,
+    once here in three tries). P/D resuming when a prefill pod comes back is tested on simulated
+    pods (tests/faults)."""
     prefill, decode = pd_engines
     settings = router_settings(real_env, pd_decider="always", health_interval_s=600)
     with running_router(tmp_path, pd_pods(pd_engines, sidecar), **settings) as base:
@@ -302,45 +306,24 @@ def test_dead_prefill_engine_falls_back_to_a_local_prefill_then_pd_resumes(pd_en
         fallbacks = {r: metric(sidecar.url, "kvroute_sidecar_prefill_fallbacks_total", reason=r) for r in why}
         told = metric(base, "kvroute_pd_sidecar_prefill_total", outcome="fallback")
         prefill.kill()
-        restarting = False
-        try:
-            assert debug_route(base, body)["pd"]["mode"] == "remote"
-            sources, reads = by_source(decode), nixl_reads(decode)
-            got = call(base, body)
-            prefill.start()  # it boots while the checks run
-            restarting = True
-            assert got.headers["x-kvroute-prefill"] == "fallback"
-            n = got.usage["prompt_tokens"]
-            reasons = {r: metric(sidecar.url, "kvroute_sidecar_prefill_fallbacks_total", reason=r) - fallbacks[r]
-                       for r in why}
-            # one fallback: the connection refused (or, had a pooled one been open, reset)
-            assert sum(reasons.values()) == 1 and reasons["connect_error"] + reasons["server_error"] == 1, reasons
-            assert metric(base, "kvroute_pd_sidecar_prefill_total", outcome="fallback") == told + 1
-            # the decode engine computed the prompt itself: no NIXL read
-            wait_for(lambda: sum(by_source(decode).values()) >= sum(sources.values()) + n, 30,
-                     "the request in the decode engine's metrics")
-            delta = {s: v - sources[s] for s, v in by_source(decode).items()}
-            print(f"prefill engine down: {n} prompt tokens prefilled on the decode engine {delta}, "
-                  f"sidecar fallbacks by reason {reasons}")
-            assert delta == {"local_compute": n, "local_cache_hit": 0, "external_kv_transfer": 0}
-            assert nixl_reads(decode) == reads
-            # and the answer is the model's (the decode engine's own greedy answer to it)
-            ref = call(decode.url, body)
-            assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
-        finally:
-            started = time.monotonic()
-            try:
-                if not restarting:
-                    raise TimeoutError("not started: a check failed first")
-                prefill.wait()
-            except TimeoutError as exc:  # the start that overlapped the checks hung: start it again
-                print(f"prefill engine: {exc}", flush=True)
-                prefill.kill()
-                restart(prefill)
-            print(f"prefill engine ready again {time.monotonic() - started:.0f} s after the checks")
-        # the prefill engine is back (a new NIXL agent on a new side-channel port, which it names in
-        # the kv_transfer_params it returns): P/D works again
-        reads = nixl_reads(decode)
-        again = call(base, {**body, "prompt": text(32)})
-        assert again.headers["x-kvroute-prefill"] == "remote"
-        wait_for(lambda: nixl_reads(decode)[0] == reads[0] + 1, 30, "a NIXL read from the restarted engine")
+        assert debug_route(base, body)["pd"]["mode"] == "remote"
+        sources, reads = by_source(decode), nixl_reads(decode)
+        got = call(base, body)
+        assert got.headers["x-kvroute-prefill"] == "fallback"
+        n = got.usage["prompt_tokens"]
+        reasons = {r: metric(sidecar.url, "kvroute_sidecar_prefill_fallbacks_total", reason=r) - fallbacks[r]
+                   for r in why}
+        # one fallback: the connection refused (or, had a pooled one been open, reset)
+        assert sum(reasons.values()) == 1 and reasons["connect_error"] + reasons["server_error"] == 1, reasons
+        assert metric(base, "kvroute_pd_sidecar_prefill_total", outcome="fallback") == told + 1
+        # the decode engine computed the prompt itself: no NIXL read
+        wait_for(lambda: sum(by_source(decode).values()) >= sum(sources.values()) + n, 30,
+                 "the request in the decode engine's metrics")
+        delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+        print(f"prefill engine down: {n} prompt tokens prefilled on the decode engine {delta}, "
+              f"sidecar fallbacks by reason {reasons}")
+        assert delta == {"local_compute": n, "local_cache_hit": 0, "external_kv_transfer": 0}
+        assert nixl_reads(decode) == reads
+        # and the answer is the model's (the decode engine's own greedy answer to it)
+        ref = call(decode.url, body)
+        assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
