@@ -361,11 +361,7 @@ class PrefixIndex:
             h, k = hashes[0], keys[0]
             old = blocks.pop(h, None)
             if old is not None:
-                if old != k:
-                    self._drop_key(src, old)
-                    self._forget_copies(src, h)
-                elif d.get(k, 0) & bit:
-                    self._copy(src, tier, h)
+                self._again(src, tier, d, h, k, old)
             blocks[h] = k
             d[k] = d.get(k, 0) | bit
             if anyd is not d:
@@ -377,11 +373,7 @@ class PrefixIndex:
             for h, k in zip(hashes, keys):     # re-announced (another copy): refresh the LRU position
                 old = pop(h, None)
                 if old is not None:
-                    if old != k:
-                        self._drop_key(src, old)
-                        self._forget_copies(src, h)
-                    elif d.get(k, 0) & bit:
-                        self._copy(src, tier, h)
+                    self._again(src, tier, d, h, k, old)
                 blocks[h] = k
         if n > 1:
             # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
@@ -396,10 +388,16 @@ class PrefixIndex:
         if len(blocks) > self.max_blocks_per_pod:
             self._evict(src)
 
-    def _copy(self, src: _Source, tier: str, h: int) -> None:
-        key = (tier, h)
-        src.copies[key] = src.copies.get(key, 1) + 1
-        self.counters["duplicate_copies"] += 1
+    def _again(self, src: _Source, tier: str, d: dict[int, int], h: int, k: int, old: int) -> None:
+        """Hash ``h`` stored again by ``src``: under another key (the old one goes), or in a tier that
+        holds it already (one more physical copy, see ``_Source.copies``)."""
+        if old != k:
+            self._drop_key(src, old)
+            self._forget_copies(src, h)
+        elif d.get(k, 0) & src.bit:
+            key = (tier, h)
+            src.copies[key] = src.copies.get(key, 1) + 1
+            self.counters["duplicate_copies"] += 1
 
     @staticmethod
     def _forget_copies(src: _Source, h: int) -> None:

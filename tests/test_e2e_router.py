@@ -150,72 +150,74 @@ def test_several_worker_processes_serve_on_one_port():
                     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_cache_salt_keeps_a_tenants_prefix_apart_in_the_router_and_the_pod(tmp_path):
-    """A salted prompt is cached under a chain of its own (vLLM folds ``cache_salt`` into the first
-    block's hash and announces it in that block's ``extra_keys``): the router credits the same salt's
-    prefix, as the pod then hits it, and nothing to another salt or to no salt."""
+@contextlib.contextmanager
+def one_pod_router(tmp_path, *sim_args: str):
+    """``kvroute serve`` in front of one simulated pod (seed timing, block size 16, KV events) with a
+    short speculative credit; yields a client of the router and the pod's URL."""
     events = consecutive_free_ports(2)
-    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+                          *sim_args]) as urls:
         port = free_port()
         cfg = tmp_path / "router.yaml"
         cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.05}))
         with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"), \
                 httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            prefix = "The tenant's long shared context. " * 40
-            first = {"model": "sim-model", "prompt": prefix, "max_tokens": 2, "cache_salt": "tenant-a"}
-            assert c.post("/v1/completions", json=first).status_code == 200
-            follow = {"model": "sim-model", "prompt": prefix + "And now a question?", "max_tokens": 2}
+            yield c, urls[0]
 
-            def credited(body: dict) -> int:
-                row = c.post("/debug/route", json=body).json()["pods"][0]
-                return int(sum(row["cached_tokens_by_tier"].values()))
 
-            asyncio.run(until(lambda: credited({**follow, "cache_salt": "tenant-a"}) > 0, 10, "the salted prefix"))
-            seen = {}
-            for salt in ("tenant-b", None, "tenant-a"):   # the same salt last: the others must miss
-                body = follow if salt is None else {**follow, "cache_salt": salt}
-                before = credited(body)
-                r = c.post("/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                seen[salt] = (before, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-            assert seen["tenant-b"] == (0, 0) and seen[None] == (0, 0), seen
-            assert seen["tenant-a"][0] == seen["tenant-a"][1] > 0, seen
-            with httpx.Client(base_url=urls[0], timeout=30) as pod:
-                for bad in ("", 7, ["x"]):    # refused as vLLM refuses it, by the router and by the pod
-                    for target in (c, pod):
-                        r = target.post("/v1/completions", json={**follow, "cache_salt": bad})
-                        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+def test_cache_salt_keeps_a_tenants_prefix_apart_in_the_router_and_the_pod(tmp_path):
+    """A salted prompt is cached under a chain of its own (vLLM folds ``cache_salt`` into the first
+    block's hash and announces it in that block's ``extra_keys``): the router credits the same salt's
+    prefix, as the pod then hits it, and nothing to another salt or to no salt."""
+    with one_pod_router(tmp_path) as (c, pod_url):
+        prefix = "The tenant's long shared context. " * 40
+        first = {"model": "sim-model", "prompt": prefix, "max_tokens": 2, "cache_salt": "tenant-a"}
+        assert c.post("/v1/completions", json=first).status_code == 200
+        follow = {"model": "sim-model", "prompt": prefix + "And now a question?", "max_tokens": 2}
+
+        def credited(body: dict) -> int:
+            row = c.post("/debug/route", json=body).json()["pods"][0]
+            return int(sum(row["cached_tokens_by_tier"].values()))
+
+        asyncio.run(until(lambda: credited({**follow, "cache_salt": "tenant-a"}) > 0, 10, "the salted prefix"))
+        seen = {}
+        for salt in ("tenant-b", None, "tenant-a"):   # the same salt last: the others must miss
+            body = follow if salt is None else {**follow, "cache_salt": salt}
+            before = credited(body)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            seen[salt] = (before, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert seen["tenant-b"] == (0, 0) and seen[None] == (0, 0), seen
+        assert seen["tenant-a"][0] == seen["tenant-a"][1] > 0, seen
+        with httpx.Client(base_url=pod_url, timeout=30) as pod:
+            for bad in ("", 7, ["x"]):    # refused as vLLM refuses it, by the router and by the pod
+                for target in (c, pod):
+                    r = target.post("/v1/completions", json={**follow, "cache_salt": bad})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_a_hybrid_models_sliding_window_evictions_leave_the_full_attention_prefix_credited(tmp_path):
     """A hybrid pod (full attention + a 2-block sliding window, the same hashes in both groups): when a
     request finishes, the window group drops all but its last two blocks (BlockRemoved, group_idx 1),
     the full-attention group keeps them. The router keeps crediting the prefix, and the pod hits it."""
-    events = consecutive_free_ports(2)
-    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
-                          "--hybrid-window-blocks", "2"]) as urls:
-        port = free_port()
-        cfg = tmp_path / "router.yaml"
-        cfg.write_text(yaml.safe_dump({"port": port, "pods": fleet(urls, events), "speculative_ttl_s": 0.05}))
-        with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"), \
-                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            prefix = "A long system prompt for a hybrid model. " * 20
-            assert c.post("/v1/completions", json={"model": "sim-model", "prompt": prefix, "max_tokens": 2}
-                          ).status_code == 200
-            follow = {"model": "sim-model", "prompt": prefix + "Then a question?", "max_tokens": 2}
+    with one_pod_router(tmp_path, "--hybrid-window-blocks", "2") as (c, _):
+        prefix = "A long system prompt for a hybrid model. " * 20
+        assert c.post("/v1/completions", json={"model": "sim-model", "prompt": prefix, "max_tokens": 2}
+                      ).status_code == 200
+        follow = {"model": "sim-model", "prompt": prefix + "Then a question?", "max_tokens": 2}
 
-            def credited() -> int:
-                row = c.post("/debug/route", json=follow).json()["pods"][0]
-                return int(sum(row["cached_tokens_by_tier"].values()))
+        def credited() -> int:
+            row = c.post("/debug/route", json=follow).json()["pods"][0]
+            return int(sum(row["cached_tokens_by_tier"].values()))
 
-            def removals() -> float:  # applied (wrongly, were it so) or skipped as another group's
-                return sum(float(ln.split()[-1]) for ln in c.get("/metrics").text.splitlines()
-                           if ln.startswith(('kvroute_index_operations_total{kind="skipped_group"}',
-                                             'kvroute_index_operations_total{kind="blocks_removed"}')))
+        def removals() -> float:  # applied (wrongly, were it so) or skipped as another group's
+            return sum(float(ln.split()[-1]) for ln in c.get("/metrics").text.splitlines()
+                       if ln.startswith(('kvroute_index_operations_total{kind="skipped_group"}',
+                                         'kvroute_index_operations_total{kind="blocks_removed"}')))
 
-            asyncio.run(until(lambda: removals() > 0, 10, "the window group's removals to arrive"))
-            before = credited()
-            r = c.post("/v1/completions", json=follow)
-            assert r.status_code == 200, r.text
-            hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert before == hit and hit >= len(prefix.encode()) // 16 * 16 - 16, (before, hit)
+        asyncio.run(until(lambda: removals() > 0, 10, "the window group's removals to arrive"))
+        before = credited()
+        r = c.post("/v1/completions", json=follow)
+        assert r.status_code == 200, r.text
+        hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert before == hit and hit >= len(prefix.encode()) // 16 * 16 - 16, (before, hit)
