@@ -22,8 +22,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -83,6 +85,30 @@ def _env_at(home: Path) -> RealEnv:
     return RealEnv(home=home, python=venv / "bin" / "python", vllm=venv / "bin" / "vllm", model=models[-1].parent)
 
 
+_handed_out: set[int] = set()
+
+
+def listen_port(low: int = 20000, high: int = 32000, attempts: int = 500) -> int:
+    """A port for an engine to listen on: below the kernel's ephemeral range (32768+), where outgoing
+    connections take their local ports, and free on every interface (vLLM binds its event sockets to
+    ``*``), never handed out twice by this process. A port picked by binding port 0 comes from the
+    ephemeral range and, on a busy machine, was taken by some connection in the half minute before
+    the engine bound it (seen in CI: "Address already in use" for a replay socket)."""
+    rng = random.Random()
+    for _ in range(attempts):
+        port = rng.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    return free_port()
+
+
 @dataclass
 class Engine:
     """One ``vllm serve`` process (group) and the ports it owns; ``start``/``stop``/``kill`` by PID."""
@@ -97,10 +123,10 @@ class Engine:
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: /reset_prefix_cache and the other dev endpoints
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
-    port: int = field(default_factory=free_port)
-    events_port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
-    nixl_port: int = field(default_factory=free_port)
+    port: int = field(default_factory=lambda: listen_port())
+    events_port: int = field(default_factory=lambda: listen_port())
+    replay_port: int = field(default_factory=lambda: listen_port())
+    nixl_port: int = field(default_factory=lambda: listen_port())
     proc: subprocess.Popen | None = None
     starts: int = 0
     stuck: list[subprocess.Popen] = field(default_factory=list)  # killed but not yet reaped (``kill``)
@@ -159,7 +185,7 @@ class Engine:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         self.scratch.mkdir(parents=True, exist_ok=True)
         if self.starts:  # a restart: a fresh NIXL side-channel port (see ``restart``)
-            self.nixl_port = free_port()
+            self.nixl_port = listen_port()
         self.starts += 1
         with open(self.log, "ab") as out:
             out.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
@@ -247,17 +273,32 @@ def start_all(engines: Sequence[Engine], timeout: float = 300.0) -> list[Engine]
     if not engines:
         return []
     with start_lock(engines[0].env):
-        for e in engines:
-            e.start()
-        deadline = time.monotonic() + timeout
-        try:
+        for attempt in range(1, 4):
+            marks = {e.name: e.log.stat().st_size if e.log.exists() else 0 for e in engines}
             for e in engines:
-                e.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except BaseException:
-            for e in engines:
-                e.stop()
-            raise
-    return list(engines)
+                e.start()
+            deadline = time.monotonic() + timeout
+            try:
+                for e in engines:
+                    e.wait(timeout=max(1.0, deadline - time.monotonic()))
+                return list(engines)
+            except RuntimeError:  # an engine exited: a port taken meanwhile is worth another try
+                for e in engines:
+                    e.stop()
+                clash = [e for e in engines if "Address already in use" in
+                         e.log.read_bytes()[marks[e.name]:].decode(errors="replace")]
+                if not clash or attempt == 3:
+                    raise
+                print(f"engines {[e.name for e in clash]}: a port was taken before they bound it; new ports",
+                      flush=True)
+                for e in engines:
+                    e.port, e.events_port, e.replay_port = listen_port(), listen_port(), listen_port()
+                    e.nixl_port = listen_port()
+            except BaseException:
+                for e in engines:
+                    e.stop()
+                raise
+    raise AssertionError("unreachable")
 
 
 def restart(engine: Engine, timeout: float = 300.0, attempts: int = 2) -> Engine:
