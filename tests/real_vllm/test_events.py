@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from realvllm.engines import MODEL_NAME, restart, router_pod
+from tests.helpers import metric
 from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_for
 
 WORDS = ("kilo lima mike november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu "
@@ -44,10 +45,7 @@ def hits_for(url: str, body: dict) -> float:
 
 
 def index_blocks(base: str, pod: str) -> float:
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f'kvroute_pod_index_blocks{{pod="{pod}"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(base, "kvroute_pod_index_blocks", pod=pod)
 
 
 def test_router_started_after_the_engine_catches_up_from_replay(agg_engines, real_env, tmp_path):
@@ -102,10 +100,7 @@ def test_eviction_removes_entries_as_the_engine_evicts(agg_engines, real_env, tm
 
 
 def index_count(base: str, kind: str) -> float:
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f'kvroute_index_operations_total{{kind="{kind}"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(base, "kvroute_index_operations_total", kind=kind)
 
 
 def test_a_block_computed_twice_stays_credited_until_its_last_copy_is_evicted(agg_engines, real_env, tmp_path):
