@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import free_port, stop_process, wait_ready
 
-__all__ = ["ROOT", "free_port", "free_ports", "kvroute_process", "metric", "stop_process", "until", "wait_http"]
+__all__ = ["ROOT", "free_port", "free_ports", "http", "kvroute_process", "metric", "stop_process", "until",
+           "wait_http"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,16 +41,29 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+_HTTP: httpx.Client | None = None
+
+
+def http() -> httpx.Client:
+    """One client for the test process's plain requests (scrapes, debug calls): ``httpx.get`` makes a
+    client per call, and each loads the CA bundle (tens of ms of CPU, on a machine already short of it).
+    No keep-alive: a connection is never reused after a server's idle timeout closed it."""
+    global _HTTP
+    if _HTTP is None:
+        _HTTP = httpx.Client(timeout=30, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+    return _HTTP
+
+
 def metric(base: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``, read from ``base``/metrics."""
     try:
-        text = httpx.get(base + "/metrics", timeout=30).text
+        text = http().get(base + "/metrics").text
     except httpx.RemoteProtocolError as exc:
         # once in a CI run on a heavily loaded machine a scrape's connection was closed unanswered (the
         # process then went on serving); a scrape is not what these tests test, so it gets one more try,
         # said out loud (the process's log says why, if the listener's bounds closed it)
         print(f"scrape of {base}/metrics failed ({exc}); trying once more")
-        text = httpx.get(base + "/metrics", timeout=30).text
+        text = http().get(base + "/metrics").text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

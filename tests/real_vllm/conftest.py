@@ -1,9 +1,13 @@
 """Real vLLM engines (CPU build) for the ``real_vllm`` tests, started once per session and shared.
 
-Start-up costs 25-55 s an engine, so the engines live for the whole session and every test module
-that needs them asks for a fixture: ``agg_engines`` (two aggregated engines with KV events and
-replay, a small KV cache so eviction is reachable) and ``pd_engines`` (a prefill and a decode
-engine joined by NIXL). The real-vLLM environment must be built (``make real-vllm``; ``make test``
+Start-up costs 25-55 s an engine, so engines are shared and every test that needs them asks for a
+fixture: ``agg_engines`` (two aggregated engines with KV events and replay, a small KV cache so
+eviction is reachable; shared by the whole session) and ``pd_engines`` (a prefill and a decode
+engine joined by NIXL; one test module). The two pairs never run at once: an idle NIXL engine keeps
+two threads polling (its worker's loop and NIXL's progress thread, about 70 % of a core each, seen
+with top -H and strace), so the aggregated pair is stopped while the NIXL pair runs, and the P/D
+module runs last of this tier (``pytest_collection_modifyitems``) so that nothing starts it again.
+The real-vLLM environment must be built (``make real-vllm``; ``make test``
 builds it): when it is missing these tests fail with that instruction, they are never skipped.
 Deselect them with ``-m "not real_vllm"``.
 """
@@ -19,13 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from realvllm import engines as rv
 from simulator.testing import spawn, stop_process, wait_ready
-from tests.helpers import free_port
+from tests.helpers import free_port, http
 from tests.helpers import metric as engine_metric  # noqa: F401 - an engine's samples, by vLLM's names
 
 # 256 blocks of 32 tokens: 8,192 tokens of KV cache per engine, so a test can force eviction
@@ -34,10 +37,17 @@ AGG_BLOCKS = 256
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.real_vllm)
-            item.add_marker(pytest.mark.timeout(600))
+    real = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
+    for i in real:
+        items[i].add_marker(pytest.mark.real_vllm)
+        items[i].add_marker(pytest.mark.timeout(600))
+    pd = [items[i] for i in real if "pd_engines" in getattr(items[i], "fixturenames", ())]
+    if pd:
+        # the NIXL pair's tests last in this tier, so the aggregated pair stopped for them is not wanted again
+        for item in pd:
+            items.remove(item)
+        last = max(i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents)
+        items[last + 1:last + 1] = pd
 
 
 @pytest.fixture(scope="session")
@@ -57,25 +67,48 @@ def real_scratch() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def agg_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
-    """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
-    (``/reset_prefix_cache``)."""
-    engines = [rv.Engine(real_env, f"agg-{i}", real_scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True)
-               for i in range(2)]
-    rv.start_all(engines)
-    try:
-        yield engines
-    finally:
+class _AggPair:
+    """The aggregated pair, started on first use and stopped while the NIXL pair runs."""
+
+    def __init__(self) -> None:
+        self.engines: list[rv.Engine] = []
+
+    def get(self, real_env: rv.RealEnv, scratch: Path) -> list[rv.Engine]:
+        if not self.engines:
+            engines = [rv.Engine(real_env, f"agg-{i}", scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True)
+                       for i in range(2)]
+            rv.start_all(engines)
+            self.engines = engines
+        return self.engines
+
+    def stop(self) -> None:
+        engines, self.engines = self.engines, []
         rv.stop_all(engines)
 
 
+@pytest.fixture(scope="session")
+def _agg_pair() -> Iterator[_AggPair]:
+    pair = _AggPair()
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+@pytest.fixture
+def agg_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> list[rv.Engine]:
+    """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
+    (``/reset_prefix_cache``); the same two for every test, unless the NIXL pair ran in between."""
+    return _agg_pair.get(real_env, real_scratch)
+
+
 @pytest.fixture(scope="module")
-def pd_engines(real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
+def pd_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> Iterator[list[rv.Engine]]:
     """A prefill engine (core 0) and a decode engine (core 1) joined by NIXL, both with KV events.
 
-    Module-scoped, unlike the aggregated pair: an engine with the NIXL connector keeps a core busy
-    even when idle (its transfer agent's progress thread polls), which would slow every later test."""
+    Module-scoped, and the aggregated pair is stopped first: an idle NIXL engine keeps two threads
+    polling, which would slow every other test."""
+    _agg_pair.stop()
     engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True)
                for i, name in enumerate(("prefill", "decode"))]
     rv.start_all(engines)
@@ -115,7 +148,7 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
     proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
     try:
         wait_ready(base + "/ready", proc, START_TIMEOUT_S, log=log)
-        wait_for(lambda: httpx.get(base + "/ready", timeout=10).json().get("healthy_pods") == len(pods),
+        wait_for(lambda: http().get(base + "/ready", timeout=10).json().get("healthy_pods") == len(pods),
                  START_TIMEOUT_S,
                  "every pod healthy")
         yield base
@@ -127,7 +160,7 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
 
 
 def debug_route(base: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(base + "/debug/route", json=body, timeout=30)
+    r = http().post(base + "/debug/route", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
