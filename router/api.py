@@ -181,6 +181,9 @@ def create_app(services: Services) -> FastAPI:
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "kvroute", "root": m, "parent": None}
                 for m in services.registry.models()]
+        # LoRA adapters as vLLM lists them: each with its base model as ``parent``
+        data += [{"id": a, "object": "model", "created": now, "owned_by": "kvroute", "root": a, "parent": base}
+                 for a, base in services.registry.adapters().items()]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def admitted_body(request: Request, caller: Caller,

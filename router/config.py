@@ -34,6 +34,9 @@ class PodConfig(BaseModel):
     url: str = Field(description="base URL of the pod's OpenAI server, e.g. http://10.0.0.5:8000")
     role: PodRole = Field("both", description="prefill, decode or both (aggregated)")
     model: str = Field("sim-model", description="served model name")
+    lora_adapters: list[str] = Field(default_factory=list, description=(
+        "LoRA adapters the pod serves (vLLM's --lora-modules names): a request whose model is one of them goes "
+        "only to pods serving it, and its prefix is keyed apart from the base model's and other adapters'"))
     kv_events: list[EventEndpoint] = Field(default_factory=list,
                                            description="KV event publishers, one per DP rank")
     prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod "

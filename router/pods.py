@@ -162,6 +162,19 @@ class PodRegistry:
             seen.setdefault(p.config.model, None)
         return list(seen)
 
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter name -> the base model of the pods that serve it (the first pod's, if they differ)."""
+        out: dict[str, str] = {}
+        for p in self.pods.values():
+            for name in p.config.lora_adapters:
+                out.setdefault(name, p.config.model)
+        return out
+
+    def serving(self, model: str, adapter: str | None = None) -> list[PodState]:
+        """Healthy pods of ``model`` (and, for an adapter's request, serving that adapter)."""
+        return [p for p in self.healthy()
+                if p.config.model == model and (adapter is None or adapter in p.config.lora_adapters)]
+
     def block_size(self) -> int | None:
         """The block size the pods report (the most common one), if any has reported."""
         sizes = [p.block_size for p in self.pods.values() if p.block_size]

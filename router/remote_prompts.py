@@ -98,7 +98,8 @@ class RemotePrompts:
         self._by_pod: dict[tuple[str, str, str], RemoteTokenizer] = {}
 
     def _tokenizer_for(self, model: str) -> RemoteTokenizer | None:
-        pods = sorted((p for p in self._registry.healthy() if p.config.model == model), key=lambda p: p.id)
+        pods = sorted((p for p in self._registry.healthy()
+                       if p.config.model == model or model in p.config.lora_adapters), key=lambda p: p.id)
         if not pods:
             return None
         pod = pods[0].config

@@ -175,6 +175,8 @@ class Router:
 
     # ---- the decision ----------------------------------------------------------------------
     def resolve_model(self, body: Mapping[str, Any]) -> str:
+        """The model the request names: a base model or a LoRA adapter some pod serves (as vLLM, which
+        takes an adapter's name as the ``model``)."""
         model = body.get("model")
         models = self.registry.models()
         if model is None:
@@ -183,9 +185,16 @@ class Router:
             return models[0]
         if not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model")
-        if model not in models:
+        if model not in models and model not in self.registry.adapters():
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
+
+    def target(self, model: str) -> tuple[str, str | None]:
+        """``(base model, adapter)`` for a name ``resolve_model`` returned (adapter None for a base model)."""
+        if model in self.registry.models():
+            return model, None
+        base = self.registry.adapters().get(model)
+        return (base, model) if base is not None else (model, None)
 
     def objective_s(self, headers: Mapping[str, str], may_loosen: bool = True) -> float | None:
         """The request's TTFT objective: the objective header, bounded by ``slo_header_max_ms``, else
@@ -213,16 +222,25 @@ class Router:
         return self.settings.pd_expected_output_tokens
 
     def keys_for(self, model: str, tokens: list[int], salt: str | None = None) -> list[int]:
-        """The prompt's block keys; a ``cache_salt`` goes into the first block's extra keys, where
-        vLLM puts it (and announces it in that block's BlockStored ``extra_keys``), so a salted
-        prompt meets only the same salt's blocks."""
+        """The prompt's block keys, with the extra keys vLLM hashes into each block and announces in
+        its BlockStored ``extra_keys``: a LoRA adapter's name in every block (and its name in the chain's
+        seed, as the index keys the events' ``lora_name``), a ``cache_salt`` in the first block after
+        it; so a prompt meets only blocks of the same adapter and salt."""
         seed = self._seeds.get(model)
+        base, adapter = self.target(model)
         if seed is None:
-            seed = self._seeds[model] = key_seed(model)
-        return block_keys(tokens, self.block_size, seed, [[salt]] if salt is not None else None)
+            seed = self._seeds[model] = key_seed(base, adapter)
+        extra: list[Any] | None = None
+        if adapter is not None:
+            extra = [[adapter]] * (len(tokens) // self.block_size)
+            if salt is not None and extra:
+                extra[0] = [adapter, salt]
+        elif salt is not None:
+            extra = [[salt]]
+        return block_keys(tokens, self.block_size, seed, extra)
 
     def snapshot(self, model: str, keys: list[int], tokens: list[int]) -> FleetSnapshot:
-        pods = [p for p in self.registry.healthy() if p.config.model == model]
+        pods = self.registry.serving(*self.target(model))
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
@@ -275,7 +293,7 @@ class Router:
             if decision.pd is not None:
                 chosen = decision.pd.chosen
                 self.pd_metrics.decisions.labels(decision.pd.decider, chosen.mode if chosen else "rejected").inc()
-        pods = {p.id: p.config for p in self.registry.healthy() if p.config.model == model}
+        pods = {p.id: p.config for p in self.registry.serving(*self.target(model))}
         return Plan(kind=kind, model=model, tokens=tokens, keys=keys, request=request, decision=decision,
                     snapshot=snap, pods=pods, routing_s=elapsed)
 

@@ -1,8 +1,8 @@
 """The prefix cache of one pod: a pool of KV blocks with chained hashes, ref counts and LRU eviction.
 
 It follows vLLM's block pool: a block is named by a hash chained over its parent's hash and its
-tokens (sha256 over ``parent digest || tokens as uint32``, published as the digest's last 8 bytes
-read as an unsigned big-endian integer, like vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+tokens (computed as vLLM computes it: ``simulator.hashing``; the pool sees the 64-bit form events
+carry).
 Blocks in use have a positive ref count; a freed block goes to the tail of the free queue and
 keeps its hash, so it can still be hit until it is reallocated; a freed block without a hash goes
 to the head, to be reused first. Allocation takes the head of the queue (least recently freed) and
@@ -13,46 +13,8 @@ to ``on_event`` as ``("stored", hashes, parent, token_ids)``, ``("removed", [has
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-
-_TOKEN_BYTES = 4
-
-
-def none_hash(seed: str = "") -> bytes:
-    """The chain's root digest (vLLM's NONE_HASH); equal seeds give comparable hashes across pods."""
-    return hashlib.sha256(b"kvroute-sim-none-hash:" + seed.encode()).digest()
-
-
-def salted_root(root: bytes, salt: str) -> bytes:
-    """The chain's root for a request with ``cache_salt``: vLLM folds the salt into the first block's
-    extra keys, so every block of a salted prompt hashes apart from the unsalted and other salts'."""
-    return hashlib.sha256(root + b"\x00cache_salt\x00" + salt.encode("utf-8", "surrogatepass")).digest()
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids packed as little-endian uint32 (ids outside [0, 2^32) are reduced modulo 2^32)."""
-    try:
-        return array("I", token_ids).tobytes()
-    except OverflowError:
-        return array("I", [t & 0xFFFFFFFF for t in token_ids]).tobytes()
-
-
-def chain_digests(parent: bytes, packed: bytes, block_size: int, start_block: int, end_block: int) -> list[bytes]:
-    """Digests of full blocks ``start_block..end_block-1`` of ``packed`` tokens, chained from ``parent``."""
-    out = []
-    step = block_size * _TOKEN_BYTES
-    sha = hashlib.sha256
-    for i in range(start_block, end_block):
-        parent = sha(parent + packed[i * step:(i + 1) * step]).digest()
-        out.append(parent)
-    return out
-
-
-def digest_to_u64(digest: bytes) -> int:
-    return int.from_bytes(digest[-8:], "big")
 
 
 class BlockPool:
@@ -130,13 +92,14 @@ class BlockPool:
         self.on_event(("removed", [h]))
 
     def cache(self, block_ids: Sequence[int], hashes: Sequence[int], parent: int | None,
-              token_ids: Sequence[int], salt: str | None = None) -> None:
+              token_ids: Sequence[int], salt: str | None = None, lora: tuple[int, str, str] | None = None) -> None:
         """Name newly full blocks by their hashes and announce them (one BlockStored for the run).
 
         A hash already cached in another block (its prompt was computed twice at once) makes this
         block a further copy, announced like any other, as vLLM announces it. With ``salt`` (the
         request's cache_salt) a run that starts at the first block announces it in that block's
-        extra keys (``("stored", ..., extra_keys)``), as vLLM does.
+        extra keys (``("stored", ..., extra_keys, lora)``), as vLLM does; with ``lora`` (adapter id,
+        name, path) every block's extra keys carry the adapter's name and the event its id and name.
         """
         new_hashes: list[int] = []
         new_tokens: list[int] = []
@@ -145,7 +108,7 @@ class BlockPool:
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             if self.block_hash[b] is not None:   # already named (a prefix hit): not new
                 if new_hashes:
-                    self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt))
+                    self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt, lora))
                     new_hashes, new_tokens = [], []
                 run_parent = h
                 continue
@@ -157,13 +120,21 @@ class BlockPool:
             new_hashes.append(h)
             new_tokens.extend(token_ids[i * bs:(i + 1) * bs])
         if new_hashes:
-            self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt))
+            self.on_event(self._stored(new_hashes, run_parent, new_tokens, salt, lora))
 
     @staticmethod
-    def _stored(hashes: list[int], parent: int | None, token_ids: list[int], salt: str | None) -> tuple:
-        if salt is None or parent is not None:
+    def _stored(hashes: list[int], parent: int | None, token_ids: list[int], salt: str | None,
+                lora: tuple[int, str, str] | None = None) -> tuple:
+        """The event tuple; extra keys untagged, as vLLM publishes them: the adapter's name on every
+        block, the salt after it on a prompt's first block (a run without a parent starts the prompt)."""
+        salted = salt is not None and parent is None
+        if lora is None and not salted:
             return ("stored", hashes, parent, token_ids)
-        return ("stored", hashes, parent, token_ids, [[salt]] + [None] * (len(hashes) - 1))
+        every = [lora[1]] if lora is not None else None
+        extra: list = [every] * len(hashes)
+        if salted:
+            extra[0] = (every or []) + [salt]
+        return ("stored", hashes, parent, token_ids, extra, lora)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference. As vLLM's ``free_blocks``: unreferenced blocks with a hash join the free

@@ -131,7 +131,7 @@ class SeedCore:
         parent = req.hashes[len(hit) - 1] if hit else None
         span = slice(len(hit), len(hit) + len(new))
         pool.cache(new, req.hashes[span], parent, req.prompt[span.start * bs:span.stop * bs],
-                   salt=getattr(req, "salt", None))
+                   salt=getattr(req, "salt", None), lora=getattr(req, "lora", None))
         req.block_ids = hit + new
         if not req.keep_blocks:
             pool.release(req.block_ids)
@@ -326,7 +326,8 @@ class CostCore:
         req.extend_hashes(full, bs)
         parent = req.hashes[have - 1] if have else None
         self.pool.cache(req.block_ids[have:full], req.hashes[have:full], parent,
-                        req.all_tokens[have * bs:full * bs], salt=getattr(req, "salt", None))
+                        req.all_tokens[have * bs:full * bs], salt=getattr(req, "salt", None),
+                        lora=getattr(req, "lora", None))
         req.num_cached_blocks = full
 
     def commit(self, batch: Batch, now: float, duration: float) -> None:

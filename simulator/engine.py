@@ -74,10 +74,13 @@ class EngineBase:
         kind = ev[0]
         if kind == "stored":
             extra = ev[4] if len(ev) > 4 else None
-            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size, extra_keys=extra))
+            lora = ev[5] if len(ev) > 5 else None
+            self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size, extra_keys=extra,
+                                                    lora=lora))
             if self.window_blocks:  # the sliding-window group stores the same blocks
                 self.pending_events.append(block_stored(self.fmt, ev[1], ev[2], ev[3], self.block_size,
-                                                        extra_keys=extra, group_idx=1, kind="sliding_window"))
+                                                        extra_keys=extra, group_idx=1, kind="sliding_window",
+                                                        lora=lora))
                 self.window_held.update(ev[1])
         elif kind == "removed":
             self.pending_events.append(block_removed(self.fmt, ev[1]))

@@ -93,12 +93,16 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 def block_stored(fmt: str, hashes: list[int], parent: int | None, token_ids: list[int],
                  block_size: int, medium: str = "GPU", extra_keys: list[Any] | None = None,
-                 group_idx: int = 0, kind: str = "full_attention") -> Event:
+                 group_idx: int = 0, kind: str = "full_attention",
+                 lora: tuple[int, str, str] | None = None) -> Event:
     """A BlockStored event in ``fmt`` ('map' or 'array') for one run of newly cached blocks;
-    ``extra_keys`` one entry per block (a cache salt on the first block: ``[salt]``)."""
+    ``extra_keys`` one entry per block (a cache salt on the first block: ``[salt]``; an adapter's
+    name on every block), ``lora`` the adapter (id, name, path) whose request stored them."""
+    lora_id, lora_name = (lora[0], lora[1]) if lora is not None else (None, None)
     if fmt == "array":
-        return LegacyBlockStored(hashes, parent, token_ids, block_size, None, medium, None, extra_keys, group_idx)
-    return BlockStored(hashes, parent, token_ids, block_size, None, medium, None,
+        return LegacyBlockStored(hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+                                 group_idx)
+    return BlockStored(hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
                        extra_keys=extra_keys or [None] * len(hashes), group_idx=group_idx,
                        kv_cache_spec_kind=kind)
 

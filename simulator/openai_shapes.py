@@ -7,6 +7,7 @@ problem becomes a ``ShapeError`` carrying vLLM's error type, status and message.
 from __future__ import annotations
 
 import time
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class GenRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None   # folded into the first block's hash, as vLLM does
+    lora: str | None = None         # the LoRA adapter the request named as its model
 
 
 def _is_int(v: Any) -> bool:
@@ -112,13 +114,14 @@ def chat_ids_of(body: dict, tokenizer: Tokenizer, api: str = "chat") -> list[int
 
 
 def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, max_model_len: int,
-                     default_max_tokens: int, max_prompt_tokens: int) -> GenRequest:
+                     default_max_tokens: int, max_prompt_tokens: int,
+                     adapters: Container[str] = ()) -> GenRequest:
     if not isinstance(body, dict):
         raise ShapeError("request body must be a JSON object")
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise ShapeError("'model' must be a string", param="model")
-    if name not in (None, "", model):
+    if name not in (None, "", model) and name not in adapters:
         raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
     stream = body.get("stream", False)
     if stream is None:
@@ -189,7 +192,8 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
     continuous = (include_usage and bool(stream_options.get("continuous_usage_stats", False))
                   if stream_options else False)
     return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id,
-                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0, cache_salt=salt)
+                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0, cache_salt=salt,
+                      lora=name if name in adapters else None)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -234,11 +238,15 @@ def usage_chunk(rid: str, model: str, created: int, kind: str, use: dict) -> dic
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def models_body(model: str, max_model_len: int, created: int) -> dict:
-    return {"object": "list", "data": [{
-        "id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
-        "parent": None, "max_model_len": max_model_len,
-        "permission": [{"id": f"modelperm-{model}", "object": "model_permission", "created": created,
-                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                        "organization": "*", "group": None, "is_blocking": False}]}]}
+def models_body(model: str, max_model_len: int, created: int, adapters: Mapping[str, str] | None = None) -> dict:
+    """vLLM's model list: the base model, then each LoRA adapter (``adapters``: name -> path) with the
+    base as its ``parent`` and its path as its ``root``."""
+    def card(name: str, root: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                "parent": parent, "max_model_len": max_model_len,
+                "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": created,
+                                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
+    return {"object": "list", "data": [card(model, model, None)] +
+            [card(name, path, model) for name, path in (adapters or {}).items()]}

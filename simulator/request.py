@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from simulator.block_pool import chain_digests, digest_to_u64, salted_root, token_bytes
+from simulator.hashing import BlockHasher, external
 
 FINISH = object()  # queue item that ends a request's output; the reason is on the request
 
@@ -16,13 +16,14 @@ class SimRequest:
     step, and a preempted request simply recomputes)."""
 
     __slots__ = ("request_id", "prompt", "n_prompt", "all_tokens", "max_tokens", "length_capped",
-                 "num_computed", "block_ids", "num_cached_blocks", "digests", "hashes", "root",
+                 "num_computed", "block_ids", "num_cached_blocks", "digests", "hashes", "hasher",
                  "cached_tokens", "remote_tokens", "arrival", "scheduled_at", "first_token_at",
                  "last_token_at", "finished_at", "finish_reason", "aborted", "queue", "keep_blocks",
-                 "num_output", "admitted", "prefill_compute_s", "salt")
+                 "num_output", "admitted", "prefill_compute_s", "salt", "lora")
 
     def __init__(self, request_id: str, prompt: Sequence[int], max_tokens: int, length_capped: bool,
-                 block_size: int, root: bytes, arrival: float, salt: str | None = None):
+                 block_size: int, hasher: BlockHasher, arrival: float, salt: str | None = None,
+                 lora: tuple[int, str, str] | None = None):
         self.request_id = request_id
         self.prompt = list(prompt)
         self.n_prompt = len(self.prompt)
@@ -33,11 +34,12 @@ class SimRequest:
         self.num_output = 0
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0
-        self.salt = salt   # cache_salt: a chain of its own from the first block on
-        self.root = root if salt is None else salted_root(root, salt)
-        full = self.n_prompt // block_size
-        self.digests = chain_digests(self.root, token_bytes(self.prompt), block_size, 0, full)
-        self.hashes = [digest_to_u64(d) for d in self.digests]
+        self.salt = salt   # cache_salt: an extra key of the first block, so a chain of its own
+        self.lora = lora   # (adapter id, name, path): an extra key of every block
+        self.hasher = hasher
+        self.digests = hasher.chain(None, self.prompt, block_size, first_keys=self._salt_keys(),
+                                    every_keys=self._lora_keys())
+        self.hashes = [external(d) for d in self.digests]
         self.cached_tokens = 0
         self.remote_tokens = 0  # tokens whose KV came from a remote prefill (NIXL decode leg)
         self.arrival = arrival
@@ -57,11 +59,17 @@ class SimRequest:
         have = len(self.digests)
         if full_blocks <= have:
             return
-        parent = self.digests[-1] if self.digests else self.root
-        packed = token_bytes(self.all_tokens[have * block_size:full_blocks * block_size])
-        new = chain_digests(parent, packed, block_size, 0, full_blocks - have)
+        parent = self.digests[-1] if self.digests else None
+        new = self.hasher.chain(parent, self.all_tokens[have * block_size:full_blocks * block_size], block_size,
+                                first_keys=None if have else self._salt_keys(), every_keys=self._lora_keys())
         self.digests.extend(new)
-        self.hashes.extend(digest_to_u64(d) for d in new)
+        self.hashes.extend(external(d) for d in new)
+
+    def _salt_keys(self) -> tuple | None:
+        return None if self.salt is None else (("cache_salt", self.salt),)
+
+    def _lora_keys(self) -> tuple | None:
+        return None if self.lora is None else (("lora", self.lora[1], self.lora[2]),)
 
     def emit(self, token_id: int, now: float) -> None:
         self.all_tokens.append(token_id)

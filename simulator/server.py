@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any
 
 import httpx
@@ -31,10 +31,10 @@ from indexer.tokens import Tokenizer, load_tokenizer
 from kvcommon import asgi
 from kvcommon.asgi import header
 from kvcommon.errors import APIError, ClientDisconnected, error_body
-from simulator.block_pool import none_hash
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
 from simulator.faults import FaultError, Faults, RequestFaults
+from simulator.hashing import BlockHasher
 from simulator.metrics import PodMetrics
 from simulator.nixl import LeaseTable, decode_params_problem, producer_params, remote_read
 from simulator.openai_shapes import (
@@ -105,7 +105,10 @@ class Pod:
                                  OutputTokens(lambda text: tokenizer.encode(text, add_special_tokens=False)))
         self.engine.on_release = self._lease_blocks
         self.leases = LeaseTable(self.metrics, s.nixl_lease_timeout_s)
-        self.root_hash = none_hash(s.hash_seed)
+        self.hasher = BlockHasher(s.prefix_caching_hash_algo, s.hash_seed)
+        # LoRA adapters: name -> (vLLM's adapter id, path); ids count from 1 in --lora-modules order
+        self.loras = {name.strip(): (i + 1, path.strip()) for i, (name, _, path) in
+                      enumerate(m.partition("=") for m in s.lora_modules)}
         self.max_prompt_tokens = s.num_gpu_blocks * s.block_size
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
@@ -192,13 +195,14 @@ def parse_json(raw: bytes) -> Any:
         raise ShapeError(f"JSON decode error: {exc}") from exc
 
 
-async def read_tokenizer_request(scope: dict, receive: Receive, model: str) -> dict:
-    """The JSON object body of /tokenize or /detokenize, naming this pod's model or none (vLLM's checks)."""
+async def read_tokenizer_request(scope: dict, receive: Receive, model: str, adapters: Container[str] = ()) -> dict:
+    """The JSON object body of /tokenize or /detokenize, naming this pod's model, one of its adapters or
+    none (vLLM's checks)."""
     body = parse_json(await read_body(scope, receive))
     if not isinstance(body, dict):
         raise ShapeError("request body must be a JSON object")
     name = body.get("model")
-    if name not in (None, "", model):
+    if name not in (None, "", model) and name not in adapters:
         raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
     return body
 
@@ -238,7 +242,8 @@ def build_app(pod: Pod):
 
     @route("GET", "/v1/models")
     async def models(scope, receive, send):
-        await respond_json(send, 200, models_body(pod.model, pod.settings.max_model_len, pod.created))
+        await respond_json(send, 200, models_body(pod.model, pod.settings.max_model_len, pod.created,
+                                                  {n: path for n, (_, path) in pod.loras.items()}))
 
     @route("GET", "/health")
     async def health(scope, receive, send):
@@ -267,7 +272,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/tokenize")
     async def tokenize(scope, receive, send):
-        body = await read_tokenizer_request(scope, receive, pod.model)
+        body = await read_tokenizer_request(scope, receive, pod.model, pod.loras)
         if "messages" in body:
             from simulator.openai_shapes import chat_ids_of
             ids = chat_ids_of(body, pod.tokenizer, api="tokenize")
@@ -287,7 +292,7 @@ def build_app(pod: Pod):
 
     @route("POST", "/detokenize")
     async def detokenize(scope, receive, send):
-        body = await read_tokenizer_request(scope, receive, pod.model)
+        body = await read_tokenizer_request(scope, receive, pod.model, pod.loras)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
             raise ShapeError("'tokens' must be a list of non-negative integers", param="tokens")
@@ -402,8 +407,9 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         pod.metrics.faults.labels("delay").inc()
         await asyncio.sleep(faults.delay_s)
     body = parse_json(raw)
-    gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, max_model_len=s.max_model_len,
-                           default_max_tokens=s.default_max_tokens, max_prompt_tokens=pod.max_prompt_tokens)
+    gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, adapters=pod.loras,
+                           max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
+                           max_prompt_tokens=pod.max_prompt_tokens)
     base_id = base_id or gen.body_request_id or uuid.uuid4().hex
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
     if faults.status is not None:
@@ -414,7 +420,8 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     response_id = f"{prefix}-{base_id}"
     internal_id = f"{response_id}-{next(pod._ids):x}"
     req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
-                     pod.root_hash, arrival, salt=gen.cache_salt)
+                     pod.hasher, arrival, salt=gen.cache_salt,
+                     lora=(pod.loras[gen.lora][0], gen.lora, pod.loras[gen.lora][1]) if gen.lora else None)
 
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))
@@ -504,7 +511,8 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
                                         host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
                                         cached_tokens=req.cached_tokens)
     build = chat_body if gen.kind == "chat" else completion_body
-    body = orjson.dumps(build(response_id, pod.model, "".join(parts), req.finish_reason, _usage_of(req), kv_params))
+    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, _usage_of(req),
+                              kv_params))
     headers = JSON_HEADERS + echo + _timing_headers(req)
     if faults.drop_after_chunks is not None:
         pod.metrics.faults.labels("drop").inc()
@@ -519,7 +527,7 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
 async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
                   send: Send, echo: list) -> None:
     created = int(time.time())
-    model = pod.model
+    model = gen.lora or pod.model   # vLLM answers with the name the request used (an adapter's)
     chat = gen.kind == "chat"
     drop = faults.drop_after_chunks
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})

@@ -35,8 +35,29 @@ class SimSettings(BaseSettings):
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_gpu_blocks: int = Field(4096, ge=1, description="KV blocks per pod (capacity = this x block size)")
-    hash_seed: str = Field("", description="seed of the block-hash chain (like PYTHONHASHSEED); equal "
-                                           "seeds give equal hashes across pods")
+    lora_modules: list[str] = Field(default_factory=list, description=(
+        "LoRA adapters served besides the base model, as vLLM's --lora-modules name=path: a request naming one "
+        "as its model is answered, keyed with ('lora', name, path) in every block's hash and announced with "
+        "lora_id/lora_name (ids 1, 2, ... in this order)"))
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, v: list[str]) -> list[str]:
+        names = []
+        for item in v:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"a LoRA module is name=path, got {item!r}")
+            names.append(name.strip())
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names repeat: {names}")
+        return v
+
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
+        "sha256", description="the block-hash function, as vLLM's --prefix-caching-hash-algo")
+    hash_seed: str | None = Field(None, description="the seed of the chain's root, as vLLM's PYTHONHASHSEED "
+                                  "(unset: PYTHONHASHSEED if set, else vLLM's fixed seed for sha256*, a random one "
+                                  "for xxhash*)")
     hybrid_window_blocks: int = Field(0, ge=0, description="a hybrid model: besides its full-attention KV group "
                                       "(group_idx 0) a sliding-window group (group_idx 1, the same hashes) that "
                                       "keeps only a request's last N blocks: its BlockStored events mirror group "

@@ -221,3 +221,55 @@ def test_a_hybrid_models_sliding_window_evictions_leave_the_full_attention_prefi
         assert r.status_code == 200, r.text
         hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert before == hit and hit >= len(prefix.encode()) // 16 * 16 - 16, (before, hit)
+
+
+def test_a_lora_adapters_requests_go_to_its_pods_and_match_only_its_own_prefixes(tmp_path):
+    """Two simulated pods of one base model, one of them also serving the adapter ``sql`` (vLLM's
+    --lora-modules): the router lists the adapter with its base as ``parent``, sends its requests only
+    to the pod serving it, and keys them as vLLM does (the adapter in every block's hash and in the
+    events' ``lora_name``/``extra_keys``), so an adapter's follow-up is credited exactly what the pod
+    then hits while the base model's cached copy of the same text counts for nothing."""
+    events = consecutive_free_ports(4)
+    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+                          "--lora-modules", '["sql=/adapters/sql"]']) as with_lora, \
+            running_sims(1, ["--timing", "seed", "--kv-events-port", str(events + 2), "--block-size", "16"]) as plain:
+        port = free_port()
+        pods = fleet(with_lora + plain, events)
+        pods[0]["lora_adapters"] = ["sql"]
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "pods": pods, "speculative_ttl_s": 0.05}))
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"), \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            asyncio.run(until(lambda: c.get("/ready").json().get("healthy_pods") == 2, 20, "both pods healthy"))
+            listed = {m["id"]: m["parent"] for m in c.get("/v1/models").json()["data"]}
+            assert listed == {"sim-model": None, "sql": "sim-model"}
+            with httpx.Client(base_url=with_lora[0], timeout=30) as pod:
+                cards = {m["id"]: (m["root"], m["parent"]) for m in pod.get("/v1/models").json()["data"]}
+                assert cards == {"sim-model": ("sim-model", None), "sql": ("/adapters/sql", "sim-model")}
+
+            prefix = "SELECT the customers who ordered twice last month from the orders table. " * 12
+            follow = prefix + "Now group them by region."
+
+            def credited(model: str, prompt: str) -> dict[str, int]:
+                rows = c.post("/debug/route", json={"model": model, "prompt": prompt}).json()["pods"]
+                return {r["pod"]: int(sum(r["cached_tokens_by_tier"].values())) for r in rows}
+
+            # the base model's copy of the prefix on the adapter's pod (sent to the pod itself)
+            with httpx.Client(base_url=with_lora[0], timeout=30) as pod:
+                r = pod.post("/v1/completions", json={"model": "sim-model", "prompt": prefix, "max_tokens": 2})
+                assert r.status_code == 200
+            asyncio.run(until(lambda: credited("sim-model", follow)["sim-0"] > 0, 10, "the base model's prefix"))
+            assert set(credited("sql", follow)) == {"sim-0"}            # only the adapter's pod is a candidate
+            assert credited("sql", follow) == {"sim-0": 0}             # and the base model's blocks do not count
+
+            for _ in range(3):                                          # every adapter request: its pod
+                r = c.post("/v1/completions", json={"model": "sql", "prompt": prefix, "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-0", r.text
+                assert r.json()["model"] == "sql"
+            asyncio.run(until(lambda: credited("sql", follow)["sim-0"] > 0, 10, "the adapter's prefix"))
+            before = credited("sql", follow)["sim-0"]
+            r = c.post("/v1/completions", json={"model": "sql", "prompt": follow, "max_tokens": 2})
+            assert r.status_code == 200
+            assert before == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from simulator.block_pool import BlockPool, chain_digests, digest_to_u64, none_hash, token_bytes
+from simulator.block_pool import BlockPool
 from simulator.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,8 +16,10 @@ from simulator.events import (
     LegacyAllBlocksCleared,
     LegacyBlockRemoved,
     LegacyBlockStored,
+    block_stored,
     encode_batch,
 )
+from simulator.hashing import BlockHasher, cbor, external
 
 
 def test_legacy_array_bytes_match_the_spec_example():
@@ -49,13 +51,68 @@ def test_map_form_matches_the_v026_capture():
 
 
 def test_hash_chain_is_deterministic_and_chained():
-    root = none_hash("")
-    packed = token_bytes(list(range(32)))
-    d = chain_digests(root, packed, 16, 0, 2)
-    assert d == chain_digests(root, packed, 16, 0, 2)
-    assert chain_digests(d[0], packed[64:], 16, 0, 1) == [d[1]]
-    assert chain_digests(none_hash("other"), packed, 16, 0, 1) != d[:1]
-    assert 0 <= digest_to_u64(d[0]) < 2**64 and digest_to_u64(d[0]) == int.from_bytes(d[0][-8:], "big")
+    hasher = BlockHasher("sha256")
+    tokens = list(range(40))
+    d = hasher.chain(None, tokens, 16)
+    assert len(d) == 2 and d == BlockHasher("sha256").chain(None, tokens, 16)  # the fixed default seed
+    assert hasher.chain(d[0], tokens[16:], 16) == [d[1]]
+    assert BlockHasher("sha256", "other").chain(None, tokens, 16)[0] != d[0]
+    assert BlockHasher("sha256_cbor").chain(None, tokens, 16)[0] != d[0]
+    assert 0 <= external(d[0]) < 2**64 and external(d[0]) == int.from_bytes(d[0][-8:], "big")
+    # a salt keys the first block only, yet the whole chain differs; an adapter keys every block
+    salted = hasher.chain(None, tokens, 16, first_keys=(("cache_salt", "a"),))
+    assert salted[0] != d[0] and salted[1] != d[1]
+    assert hasher.chain(salted[0], tokens[16:], 16) == [salted[1]]
+    adapter = hasher.chain(d[0], tokens[16:], 16, every_keys=(("lora", "x", "/x"),))
+    assert adapter != [d[1]]
+
+
+def test_hash_seeds_resolve_as_vllm_resolves_them(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert BlockHasher("sha256").seed == BlockHasher("sha256_cbor").seed == "vllm-none-hash"
+    # xxhash is not collision resistant: a random secret seed per engine unless one is given
+    a, b = BlockHasher("xxhash"), BlockHasher("xxhash_cbor")
+    assert a.seed != b.seed and len(a.seed) == 64 and a.chain(None, [1] * 16, 16) != BlockHasher("xxhash").chain(
+        None, [1] * 16, 16)
+    assert len(a.root) == 16  # XXH3-128
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert BlockHasher("xxhash").seed == BlockHasher("sha256").seed == "42"
+    assert BlockHasher("xxhash").chain(None, [1] * 16, 16) == BlockHasher("xxhash").chain(None, [1] * 16, 16)
+    assert BlockHasher("sha256", "7").seed == "7"
+    with pytest.raises(ValueError, match="unknown prefix caching hash algorithm 'md5'"):
+        BlockHasher("md5")
+
+
+def test_cbor_is_canonical_as_rfc_8949_shows():
+    """Examples from RFC 8949, appendix A (what vLLM's sha256_cbor hashes is this encoding)."""
+    cases = [(0, "00"), (23, "17"), (24, "1818"), (1000, "1903e8"), (1000000, "1a000f4240"),
+             (18446744073709551615, "1bffffffffffffffff"), (-1, "20"), (-1000, "3903e7"), (None, "f6"),
+             (False, "f4"), (True, "f5"), (b"\x01\x02\x03\x04", "4401020304"), ("IETF", "6449455446"),
+             ("\u00fc", "62c3bc"), ((), "80"), ((1, (2, 3), [4, 5]), "8301820203820405"),
+             (tuple(range(1, 26)), "98190102030405060708090a0b0c0d0e0f101112131415161718181819")]
+    for value, hexed in cases:
+        assert cbor(value).hex() == hexed, value
+    with pytest.raises(TypeError):
+        cbor(1.5)
+
+
+def test_an_adapters_and_a_salts_blocks_are_announced_as_vllm_announces_them():
+    """vLLM's BlockStored for a LoRA request: lora_id and lora_name, and untagged extra keys per block
+    (the adapter's name on each, then the salt on a prompt's first block); a run that continues a
+    chain (has a parent) carries no salt."""
+    got: list[tuple] = []
+    pool = BlockPool(8, 2, got.append)
+    lora = (1, "sql", "/adapters/sql")
+    pool.cache(pool.allocate(2) or [], [11, 12], None, [1, 2, 3, 4], salt="s", lora=lora)
+    pool.cache(pool.allocate(1) or [], [13], 12, [5, 6], salt="s", lora=lora)
+    pool.cache(pool.allocate(1) or [], [14], None, [7, 8], salt="s")
+    pool.cache(pool.allocate(1) or [], [15], None, [9, 10])
+    assert got == [("stored", [11, 12], None, [1, 2, 3, 4], [["sql", "s"], ["sql"]], lora),
+                   ("stored", [13], 12, [5, 6], [["sql"]], lora),
+                   ("stored", [14], None, [7, 8], [["s"]], None),
+                   ("stored", [15], None, [9, 10])]
+    ev = block_stored("map", [11, 12], None, [1, 2, 3, 4], 2, extra_keys=got[0][4], lora=lora)
+    assert (ev.lora_id, ev.lora_name, ev.extra_keys) == (1, "sql", [["sql", "s"], ["sql"]])
 
 
 def test_block_pool_lru_eviction_and_refcounts():

@@ -16,9 +16,9 @@ import pytest
 
 from replay.arrivals import poisson
 from replay.workloads import multiturn, shared_prefix
-from simulator.block_pool import none_hash
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.faults import Faults
+from simulator.hashing import BlockHasher
 from simulator.metrics import PodMetrics
 from simulator.request import SimRequest
 from simulator.settings import SimSettings
@@ -87,14 +87,14 @@ async def _drive(engine_cls: type, settings: SimSettings, specs: list[Spec], at:
     engine = engine_cls(settings, PodMetrics(settings.model), Faults(), lambda events: None,
                         OutputTokens(lambda text: [ord(c) for c in text]))
     engine.start()
-    root = none_hash(settings.hash_seed)
+    hasher = BlockHasher(settings.prefix_caching_hash_algo, settings.hash_seed)
     reqs: list[SimRequest] = []
     t0 = loop.time()
     for spec, offset in zip(specs, at):
         delay = t0 + offset - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        req = SimRequest(f"r{len(reqs)}", spec.token_ids, spec.output_len, True, settings.block_size, root,
+        req = SimRequest(f"r{len(reqs)}", spec.token_ids, spec.output_len, True, settings.block_size, hasher,
                          loop.time())
         engine.submit(req)
         reqs.append(req)
