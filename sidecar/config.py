@@ -32,6 +32,9 @@ class SidecarSettings(BaseSettings):
 
     ssrf_protection: bool = Field(True, description=(
         "Only send prefill legs to allowlisted hosts; --no-ssrf-protection lets any target through"))
+    prefill_sampling: bool = Field(False, description=(
+        "When the prefill header names several targets, pick one uniformly at random (llm-d's "
+        "--enable-prefiller-sampling); off: the first"))
     prefill_allowlist: list[str] = Field(default_factory=list, description=(
         'Allowed prefill targets as a JSON list: IPs, CIDRs, hostnames, each optionally with :port, '
         'e.g. ["10.0.0.0/8", "[fd00::1]:8000", "prefill.ns.svc:8000"]'))

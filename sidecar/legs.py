@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import posixpath
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 PREFILL_HEADER = b"x-prefiller-host-port"
+# llm-d's scheduler now writes the prefill target under a prefixed name too (both spellings)
+LLMD_PREFILL_HEADER = b"x-llm-d-prefiller-host-port"
 LEGACY_PREFILL_HEADER = b"x-prefiller-url"
+PREFILL_HEADERS = (LLMD_PREFILL_HEADER, PREFILL_HEADER, LEGACY_PREFILL_HEADER)  # the first present one counts
 REQUEST_ID_HEADER = b"x-request-id"
 
 # paths served by the two-leg handler; everything else is proxied to the decoder unchanged
@@ -26,7 +30,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/re
 _DROPPED_REQUEST_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
-    PREFILL_HEADER, LEGACY_PREFILL_HEADER, REQUEST_ID_HEADER,
+    *PREFILL_HEADERS, REQUEST_ID_HEADER,
 })
 _DROPPED_RESPONSE_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"te", b"trailer",
@@ -52,18 +56,28 @@ def header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:
     return [v for v in values if v]
 
 
-def pick_prefill_target(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The prefill target named by the request: the first ``x-prefiller-host-port`` value, else the legacy header."""
-    for name in (PREFILL_HEADER, LEGACY_PREFILL_HEADER):
+def prefill_targets(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The prefill targets the request names, in order: several header lines or one comma-separated
+    line (RFC 9110 lets a proxy join them), under the first of ``PREFILL_HEADERS`` present."""
+    for name in PREFILL_HEADERS:
         values = header_values(headers, name)
         if values:
-            return values[0]
-    return None
+            return values
+    return []
+
+
+def pick_prefill_target(headers: list[tuple[bytes, bytes]], sample: Callable[[int], int] | None = None) -> str | None:
+    """The prefill target to use: the first one named (as llm-d's sidecar does by default), or with
+    ``sample`` (llm-d's --enable-prefiller-sampling) the one at ``sample(len(targets))``."""
+    targets = prefill_targets(headers)
+    if not targets:
+        return None
+    return targets[sample(len(targets))] if sample is not None else targets[0]
 
 
 def has_prefill_header(headers: list[tuple[bytes, bytes]]) -> bool:
-    """True if either prefill header is present at all (even empty: an empty one is a malformed target)."""
-    return any(key.lower() in (PREFILL_HEADER, LEGACY_PREFILL_HEADER) for key, _ in headers)
+    """True if a prefill header is present at all (even empty: an empty one is a malformed target)."""
+    return any(key.lower() in PREFILL_HEADERS for key, _ in headers)
 
 
 MAX_REQUEST_ID = 200

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 import time
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ class SidecarApp:
         self.session: aiohttp.ClientSession | None = None
         self.prefill_ssl = prefill_ssl_context(settings)
         self.metrics.allowlist_entries.set_function(lambda: len(self.allowlist.snapshot))
+        self._sample = random.SystemRandom().randrange  # --prefill-sampling: which of several targets
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -242,14 +244,14 @@ class SidecarApp:
             self.metrics.client_params_stripped.inc()
             request.pop("kv_transfer_params")
 
-        raw = pick_prefill_target(headers)
+        raw = pick_prefill_target(headers, self._sample if self.settings.prefill_sampling else None)
         try:
             if raw is None:
                 raise TargetError("the header is empty")
             target = parse_target(raw)
         except TargetError as exc:
             self.metrics.ssrf_rejections.labels("malformed").inc()
-            await _send_error(send, 400, f"bad prefill target in x-prefiller-host-port: {exc}",
+            await _send_error(send, 400, f"bad prefill target in the prefill header: {exc}",
                               "BadRequestError", rid_header)
             return
         connect_host = await self._allowed_address(target)

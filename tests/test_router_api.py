@@ -192,6 +192,7 @@ async def test_body_is_passed_through_untouched_and_internal_headers_are_strippe
             r = await c.post("/v1/completions", content=raw, headers={
                 "content-type": "application/json", "x-prefiller-host-port": "evil:1", "x-prefiller-url": "http://evil",
                 "x-kvroute-pod": "pod-9", "x-kvroute-anything": "1", "x-data-parallel-host-port": "evil:2",
+                "x-llm-d-prefiller-host-port": "evil:3", "x-kv-cache-source-host-port": "evil:4",
                 "connection": "keep-alive, x-custom-hop", "x-request-id": "req-abc", "x-user-header": "kept",
                 "proxy-authorization": "secret"})
         assert r.status_code == 200
@@ -200,7 +201,8 @@ async def test_body_is_passed_through_untouched_and_internal_headers_are_strippe
         assert seen["raw"] == raw
         names = {k.lower() for k in seen["headers"]}
         for stripped in ("x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod", "x-kvroute-anything",
-                         "x-data-parallel-host-port", "proxy-authorization"):
+                         "x-data-parallel-host-port", "proxy-authorization", "x-llm-d-prefiller-host-port",
+                         "x-kv-cache-source-host-port"):
             assert stripped not in names
         assert seen["headers"]["x-user-header"] == "kept"
         assert seen["headers"]["x-request-id"] == "req-abc"

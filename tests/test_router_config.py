@@ -124,7 +124,8 @@ def test_serve_cli_documents_every_knob_and_refuses_an_empty_fleet():
 
 def test_header_filter_drops_hop_by_hop_and_internal_headers():
     for name in ("connection", "transfer-encoding", "x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod",
-                 "x-kvroute-anything", "host", "content-length", "te", "upgrade"):
+                 "x-kvroute-anything", "host", "content-length", "te", "upgrade", "x-llm-d-prefiller-host-port",
+                 "x-llm-d-encoder-hosts-ports", "x-kv-cache-source-host-port"):
         assert not forwardable(name)
     for name in ("content-type", "accept", "x-slo-ttft-ms", "user-agent", "x-custom"):
         assert forwardable(name)

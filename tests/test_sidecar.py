@@ -240,6 +240,22 @@ def test_request_id_is_made_when_absent_and_legacy_header_works(pods, sidecar):
     assert header(decode.received[0], "x-prefiller-url") == []
 
 
+def test_llm_ds_prefixed_prefill_header_is_honoured_and_not_forwarded(pods, sidecar):
+    """llm-d's scheduler writes ``x-llm-d-prefiller-host-port`` (a comma-separated list: the first is
+    used unless --prefill-sampling); the sidecar takes it, checks it against the allowlist like the
+    others, and passes neither it nor a bad first entry's siblings to the decoder."""
+    prefill, decode = pods
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "abc", "max_tokens": 4},
+                   headers={"x-llm-d-prefiller-host-port": f"127.0.0.1:{prefill.port}, 192.0.2.1:1"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert len(prefill.received) == 1 and prefill.received[0]["json"]["max_tokens"] == 1
+    assert header(decode.received[0], "x-llm-d-prefiller-host-port") == []
+    r = httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "abc", "max_tokens": 4},
+                   headers={"x-llm-d-prefiller-host-port": f"192.0.2.1:1, 127.0.0.1:{prefill.port}"}, timeout=10)
+    assert r.status_code == 403 and "allowlist" in r.json()["error"]["message"], r.text
+    assert len(prefill.received) == 1
+
+
 def test_streaming_passes_through_chunk_by_chunk(pods, sidecar):
     prefill, decode = pods
     decode.gate = threading.Event()  # the decoder holds its later chunks until the client has the first

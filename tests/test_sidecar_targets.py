@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 
 import pytest
@@ -71,6 +72,12 @@ def test_header_picking_first_of_repeated_and_comma_separated():
     assert pick_prefill_target(headers) == "a:1"
     assert pick_prefill_target([(b"x-prefiller-url", b"http://d:4")]) == "http://d:4"
     assert pick_prefill_target([(b"x-other", b"e:5")]) is None
+    # llm-d's prefixed spelling wins over the others; with sampling any listed target may be taken
+    both = [(b"x-prefiller-host-port", b"a:1"), (b"x-llm-d-prefiller-host-port", b"f:6, g:7")]
+    assert pick_prefill_target(both) == "f:6"
+    assert pick_prefill_target(both, sample=lambda n: n - 1) == "g:7"
+    seen = {pick_prefill_target(headers, sample=random.Random(s).randrange) for s in range(64)}
+    assert seen == {"a:1", "b:2", "c:3"}
 
 
 def test_leg_bodies_for_the_responses_api_and_the_original_is_untouched():
