@@ -43,12 +43,14 @@ class FleetSpec:
     prefill_tokens_per_s: float = 20000.0
     decode_s_per_token: float = 0.01
     model: str = "sim-model"
+    data_parallel_size: int = 1   # engines behind each pod's HTTP server (vLLM's --data-parallel-size)
 
     def sim_args(self, events_port: int) -> list[str]:
         return ["--timing", "seed", "--block-size", str(self.block_size), "--num-gpu-blocks", str(self.num_gpu_blocks),
                 "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-s-per-token",
                 str(self.decode_s_per_token), "--kv-events-port", str(events_port), "--model", self.model,
-                "--max-model-len", "131072", "--log-level", "error"]
+                "--max-model-len", "131072", "--log-level", "error",
+                "--data-parallel-size", str(self.data_parallel_size)]
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,12 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
     """Start the router under test; return (process, base URL)."""
     port = free_port()
     log_path = workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
-    events = [(ev["endpoint"], ev["replay"]) for ev in (sim_kv_events(events_port, i)[0] for i in range(len(urls)))]
+    ranks = fleet.data_parallel_size
+    events = [(ev["endpoint"], ev["replay"])
+              for ev in (sim_kv_events(events_port, i, ranks)[0] for i in range(len(urls)))]
     if target.kind == "kvroute":
-        pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model,
-                 "kv_events": [{"endpoint": e, "replay": r}]} for i, (u, (e, r)) in enumerate(zip(urls, events))]
+        pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model, "kv_events": sim_kv_events(events_port, i, ranks)}
+                for i, u in enumerate(urls)]
         cfg = {"port": port, "pods": pods, "policy": target.policy, "admission": target.admission,
                "ttft_objective_ms": objective_ms if target.admission else None,
                "block_size": fleet.block_size, "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
@@ -89,6 +93,9 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
         cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", target.policy,
                "--log-level", "warning", "--disable-retries"]
         if target.policy == "kv_aware":
+            if ranks > 1:
+                raise RuntimeError("vllm-router's kv_aware policy takes one event source per worker, not one per "
+                                   "data-parallel rank")
             for u, (e, r) in zip(urls, events):
                 cmd += ["--kv-event-source", f"{u}={e}", "--kv-event-replay-source", f"{u}={r}"]
             cmd += ["--kv-event-block-size", str(fleet.block_size), "--kv-event-model", fleet.model]
@@ -117,7 +124,7 @@ def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-trial-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    events = consecutive_free_ports(2 * fleet.pods)
+    events = consecutive_free_ports(2 * fleet.pods * fleet.data_parallel_size)
     with running_sims(fleet.pods, fleet.sim_args(events)) as urls:
         try:
             proc, base = start_router(target, urls, events, fleet, objective_s * 1000, workdir, Path(peers_venv))

@@ -74,6 +74,7 @@ class StreamState:
     replay_endpoint: str | None = None
     topic: str = ""
     dp_rank: int | None = None
+    one_rank: bool = False              # the pod is this one engine: index every batch as its rank 0
     applied: int | None = None          # last applied sequence number
     last_live: int | None = None        # last sequence number seen on the live stream
     last_ts: float | None = None        # publish time of the last applied batch
@@ -326,16 +327,18 @@ class KVEventSubscriber:
             st.task = None
 
     def add_endpoint(self, pod_id: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                     model: str | None = None, dp_rank: int | None = None) -> None:
+                     model: str | None = None, dp_rank: int | None = None, one_rank: bool = False) -> None:
         """Subscribe to one pod endpoint (one per DP rank). ``model`` also registers the pod in the
         index if it is not there yet; otherwise the router must ``index.add_pod`` it (events of
-        pods the index does not know are counted and dropped)."""
+        pods the index does not know are counted and dropped). ``one_rank``: the pod is one engine
+        of a data-parallel pod (``<pod>#<r>``), whose batches carry its global rank; the index
+        keeps it as the pod's only source, rank 0, whatever that rank is."""
         if model is not None and not self.index.has_pod(pod_id):
             self.index.add_pod(pod_id, model)
         key = (pod_id, endpoint)
         if key in self._streams:
             return
-        st = StreamState(pod_id, endpoint, replay_endpoint, topic, dp_rank)
+        st = StreamState(pod_id, endpoint, replay_endpoint, topic, dp_rank, one_rank)
         self._streams[key] = st
         if self._running:
             self._spawn(st)
@@ -475,6 +478,8 @@ class KVEventSubscriber:
         return replay
 
     def _rank(self, st: StreamState, batch: EventBatch) -> int:
+        if st.one_rank:
+            return 0
         rank = batch.dp_rank if batch.dp_rank is not None else st.dp_rank
         return rank or 0
 

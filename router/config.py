@@ -43,6 +43,15 @@ class PodConfig(BaseModel):
                                                "(else the fleet default)")
     metrics_url: str | None = Field(None, description="base URL of the engine's own /metrics when it differs from "
                                     "url (a decode pod behind its sidecar); none = url")
+    data_parallel_size: int | None = Field(None, ge=1, le=1024, description=(
+        "engines behind url (vLLM's --data-parallel-size, or its local share on a multi-node deployment); "
+        "none = one per kv_events entry"))
+    data_parallel_start_rank: int = Field(0, ge=0, description=(
+        "global rank of the first of them (vLLM's --data-parallel-start-rank on a later node): its engine label "
+        "in /metrics and the rank in its event batches count from here"))
+    dp_rank: int | None = Field(None, ge=0, description=(
+        "set by the router on each rank it makes of a data-parallel pod (sent as X-data-parallel-rank); "
+        "leave unset"))
 
     @field_validator("url")
     @classmethod
@@ -50,6 +59,13 @@ class PodConfig(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"pod url must start with http:// or https://, got {v!r}")
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _ranks(self) -> PodConfig:
+        if self.data_parallel_size and self.kv_events and len(self.kv_events) != self.data_parallel_size:
+            raise ValueError(f"pod {self.id}: {len(self.kv_events)} kv_events entries for data_parallel_size "
+                             f"{self.data_parallel_size} (one per engine, in rank order)")
+        return self
 
     @field_validator("kv_events", mode="before")
     @classmethod
@@ -91,6 +107,17 @@ class ScorerConfig(BaseModel):
     def _known(self) -> ScorerConfig:
         build_scoring([{"type": self.type, "weight": self.weight or 1.0, "params": self.params}])
         return self
+
+
+def data_parallel_ranks(pod: PodConfig, steer: bool = True) -> list[PodConfig]:
+    """The routable units of ``pod``: itself, or with ``steer`` and several data-parallel engines one
+    pod per engine, ``<id>#<rank>``, each with its own event endpoint and ``dp_rank`` (the rank the
+    pod's HTTP server is told in X-data-parallel-rank: its index among the engines behind ``url``)."""
+    n = pod.data_parallel_size or len(pod.kv_events)
+    if not steer or n <= 1 or pod.dp_rank is not None:
+        return [pod]
+    return [pod.model_copy(update={"id": f"{pod.id}#{r}", "dp_rank": r,
+                                   "kv_events": [pod.kv_events[r]] if pod.kv_events else []}) for r in range(n)]
 
 
 class RouterSettings(BaseSettings):
@@ -231,6 +258,10 @@ class RouterSettings(BaseSettings):
     discovery_kv_events_replay_port: int | None = Field(5558, description="dns: KV-event replay port of rank 0 "
                                                         "(rank r: + r; none = no replay)")
     discovery_data_parallel_size: int = Field(1, description="dns: event streams (DP ranks) per pod")
+    data_parallel_steering: bool = Field(True, description=(
+        "a pod with several data-parallel engines is routed as one candidate per engine: each with its own "
+        "prefix index, load, bookings and calibration, and the request carries vLLM's X-data-parallel-rank "
+        "(aggregated routes; P/D legs are left to vLLM's balancer); off: one candidate per pod, vLLM balances"))
     pd_decider: str = Field(
         "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
         "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never', "

@@ -22,6 +22,7 @@ from router.scheduling.decide import Route
 from router.scheduling.pd import PDDecision, PDParams
 
 PREFILL_HEADER = "x-prefiller-host-port"
+RANK_HEADER = "x-data-parallel-rank"   # vLLM: which of the pod's data-parallel engines takes the request
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -86,7 +87,12 @@ def sanitize_body(raw: bytes, body: dict[str, Any], strip: bool, metrics: PDMetr
 
 
 def prefill_header(route: Route, pods: Mapping[str, PodConfig]) -> dict[str, str]:
-    """The header that tells a decode pod's sidecar where to prefill, when the route is remote."""
+    """The header that tells a decode pod's sidecar where to prefill, when the route is remote; or,
+    on an aggregated route to one engine of a data-parallel pod, vLLM's header naming that engine.
+    (P/D legs carry no rank: llm-d's prefill header has no room for one, so vLLM balances them.)"""
+    if route.mode == "aggregated":
+        pod = pods.get(route.pod_id)
+        return {} if pod is None or pod.dp_rank is None else {RANK_HEADER: str(pod.dp_rank)}
     if route.mode != "remote" or route.prefill_pod not in pods:
         return {}
     return {PREFILL_HEADER: host_port(pods[route.prefill_pod].url)}

@@ -20,7 +20,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
                         "expect", "proxy-connection"})
 INTERNAL = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-data-parallel-host-port",
-                      "x-encoder-hosts-ports", "x-kv-cache-source-host-port"})
+                      "x-encoder-hosts-ports", "x-kv-cache-source-host-port", "x-data-parallel-rank"})
 # ours, and llm-d's prefixed spellings of the same routing headers (x-llm-d-prefiller-host-port, ...)
 INTERNAL_PREFIXES = ("x-kvroute-", "x-llm-d-")
 RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date",

@@ -82,9 +82,11 @@ def _labels(text: str) -> dict[str, str]:
     return out
 
 
-def parse_vllm_metrics(text: str) -> PodMetrics:
-    """The load signals of a vLLM /metrics page, summed over engines (DP ranks)."""
+def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
+    """The load signals of a vLLM /metrics page, summed over engines (DP ranks), or those of one
+    engine (its ``engine`` label) when ``engine`` is given."""
     m = PodMetrics()
+    tag = f'engine="{engine}"' if engine is not None else None
     kv_new: list[float] = []
     kv_old: list[float] = []
     for line in text.splitlines():
@@ -98,6 +100,8 @@ def parse_vllm_metrics(text: str) -> PodMetrics:
         else:
             name, _, rest = line.partition(" ")
             labels_text = ""
+        if tag is not None and tag not in labels_text:
+            continue
         try:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
@@ -151,6 +155,7 @@ class PodRegistry:
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._pages: dict[str, tuple[float, asyncio.Future[str]]] = {}  # metrics URL -> (fetched at, page)
 
     # ---- queries -------------------------------------------------------------------------
     def healthy(self) -> list[PodState]:
@@ -238,17 +243,38 @@ class PodRegistry:
         self.mark(pod.id, ok)
         return ok
 
+    async def _fetch_metrics(self, url: str) -> str:
+        assert self._session is not None
+        async with self._session.get(url) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientError(f"status {resp.status}")
+            return await resp.text()
+
+    async def _shared_metrics(self, url: str) -> str:
+        """One fetch of ``url`` per half scrape interval, shared by every engine of a data-parallel pod
+        (they are scraped as pods of their own, all from their server's one page: without this a
+        4-engine pod was fetched and rendered four times as often, which on a busy pod delayed its
+        engines enough to mislead their calibration)."""
+        now = self._clock()
+        hit = self._pages.get(url)
+        if hit is None or now - hit[0] >= self.scrape_interval_s / 2:
+            if len(self._pages) > 4 * max(1, len(self.pods)):  # pods came and went
+                self._pages.clear()
+            hit = (now, asyncio.ensure_future(self._fetch_metrics(url)))
+            self._pages[url] = hit
+        return await asyncio.shield(hit[1])
+
     async def scrape(self, pod: PodState) -> bool:
         assert self._session is not None
+        url = (pod.config.metrics_url or pod.config.url) + "/metrics"
         try:
-            async with self._session.get((pod.config.metrics_url or pod.config.url) + "/metrics") as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientError(f"status {resp.status}")
-                text = await resp.text()
+            text = await (self._shared_metrics(url) if pod.config.dp_rank is not None else self._fetch_metrics(url))
         except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
             pod.scrape_errors += 1
             return False
-        self.apply_metrics(pod.id, parse_vllm_metrics(text))
+        rank = pod.config.dp_rank
+        engine = None if rank is None else str(pod.config.data_parallel_start_rank + rank)
+        self.apply_metrics(pod.id, parse_vllm_metrics(text, engine))
         return True
 
     async def refresh_all(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvcommon.listener import ListenerCollector
 from router.booking import Ledger
-from router.config import RouterSettings
+from router.config import RouterSettings, data_parallel_ranks
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
@@ -48,7 +48,8 @@ class Services:
         self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
-        self.registry = PodRegistry(settings.pods, scrape_interval_s=settings.scrape_interval_s,
+        units = [u for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)]
+        self.registry = PodRegistry(units, scrape_interval_s=settings.scrape_interval_s,
                                     health_interval_s=settings.health_interval_s,
                                     timeout_s=settings.health_timeout_s, unhealthy_after=settings.unhealthy_after,
                                     forget_after_s=settings.forget_after_s, on_forget=self._forget_pod)
@@ -66,7 +67,8 @@ class Services:
         self.subscriber: Any = None
         self.router: Router | None = None
         self.started = False
-        self.fleet_sync = FleetSync(self._join_pod, self._leave_pod, self.registry.set_ready, mode=settings.discovery)
+        self.fleet_sync = FleetSync(self._join_pod, self._leave_pod, self.registry.set_ready, mode=settings.discovery,
+                                    expand=lambda c: data_parallel_ranks(c, settings.data_parallel_steering))
         self.discovery = build_discovery(settings, self.fleet_sync)
 
     # ---- fleet membership at run time (discovery) ----------------------------------------
@@ -77,7 +79,8 @@ class Services:
         self.index.add_pod(pod.id, pod.config.model, approximate=not pod.config.kv_events)
         if self.subscriber is not None:
             for e in pod.config.kv_events:
-                self.subscriber.add_endpoint(pod.id, e.endpoint, replay_endpoint=e.replay, topic=e.topic)
+                self.subscriber.add_endpoint(pod.id, e.endpoint, replay_endpoint=e.replay, topic=e.topic,
+                                             one_rank=pod.config.dp_rank is not None)
         if self.router is not None:
             self.router.track_pod(state)
 
@@ -117,7 +120,7 @@ class Services:
         return index
 
     async def start_subscriber(self) -> None:
-        endpoints = [(p.id, e) for p in (s.config for s in self.registry.pods.values()) for e in p.kv_events]
+        endpoints = [(p, e) for p in (s.config for s in self.registry.pods.values()) for e in p.kv_events]
         if not endpoints and self.discovery is None:
             return
         from indexer.subscriber import CurveKeys, KVEventSubscriber
@@ -130,8 +133,9 @@ class Services:
         self.subscriber = KVEventSubscriber(self.index, max_frame_bytes=settings.kv_event_max_frame_bytes,
                                             max_replay_batches=settings.kv_event_max_replay_batches,
                                             max_replay_bytes=settings.kv_event_max_replay_bytes, curve=curve)
-        for pod_id, e in endpoints:
-            self.subscriber.add_endpoint(pod_id, e.endpoint, replay_endpoint=e.replay, topic=e.topic)
+        for pod, e in endpoints:
+            self.subscriber.add_endpoint(pod.id, e.endpoint, replay_endpoint=e.replay, topic=e.topic,
+                                         one_rank=pod.dp_rank is not None)
         await self.subscriber.start()
 
     async def start(self) -> None:

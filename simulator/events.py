@@ -170,20 +170,26 @@ class KVEventsConfig:
         return cls(**data)
 
     @classmethod
-    def shortcut(cls, port: int) -> KVEventsConfig:
-        """What ``--kv-events-port E`` stands for (the topic is filled in per pod)."""
+    def shortcut(cls, port: int, ranks: int = 1) -> KVEventsConfig:
+        """What ``--kv-events-port E`` stands for (the topic is filled in per pod): events on E, replay
+        on E+1; with ``ranks`` data-parallel engines, events on E..E+ranks-1 and replay from E+ranks."""
         return cls(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
-                   replay_endpoint=f"tcp://*:{port + 1}", topic="kv@{pod}@{model}")
+                   replay_endpoint=f"tcp://*:{port + ranks}", topic="kv@{pod}@{model}")
 
-    def for_pod(self, index: int, pod: str, model: str) -> KVEventsConfig:
-        """Pod ``index`` of a ``--count`` group: binding tcp ports + 2*index, topic placeholders filled."""
+    def for_pod(self, index: int, pod: str, model: str, ranks: int = 1) -> KVEventsConfig:
+        """Pod ``index`` of a ``--count`` group: binding tcp ports + 2*ranks*index, topic placeholders filled."""
+        return self._offset(2 * ranks * index, self.topic.replace("{pod}", pod).replace("{model}", model))
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel rank ``rank`` of a pod: endpoint and replay ports + rank, as vLLM offsets them."""
+        return self._offset(rank, self.topic)
+
+    def _offset(self, by: int, topic: str) -> KVEventsConfig:
         return KVEventsConfig(
             enable_kv_cache_events=self.enable_kv_cache_events, publisher=self.publisher,
-            endpoint=offset_endpoint(self.endpoint, 2 * index) if is_bind(self.endpoint) else self.endpoint,
-            replay_endpoint=(offset_endpoint(self.replay_endpoint, 2 * index)
-                             if self.replay_endpoint else None),
-            buffer_steps=self.buffer_steps, hwm=self.hwm, max_queue_size=self.max_queue_size,
-            topic=self.topic.replace("{pod}", pod).replace("{model}", model))
+            endpoint=offset_endpoint(self.endpoint, by) if is_bind(self.endpoint) else self.endpoint,
+            replay_endpoint=offset_endpoint(self.replay_endpoint, by) if self.replay_endpoint else None,
+            buffer_steps=self.buffer_steps, hwm=self.hwm, max_queue_size=self.max_queue_size, topic=topic)
 
 
 def is_bind(endpoint: str) -> bool:

@@ -113,3 +113,24 @@ class PodMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_expositions(texts: list[bytes]) -> bytes:
+    """Several engines' Prometheus text pages as one, as vLLM's API server shows its data-parallel
+    engines: each family's ``# HELP``/``# TYPE`` once, then every engine's samples (told apart by
+    their ``engine`` label)."""
+    families: dict[str, list[str]] = {}   # family name -> its HELP/TYPE lines, then samples
+    order: list[str] = []
+    for text in texts:
+        current = ""
+        for line in text.decode("utf-8").splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split(" ", 3)[2]
+                if current not in families:
+                    families[current] = []
+                    order.append(current)
+                if line not in families[current]:
+                    families[current].append(line)
+            elif line:
+                families.setdefault(current, []).append(line)
+    return ("\n".join(line for name in order for line in families[name]) + "\n").encode("utf-8")

@@ -29,8 +29,9 @@ log = logging.getLogger("kvroute.sim.events")
 
 class EventPublisher:
     def __init__(self, config: KVEventsConfig, metrics: PodMetrics, ctx: zmq.Context,
-                 actx: zmq.asyncio.Context, clock=time.time):
+                 actx: zmq.asyncio.Context, clock=time.time, dp_rank: int = 0):
         self.config = config
+        self.dp_rank = dp_rank  # carried in every batch, as vLLM's publisher of that rank does
         self.metrics = metrics
         self.topic = config.topic.encode("utf-8")
         self.seq = 0
@@ -59,7 +60,7 @@ class EventPublisher:
         """Send one batch (never blocks: a socket at its high-water mark drops, as in vLLM)."""
         if not events:
             return
-        payload = encode_batch(self._clock(), events, 0)
+        payload = encode_batch(self._clock(), events, self.dp_rank)
         seq = self.seq.to_bytes(8, "big")
         self.buffer.append((self.seq, payload))
         self.seq += 1

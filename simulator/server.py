@@ -35,7 +35,7 @@ from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
 from simulator.faults import FaultError, Faults, RequestFaults
 from simulator.hashing import BlockHasher
-from simulator.metrics import PodMetrics
+from simulator.metrics import PodMetrics, merge_expositions
 from simulator.nixl import LeaseTable, decode_params_problem, producer_params, remote_read
 from simulator.openai_shapes import (
     ERROR_TYPES,
@@ -76,8 +76,9 @@ class Pod:
 
     def __init__(self, settings: SimSettings, index: int, port: int, tokenizer: Tokenizer,
                  zmq_ctx: zmq.Context, zmq_actx: zmq.asyncio.Context, http: httpx.AsyncClient,
-                 events_config: KVEventsConfig | None):
+                 events_config: KVEventsConfig | None, rank: int = 0):
         s = self.settings = settings
+        self.rank = rank  # its data-parallel rank (one Pod object per engine; see DataParallelApp)
         self.index = index
         self.port = port
         self.host = s.host
@@ -91,14 +92,14 @@ class Pod:
         cache_info = {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
                       "enable_prefix_caching": "True", "cache_dtype": "auto", "prefix_caching_hash_algo": "sha256",
                       "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
-        self.metrics = PodMetrics(s.model, "0", cache_info)
+        self.metrics = PodMetrics(s.model, str(rank), cache_info)
         self.kv_waiting = 0   # decode requests waiting for their NIXL read (vLLM: waiting, reason "deferred")
         self.faults = Faults(s.fault_status, s.fault_delay_s, s.fault_drop_after_chunks, s.fault_events_stop,
                              s.fault_slowdown, s.fault_eos_after)
         self.events_config = events_config
         self.publisher: EventPublisher | None = None
         if events_config is not None and events_config.enabled:
-            self.publisher = EventPublisher(events_config, self.metrics, zmq_ctx, zmq_actx)
+            self.publisher = EventPublisher(events_config, self.metrics, zmq_ctx, zmq_actx, dp_rank=rank)
             self.publisher.stopped = self.faults.events_stop
         engine_cls = SeedEngine if s.timing == "seed" else CostEngine
         self.engine = engine_cls(s, self.metrics, self.faults, self._publish,
@@ -125,6 +126,16 @@ class Pod:
         await self.leases.stop()
         if self.publisher is not None:
             await self.publisher.close()
+
+    def render_metrics(self) -> bytes:
+        m = self.metrics
+        m.running.set(self.engine.num_running)
+        # as vLLM: a request waiting for its KV counts as waiting, under reason="deferred"
+        m.waiting.set(self.engine.num_waiting + self.kv_waiting)
+        m.waiting_capacity.set(self.engine.num_waiting)
+        m.waiting_deferred.set(self.kv_waiting)
+        m.kv_usage.set(self.engine.usage())
+        return m.render()
 
     def _publish(self, events: list) -> None:
         if self.publisher is not None:
@@ -255,14 +266,7 @@ def build_app(pod: Pod):
 
     @route("GET", "/metrics")
     async def metrics(scope, receive, send):
-        m = pod.metrics
-        m.running.set(pod.engine.num_running)
-        # as vLLM: a request waiting for its KV counts as waiting, under reason="deferred"
-        m.waiting.set(pod.engine.num_waiting + pod.kv_waiting)
-        m.waiting_capacity.set(pod.engine.num_waiting)
-        m.waiting_deferred.set(pod.kv_waiting)
-        m.kv_usage.set(pod.engine.usage())
-        await respond(send, 200, m.render(), [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+        await respond(send, 200, pod.render_metrics(), [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     @route("POST", "/reset_prefix_cache")
     async def reset(scope, receive, send):
@@ -390,6 +394,75 @@ class MultiPodApp:
         if app is None:
             app = next(iter(self.apps.values()))
         await app(scope, receive, send)
+
+
+class DataParallelApp:
+    """One pod's HTTP server in front of its data-parallel engines, as vLLM's API server with
+    ``--data-parallel-size N``: a generation request goes to the rank its ``X-data-parallel-rank``
+    header names (a rank out of range is a 400, a header that is not an integer is ignored), else to
+    the engine vLLM's balancer would pick (``DPLBAsyncMPClient``: the least ``max(in flight, waiting +
+    running)``, waiting weighed up when the KV cache is over half full, ties broken by a rotating
+    start); it never looks at the cache. /metrics has every engine's samples under its ``engine``
+    label; /reset_prefix_cache resets every engine; everything else is rank 0's."""
+
+    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, pods: list[Pod]):
+        self.pods = pods
+        self.apps = [build_app(p) for p in pods]
+        self.inflight = [0] * len(pods)
+        self._start = 0
+
+    def pick(self) -> int:
+        best, best_score = 0, float("inf")
+        n = len(self.pods)
+        for i in range(n):
+            idx = (self._start + i) % n
+            e = self.pods[idx].engine
+            waiting = e.num_waiting + self.pods[idx].kv_waiting
+            score: float = max(self.inflight[idx], waiting + e.num_running)
+            if waiting:
+                score += waiting * 6.0 * max(0.0, e.usage() - 0.5)
+            if score < best_score:
+                best, best_score = idx, score
+        self._start = (self._start + 1) % n
+        return best
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.apps[0](scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/metrics" and method == "GET":
+            body = merge_expositions([p.render_metrics() for p in self.pods])
+            await respond(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+            return
+        if path == "/reset_prefix_cache" and method == "POST":
+            await read_body(scope, receive)
+            for p in self.pods:
+                p.engine.reset_prefix_cache()
+            await respond(send, 200, b"", [])
+            return
+        if path not in self.GENERATION or method != "POST":
+            await self.apps[0](scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k.lower() == b"x-data-parallel-rank"), None)
+        rank: int | None = None
+        if raw is not None:
+            try:
+                rank = int(raw.decode("latin-1"))
+            except ValueError:
+                rank = None
+            if rank is not None and not 0 <= rank < len(self.pods):
+                await respond_error(send, 400, f"data_parallel_rank {rank} is out of range [0, {len(self.pods)}).")
+                return
+        if rank is None:
+            rank = self.pick()
+        self.inflight[rank] += 1
+        try:
+            await self.apps[rank](scope, receive, send)
+        finally:
+            self.inflight[rank] -= 1
 
 
 # --- generation ----------------------------------------------------------------------------------
@@ -570,7 +643,7 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
 # --- building and running pods ------------------------------------------------------------------
 def events_config_for(settings: SimSettings) -> KVEventsConfig | None:
     if settings.kv_events_port is not None:
-        return KVEventsConfig.shortcut(settings.kv_events_port)
+        return KVEventsConfig.shortcut(settings.kv_events_port, settings.data_parallel_size)
     if settings.kv_events_config is not None:
         return KVEventsConfig.from_json(settings.kv_events_config)
     return None
@@ -608,14 +681,19 @@ class SimFleet:
         self.zmq_actx = zmq.asyncio.Context()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), trust_env=False)
         base_events = events_config_for(settings)
-        self.pods: list[Pod] = []
+        ranks = settings.data_parallel_size
+        self.pods: list[Pod] = []   # every engine: ``ranks`` per HTTP port
+        apps: dict[int, Any] = {}
         for i, sock in enumerate(self.sockets):
             port = sock.getsockname()[1]
             name = (settings.pod_name + (f"-{i}" if settings.count > 1 else "")) if settings.pod_name \
                 else f"{settings.host}:{port}"
-            cfg = base_events.for_pod(i, name, settings.model) if base_events is not None else None
-            self.pods.append(Pod(settings, i, port, self.tokenizer, self.zmq_ctx, self.zmq_actx, self.http, cfg))
-        self.app = MultiPodApp({pod.port: build_app(pod) for pod in self.pods})
+            cfg = base_events.for_pod(i, name, settings.model, ranks) if base_events is not None else None
+            engines = [Pod(settings, i, port, self.tokenizer, self.zmq_ctx, self.zmq_actx, self.http,
+                           cfg.for_rank(r) if cfg is not None else None, rank=r) for r in range(ranks)]
+            self.pods.extend(engines)
+            apps[port] = build_app(engines[0]) if ranks == 1 else DataParallelApp(engines)
+        self.app = MultiPodApp(apps)
 
     def start(self) -> None:
         for pod in self.pods:

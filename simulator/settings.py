@@ -35,6 +35,12 @@ class SimSettings(BaseSettings):
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_gpu_blocks: int = Field(4096, ge=1, description="KV blocks per pod (capacity = this x block size)")
+    data_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "engines behind this pod's one HTTP server, as vLLM's --data-parallel-size: each with its own cache, "
+        "queue and KV-event ports (endpoint and replay + rank; with --kv-events-port P: events P..P+N-1, "
+        "replay P+N..P+2N-1), batches carrying its rank, /metrics per engine label; a request goes to the "
+        "rank its X-data-parallel-rank header names, else to the least loaded one (vLLM's balancer, which "
+        "ignores the cache)"))
     lora_modules: list[str] = Field(default_factory=list, description=(
         "LoRA adapters served besides the base model, as vLLM's --lora-modules name=path: a request naming one "
         "as its model is answered, keyed with ('lora', name, path) in every block's hash and announced with "

@@ -52,11 +52,13 @@ def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200)
     raise RuntimeError(f"no run of {n} free ports found")
 
 
-def sim_kv_events(events_port: int, index: int) -> list[dict[str, str]]:
-    """The ``kv_events`` entry of pod ``index`` of a ``kvroute sim --kv-events-port P --count N`` fleet:
-    pod i publishes on P + 2i and answers replay requests on P + 2i + 1."""
-    return [{"endpoint": f"tcp://127.0.0.1:{events_port + 2 * index}",
-             "replay": f"tcp://127.0.0.1:{events_port + 2 * index + 1}"}]
+def sim_kv_events(events_port: int, index: int, ranks: int = 1) -> list[dict[str, str]]:
+    """The ``kv_events`` entries of pod ``index`` of a ``kvroute sim --kv-events-port P --count N`` fleet:
+    pod i publishes on P + 2i and answers replay requests on P + 2i + 1; with ``--data-parallel-size R``
+    its rank r publishes on P + 2Ri + r and answers replay on P + 2Ri + R + r (one entry per rank)."""
+    base = events_port + 2 * ranks * index
+    return [{"endpoint": f"tcp://127.0.0.1:{base + r}", "replay": f"tcp://127.0.0.1:{base + ranks + r}"}
+            for r in range(ranks)]
 
 
 def pd_pods(urls: Sequence[str], sidecars: Sequence[str], events_port: int, prefill: int = 2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.config import PodConfig
+from router.config import PodConfig, data_parallel_ranks
 from router.discovery.fleet import DiscoveredPod, DiscoveryCollector, FleetSync, diff_fleet
 
 
@@ -48,3 +48,19 @@ def test_sync_applies_changes_in_order_and_one_failure_does_not_stop_the_rest():
     assert 'kvroute_discovery_changes_total{change="leave"} 2.0' in text
     assert 'kvroute_discovery_errors_total{kind="apply"} 1.0' in text
     assert "kvroute_discovery_last_sync_age_seconds" in text
+
+
+def test_a_discovered_data_parallel_pod_joins_and_leaves_as_one_pod_per_engine():
+    calls: list[tuple] = []
+    sync = FleetSync(lambda p: calls.append(("join", p.id, [e.endpoint for e in p.config.kv_events], p.ready)),
+                     lambda pid: calls.append(("leave", pid)), lambda pid, r: calls.append(("ready", pid, r)),
+                     expand=data_parallel_ranks)
+    dp = PodConfig(id="v", url="http://10.0.0.1:8000", kv_events=[f"tcp://10.0.0.1:{5557 + r}" for r in range(2)])
+    sync.sync([DiscoveredPod(dp, ready=True)])
+    assert calls == [("join", "v#0", ["tcp://10.0.0.1:5557"], True), ("join", "v#1", ["tcp://10.0.0.1:5558"], True)]
+    calls.clear()
+    sync.sync([DiscoveredPod(dp, ready=False)])
+    assert calls == [("ready", "v#0", False), ("ready", "v#1", False)]
+    calls.clear()
+    sync.sync([])
+    assert sorted(calls) == [("leave", "v#0"), ("leave", "v#1")]

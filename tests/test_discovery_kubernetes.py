@@ -227,6 +227,11 @@ def test_pod_object_gives_role_model_ports_and_event_streams():
                                                              ("tcp://10.1.2.3:5558", "tcp://10.1.2.3:5561")]
     obj["status"]["podIP"] = "fd00::5"
     assert pod_from_object(obj).config.url == "http://[fd00::5]:8000"
+    # a later node of a multi-node data-parallel deployment: vLLM offsets its ports by the global rank
+    obj["metadata"]["annotations"]["kvroute.io/data-parallel-start-rank"] = "4"
+    c = pod_from_object(obj).config
+    assert (c.data_parallel_size, c.data_parallel_start_rank) == (2, 4)
+    assert [e.endpoint for e in c.kv_events] == ["tcp://[fd00::5]:5561", "tcp://[fd00::5]:5562"]
 
 
 def test_readiness_comes_from_conditions_phase_and_deletion():

@@ -273,3 +273,92 @@ def test_a_lora_adapters_requests_go_to_its_pods_and_match_only_its_own_prefixes
             assert before == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
 
+
+def test_a_data_parallel_pods_engines_are_routed_apart_and_follow_ups_stay_on_theirs(tmp_path):
+    """One simulated pod with four data-parallel engines (vLLM's --data-parallel-size 4: one HTTP
+    server, an event stream per rank): the router makes a candidate of each engine (``sim-0#r``, its
+    own index, load and bookings, in /debug/route too), sends each request to its engine with
+    X-data-parallel-rank, and so keeps every conversation's follow-up on the engine holding it, where
+    vLLM's own balancer, blind to the cache, would scatter them."""
+    ranks = 4
+    events = consecutive_free_ports(2 * ranks)
+    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+                          "--data-parallel-size", str(ranks)]) as urls:
+        port = free_port()
+        pod = {"id": "sim-0", "url": urls[0], "model": "sim-model",
+               "kv_events": [{"endpoint": f"tcp://127.0.0.1:{events + r}",
+                              "replay": f"tcp://127.0.0.1:{events + ranks + r}"} for r in range(ranks)]}
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "pods": [pod], "speculative_ttl_s": 0.05}))
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=f"http://127.0.0.1:{port}/ready"), \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            asyncio.run(until(lambda: c.get("/ready").json().get("healthy_pods") == ranks, 20, "every engine healthy"))
+            rows = c.post("/debug/route", json={"model": "sim-model", "prompt": "hello"}).json()["pods"]
+            assert sorted(r["pod"] for r in rows) == [f"sim-0#{r}" for r in range(ranks)]
+            first: dict[int, tuple[str, str]] = {}
+            for s in range(8):
+                prompt = f"Conversation {s}: " + f"the shared history of session {s}. " * 30
+                r = c.post("/v1/completions", json={"model": "sim-model", "prompt": prompt, "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                first[s] = (r.headers["x-kvroute-pod"], prompt + r.json()["choices"][0]["text"])
+            assert len({p for p, _ in first.values()}) == ranks   # the first turns spread over the engines
+
+            def credited(engine: str, prompt: str) -> int:
+                rows = c.post("/debug/route", json={"model": "sim-model", "prompt": prompt}).json()["pods"]
+                return next(int(sum(r["cached_tokens_by_tier"].values())) for r in rows if r["pod"] == engine)
+
+            for engine, history in first.values():  # each engine's own BlockStored (the speculation lapsed)
+                asyncio.run(until(lambda e=engine, h=history: credited(e, h) > 0, 10, f"{engine}'s events"))
+            for s, (engine, history) in first.items():
+                r = c.post("/v1/completions", json={"model": "sim-model", "prompt": history + " And then?",
+                                                    "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-kvroute-pod"] == engine, (s, engine, r.headers)
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 20, r.json()["usage"]
+            # a client cannot pick the engine itself: its header is dropped, the router's reaches the pod
+            engine, history = first[0]
+            other = "3" if engine != "sim-0#3" else "2"
+            r = c.post("/v1/completions", json={"model": "sim-model", "prompt": history + " Again?", "max_tokens": 1},
+                       headers={"x-data-parallel-rank": other})
+            assert r.status_code == 200 and r.headers["x-kvroute-pod"] == engine
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_engines_of_a_data_parallel_pod_share_one_scrape_of_its_page():
+    """Each engine of a data-parallel pod is scraped as a pod of its own, from the same /metrics page:
+    one fetch per half interval serves them all (four fetches for four engines made a busy pod slow
+    enough to mislead its engines' calibration), and each reads its own engine's samples."""
+    from aiohttp import web
+
+    from router.config import PodConfig, data_parallel_ranks
+    from router.pods import PodRegistry
+
+    fetches = []
+    page = "".join(f'vllm:num_requests_waiting{{engine="{r}",model_name="m"}} {r + 1}.0\n'
+                   f'vllm:num_requests_running{{engine="{r}",model_name="m"}} {10 * r}.0\n' for r in range(4))
+
+    async def metrics(request: web.Request) -> web.Response:
+        fetches.append(request.path)
+        return web.Response(text=page)
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            pod = PodConfig(id="p", url=f"http://127.0.0.1:{port}", model="m", data_parallel_size=4)
+            reg = PodRegistry(data_parallel_ranks(pod), scrape_interval_s=10.0, timeout_s=5.0)
+            await reg.start()   # a health check and a scrape of every engine
+            try:
+                await asyncio.gather(*(reg.scrape(p) for p in reg.pods.values()))
+                assert len(fetches) == 1, fetches
+                assert [(p.id, p.waiting, p.running) for p in reg.pods.values()] == [
+                    (f"p#{r}", r + 1, 10 * r) for r in range(4)]
+            finally:
+                await reg.stop()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kvcommon.settings import build_settings, load_settings
-from router.config import RouterSettings
+from router.config import PodConfig, RouterSettings, data_parallel_ranks
 from router.dispatch import forwardable, upstream_headers
 from router.pods import PodRegistry, parse_vllm_metrics
 from tests.helpers import ROOT
@@ -31,6 +31,34 @@ def test_parse_vllm_metrics_sums_engines_and_reads_the_deprecated_kv_name():
     newer = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.9\nvllm:gpu_cache_usage_perc{engine="0"} 0.1\n')
     assert newer.kv_usage == pytest.approx(0.9)
     assert parse_vllm_metrics("garbage\nvllm:num_requests_waiting{x=\"1\"} notanumber\n").waiting == 0
+
+
+def test_one_engines_load_is_read_by_its_engine_label():
+    assert (parse_vllm_metrics(VLLM_METRICS, "1").waiting, parse_vllm_metrics(VLLM_METRICS, "1").running) == (2, 0)
+    m = parse_vllm_metrics(VLLM_METRICS, "0")
+    assert (m.waiting, m.running, m.block_size) == (3, 7, 32)
+    assert m.kv_usage == pytest.approx(0.5)
+    assert parse_vllm_metrics(VLLM_METRICS, "7").waiting == 0
+
+
+def test_a_data_parallel_pod_is_routed_as_one_pod_per_engine():
+    events = [{"endpoint": f"tcp://10.0.0.5:{5557 + r}", "replay": f"tcp://10.0.0.5:{5565 + r}"} for r in range(4)]
+    pod = PodConfig(id="p", url="http://10.0.0.5:8000", model="m", kv_events=events, lora_adapters=["a"])
+    units = data_parallel_ranks(pod)
+    assert [(u.id, u.dp_rank, u.url, u.model, u.lora_adapters) for u in units] == [
+        (f"p#{r}", r, "http://10.0.0.5:8000", "m", ["a"]) for r in range(4)]
+    assert [[e.endpoint for e in u.kv_events] for u in units] == [[f"tcp://10.0.0.5:{5557 + r}"] for r in range(4)]
+    assert data_parallel_ranks(pod, steer=False) == [pod]
+    assert data_parallel_ranks(PodConfig(id="q", url="http://h:1", kv_events=events[:1])) == \
+        [PodConfig(id="q", url="http://h:1", kv_events=events[:1])]
+    blind = data_parallel_ranks(PodConfig(id="b", url="http://h:1", data_parallel_size=2))  # no events: still ranks
+    assert [(u.id, u.kv_events) for u in blind] == [("b#0", []), ("b#1", [])]
+    with pytest.raises(ValueError, match="2 kv_events entries for data_parallel_size 4"):
+        PodConfig(id="x", url="http://h:1", kv_events=events[:2], data_parallel_size=4)
+    # the router's settings expand the static fleet (and discovery's pods, through FleetSync)
+    settings = build_settings(RouterSettings, {"pods": [pod.model_dump()]})
+    assert [u.id for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)] == \
+        ["p#0", "p#1", "p#2", "p#3"]
 
 
 def test_a_decode_request_waiting_for_its_kv_is_not_queued_prefill_work():

@@ -197,3 +197,52 @@ def test_bad_kv_events_config_is_refused():
                         "--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "bogus" in r.stderr
+
+
+def test_a_data_parallel_pod_runs_one_engine_per_rank_as_vllm_does():
+    """``--data-parallel-size 2``: rank r publishes on the event port + r (replay from + 2), every batch
+    naming its rank; ``X-data-parallel-rank`` sends a request to that engine, whose cache is its own
+    (the same prompt hits on rank 1 and misses on rank 0); without the header the balancer spreads
+    idle requests over both, cache or not; /metrics shows both engines under one family header."""
+    base = consecutive_free_ports(5)
+    http, ev = base, base + 1
+    url = f"http://127.0.0.1:{http}"
+    ctx = zmq.Context()
+    try:
+        with kvroute_process(["sim", "--port", str(http), "--data-parallel-size", "2", "--kv-events-port", str(ev),
+                              "--block-size", "16", "--timing", "seed"], ready_url=url + "/health"), \
+                httpx.Client(base_url=url, timeout=10) as c:
+            subs = [subscribe(ctx, f"tcp://127.0.0.1:{ev + r}") for r in range(2)]
+            prompt = {"model": "sim-model", "prompt": "a data parallel prompt " * 8, "max_tokens": 1}
+
+            def cached(rank: int | None) -> int:
+                headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+                r = c.post("/v1/completions", json=prompt, headers=headers)
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            assert cached(1) == 0
+            (_, _, payload), = recv_batches(subs[1], lambda b: len(b) >= 1)
+            assert payload[2] == 1 and event_kind(payload[1][0]) == "BlockStored"   # [ts, events, rank]
+            with pytest.raises(zmq.Again):
+                subs[0].recv_multipart()   # rank 0 stored nothing
+            assert cached(1) > 0 and cached(0) == 0
+            (_, _, payload), = recv_batches(subs[0], lambda b: len(b) >= 1)
+            assert payload[2] == 0
+
+            # no header: vLLM's balancer, blind to the cache, alternates between idle engines
+            prompt = {"model": "sim-model", "prompt": "another prompt entirely " * 8, "max_tokens": 1}
+            hits = [cached(None) for _ in range(4)]
+            assert hits.count(0) == 2 and all(h > 0 for h in hits[2:]), hits
+
+            assert c.post("/v1/completions", json=prompt, headers={"X-data-parallel-rank": "2"}).json() == {
+                "error": {"message": "data_parallel_rank 2 is out of range [0, 2).", "type": "BadRequestError",
+                          "param": None, "code": 400}}
+            assert c.post("/v1/completions", json=prompt, headers={"X-data-parallel-rank": "x"}).status_code == 200
+            text = c.get("/metrics").text
+            assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+            assert 'engine="0"' in text and 'engine="1"' in text
+            for s in subs:
+                s.close()
+    finally:
+        ctx.destroy(0)

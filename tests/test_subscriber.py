@@ -66,8 +66,8 @@ class Publisher:
                     await self.router.send_multipart([ident, b"", *body])
             await self.router.send_multipart([ident, *(END[:1] + END[2:] if self.old_layout else END)])
 
-    async def publish(self, events, drop=False):
-        payload = wire.encode_batch(events, ts=time.time())
+    async def publish(self, events, drop=False, dp_rank=0):
+        payload = wire.encode_batch(events, ts=time.time(), dp_rank=dp_rank)
         seq = self.seq
         self.seq += 1
         self.buffer.append((seq, payload))
@@ -150,6 +150,31 @@ async def test_live_events_reach_the_index():
         s = stats(sub)
         assert s["gaps"] == 0 and s["decode_errors"] == 0 and s["last_seq"] == pub.seq - 1
         assert s["last_event_age_s"] is not None and s["lag_s"] is not None and s["lag_s"] < 5
+    finally:
+        await teardown(ctx, pub, sub)
+
+
+async def test_one_engine_of_a_data_parallel_pod_is_its_pods_only_source_whatever_its_global_rank():
+    """The router routes each engine of a data-parallel pod as a pod (``<pod>#<r>``); its batches carry
+    the engine's global rank, which on a large multi-node deployment is past the index's per-pod rank
+    bound, so such a stream is indexed as its pod's rank 0."""
+    ctx = zmq.asyncio.Context()
+    pub_port, rep_port = free_ports(2)
+    pub = Publisher(ctx, pub_port, rep_port)
+    ix = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(ix, context=ctx, replay_timeout_s=1.0, reconnect_min_s=0.05, reconnect_max_s=0.2)
+    sub.add_endpoint("pod-a#3", f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}", topic="kv@",
+                     model=MODEL, one_rank=True)
+    await sub.start()
+    try:
+        t = toks(2)
+        deadline = time.monotonic() + 5
+        while ix.match(prompt_keys(t, BS, MODEL)).get("pod-a#3").blocks < 2:
+            await pub.publish([wire.stored([1, 2], None, t, BS)], dp_rank=131)
+            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, "the engine's blocks never reached the index"
+        assert ix.pod_stats("pod-a#3")["dp_ranks"] == [0]
+        assert ix.counters["refused_events"] == 0
     finally:
         await teardown(ctx, pub, sub)
 

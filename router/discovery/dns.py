@@ -147,7 +147,8 @@ def pod_for_address(ip: str, settings: RouterSettings) -> DiscoveredPod:
                                            replay=f"tcp://{host}:{replay + r}" if replay else None))
     return DiscoveredPod(PodConfig(id=ip, url=f"http://{host}:{http}", role=settings.discovery_role,
                                    model=settings.discovery_model, kv_events=endpoints,
-                                   metrics_url=f"http://{host}:{engine}" if engine != http else None))
+                                   metrics_url=f"http://{host}:{engine}" if engine != http else None,
+                                   data_parallel_size=max(1, settings.discovery_data_parallel_size)))
 
 
 class DNSDiscovery:

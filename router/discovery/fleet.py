@@ -86,14 +86,19 @@ class FleetSync:
 
     def __init__(self, join: Callable[[DiscoveredPod], None], leave: Callable[[str], None],
                  set_ready: Callable[[str, bool], None], *, mode: str = "static",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 expand: Callable[[PodConfig], list[PodConfig]] | None = None):
         self._join, self._leave, self._set_ready = join, leave, set_ready
+        self._expand = expand  # a data-parallel pod -> one routable pod per engine (config.data_parallel_ranks)
         self.current: dict[str, DiscoveredPod] = {}
         self.stats = DiscoveryStats(mode=mode)
         self._clock = clock
 
     def sync(self, desired: Iterable[DiscoveredPod] | Mapping[str, DiscoveredPod]) -> FleetChanges:
         wanted = dict(desired) if isinstance(desired, Mapping) else {p.id: p for p in desired}
+        if self._expand is not None:
+            wanted = {unit.id: DiscoveredPod(unit, pod.ready) for pod in wanted.values()
+                      for unit in self._expand(pod.config)}
         changes = diff_fleet(self.current, wanted)
         for pid in changes.leave:
             self.current.pop(pid, None)

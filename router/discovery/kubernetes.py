@@ -43,6 +43,7 @@ POOL, ROLE = "kvroute.io/pool", "kvroute.io/role"
 MODEL, HTTP_PORT, ENGINE_PORT = "kvroute.io/model", "kvroute.io/http-port", "kvroute.io/engine-port"
 EVENTS_PORT, REPLAY_PORT, DP_SIZE = ("kvroute.io/kv-events-port", "kvroute.io/kv-events-replay-port",
                                      "kvroute.io/data-parallel-size")
+DP_START = "kvroute.io/data-parallel-start-rank"
 ROLES = ("prefill", "decode", "both")
 
 
@@ -102,13 +103,20 @@ def pod_from_object(obj: Mapping[str, Any]) -> DiscoveredPod | None:
         dp = max(1, min(64, int(str(ann.get(DP_SIZE, 1)))))
     except ValueError:
         dp = 1
+    try:  # a later node of a multi-node deployment: vLLM offsets its ports by the global rank
+        start = max(0, min(65535, int(str(ann.get(DP_START, 0)))))
+    except ValueError:
+        start = 0
     endpoints = []
     if events is not None:
-        for r in range(dp):
+        for r in range(start, start + dp):
+            if events + r > 65535 or (replay is not None and replay + r > 65535):
+                return None
             endpoints.append(EventEndpoint(endpoint=f"tcp://{host}:{events + r}",
                                            replay=f"tcp://{host}:{replay + r}" if replay is not None else None))
     config = PodConfig(id=str(name), url=f"http://{host}:{http}", role=role, model=str(model), kv_events=endpoints,
-                       metrics_url=f"http://{host}:{engine}" if engine != http else None)
+                       metrics_url=f"http://{host}:{engine}" if engine != http else None,
+                       data_parallel_size=dp, data_parallel_start_rank=start)
     return DiscoveredPod(config, is_ready(obj))
 
 
