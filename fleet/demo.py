@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pods, --sections, --sessions must be at least 1; --rate and --seconds positive")
     if args.prefix_cache:
         print(f"starting {args.pods} simulated vLLM pods (kvroute sim --count {args.pods}) ...", flush=True)
-        with running_sims(args.pods) as urls:
+        # the pods report their prefix hits in usage, as vLLM with --enable-prompt-tokens-details
+        with running_sims(args.pods, ["--enable-prompt-tokens-details"]) as urls:
             prefix_cache_demo(urls, args.sections)
         return 0
     return fleet_demo(args)

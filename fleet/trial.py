@@ -50,7 +50,7 @@ class FleetSpec:
                 "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-s-per-token",
                 str(self.decode_s_per_token), "--kv-events-port", str(events_port), "--model", self.model,
                 "--max-model-len", "131072", "--log-level", "error",
-                "--data-parallel-size", str(self.data_parallel_size)]
+                "--data-parallel-size", str(self.data_parallel_size), "--enable-prompt-tokens-details"]
 
 
 @dataclass(frozen=True)

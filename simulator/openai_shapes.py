@@ -196,10 +196,12 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
                       lora=name if name in adapters else None)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, details: bool = True) -> dict:
+    """vLLM's usage object; ``prompt_tokens_details`` only with ``details`` (vLLM's
+    --enable-prompt-tokens-details), else null as vLLM sends it."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens} if details else None}
 
 
 def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict,

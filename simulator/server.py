@@ -549,8 +549,8 @@ async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
     req.remote_tokens = req.n_prompt - 1  # the last prompt token is recomputed locally for logits
 
 
-def _usage_of(req: SimRequest) -> dict:
-    return usage(req.n_prompt, req.num_output, req.cached_tokens)
+def _usage_of(req: SimRequest, details: bool) -> dict:
+    return usage(req.n_prompt, req.num_output, req.cached_tokens, details)
 
 
 def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
@@ -584,8 +584,8 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
                                         host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
                                         cached_tokens=req.cached_tokens)
     build = chat_body if gen.kind == "chat" else completion_body
-    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, _usage_of(req),
-                              kv_params))
+    use = _usage_of(req, pod.settings.enable_prompt_tokens_details)
+    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, use, kv_params))
     headers = JSON_HEADERS + echo + _timing_headers(req)
     if faults.drop_after_chunks is not None:
         pod.metrics.faults.labels("drop").inc()
@@ -628,12 +628,13 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
         chunk = (chat_chunk(response_id, model, created, {"content": text}, reason) if chat
                  else completion_chunk(response_id, model, created, text, reason))
         if gen.continuous_usage:
-            chunk["usage"] = usage(req.n_prompt, 0, req.cached_tokens)
+            chunk["usage"] = usage(req.n_prompt, 0, req.cached_tokens, pod.settings.enable_prompt_tokens_details)
         await emit(chunk)
     if req.finish_reason == "abort":
         return
     if gen.include_usage:
-        await emit(usage_chunk(response_id, model, created, gen.kind, _usage_of(req)))
+        await emit(usage_chunk(response_id, model, created, gen.kind,
+                               _usage_of(req, pod.settings.enable_prompt_tokens_details)))
     if drop is not None and sent >= drop:
         pod.metrics.faults.labels("drop").inc()
         raise SimulatedDrop("simulated connection drop")

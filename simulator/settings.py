@@ -29,6 +29,9 @@ class SimSettings(BaseSettings):
     tokenizer: str = Field("byte", description="'byte' (one token per UTF-8 byte) or a path to a "
                                                "Hugging Face tokenizer.json (or its folder)")
     max_model_len: int = Field(32768, ge=16, description="longest prompt + completion in tokens")
+    enable_prompt_tokens_details: bool = Field(False, description=(
+        "as vLLM's --enable-prompt-tokens-details: usage carries prompt_tokens_details.cached_tokens (the "
+        "prompt tokens served from the prefix cache); off, as vLLM's default, it is null"))
     default_max_tokens: int = Field(16, ge=1, description="completion length when a request sets no "
                                                           "max_tokens (the sim then finishes with 'stop')")
 

@@ -34,7 +34,8 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
     events = consecutive_free_ports(8)
     # a slow prefill (about 0.2 s for a first turn) keeps the six first turns in flight together even
     # when a busy machine delays their sends, so the router's bookings are what spreads them
-    with running_sims(4, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+    with running_sims(4, ["--enable-prompt-tokens-details",
+                          "--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
                           "--prefill-tokens-per-s", "4000"]) as urls:
         port = free_port()
         cfg = tmp_path / "router.yaml"
@@ -109,8 +110,9 @@ async def test_calibration_converges_on_a_pod_of_known_speed():
 
 
 async def test_unhealthy_pod_leaves_the_candidate_set_and_its_entries_age_out():
-    with running_sims(1, ["--timing", "seed"]) as alive, contextlib.ExitStack() as stack:
-        doomed = stack.enter_context(running_sims(1, ["--timing", "seed"]))
+    with running_sims(1, ["--enable-prompt-tokens-details",
+                          "--timing", "seed"]) as alive, contextlib.ExitStack() as stack:
+        doomed = stack.enter_context(running_sims(1, ["--enable-prompt-tokens-details", "--timing", "seed"]))
         settings = build_settings(RouterSettings, {"pods": fleet(alive + doomed, None), "port": free_port(),
                                                    "health_interval_s": 0.1, "unhealthy_after": 1,
                                                    "forget_after_s": 0.3, "policy": "round-robin"})
@@ -137,7 +139,7 @@ async def test_unhealthy_pod_leaves_the_candidate_set_and_its_entries_age_out():
 
 
 def test_several_worker_processes_serve_on_one_port():
-    with running_sims(2, ["--timing", "seed"]) as urls:
+    with running_sims(2, ["--enable-prompt-tokens-details", "--timing", "seed"]) as urls:
         port = free_port()
         pods = orjson.dumps(fleet(urls, None)).decode()
         with kvroute_process(["serve", "--port", str(port), "--workers", "2", "--pods", pods],
@@ -155,7 +157,8 @@ def one_pod_router(tmp_path, *sim_args: str):
     """``kvroute serve`` in front of one simulated pod (seed timing, block size 16, KV events) with a
     short speculative credit; yields a client of the router and the pod's URL."""
     events = consecutive_free_ports(2)
-    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+    with running_sims(1, ["--enable-prompt-tokens-details",
+                          "--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
                           *sim_args]) as urls:
         port = free_port()
         cfg = tmp_path / "router.yaml"
@@ -230,9 +233,11 @@ def test_a_lora_adapters_requests_go_to_its_pods_and_match_only_its_own_prefixes
     events' ``lora_name``/``extra_keys``), so an adapter's follow-up is credited exactly what the pod
     then hits while the base model's cached copy of the same text counts for nothing."""
     events = consecutive_free_ports(4)
-    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+    with running_sims(1, ["--enable-prompt-tokens-details",
+                          "--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
                           "--lora-modules", '["sql=/adapters/sql"]']) as with_lora, \
-            running_sims(1, ["--timing", "seed", "--kv-events-port", str(events + 2), "--block-size", "16"]) as plain:
+            running_sims(1, ["--enable-prompt-tokens-details",
+                             "--timing", "seed", "--kv-events-port", str(events + 2), "--block-size", "16"]) as plain:
         port = free_port()
         pods = fleet(with_lora + plain, events)
         pods[0]["lora_adapters"] = ["sql"]
@@ -282,7 +287,8 @@ def test_a_data_parallel_pods_engines_are_routed_apart_and_follow_ups_stay_on_th
     vLLM's own balancer, blind to the cache, would scatter them."""
     ranks = 4
     events = consecutive_free_ports(2 * ranks)
-    with running_sims(1, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
+    with running_sims(1, ["--enable-prompt-tokens-details",
+                          "--timing", "seed", "--kv-events-port", str(events), "--block-size", "16",
                           "--data-parallel-size", str(ranks)]) as urls:
         port = free_port()
         pod = {"id": "sim-0", "url": urls[0], "model": "sim-model",

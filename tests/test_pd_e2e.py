@@ -34,7 +34,8 @@ def wait_for(fn, timeout: float = 10.0, interval: float = 0.05):
 @pytest.fixture(scope="module")
 def pd_fleet():
     events = consecutive_free_ports(8)
-    with running_sims(4, ["--kv-events-port", str(events), "--block-size", "16"]) as urls:
+    with running_sims(4, ["--enable-prompt-tokens-details",
+                          "--kv-events-port", str(events), "--block-size", "16"]) as urls:
         prefill, decode = urls[:2], urls[2:]
         router_port, *side_ports = [p for p in free_ports(8) if p not in range(events, events + 8)][:3]
         router = f"http://127.0.0.1:{router_port}"

@@ -126,7 +126,8 @@ def test_mooncake_against_a_simulated_pod(tmp_path):
     """20 requests of the Mooncake trace against `kvroute sim`; the hit rate comes from its metrics."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with kvroute_process(["sim", "--port", str(port)], ready_url=url + "/health", timeout=30):
+    with kvroute_process(["sim", "--enable-prompt-tokens-details", "--port", str(port)], ready_url=url + "/health",
+                         timeout=30):
         out = tmp_path / "sim.json"
         proc = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--target", url, f"mooncake:{TRACE}",
                                "--max-requests", "20", "--time-scale", "0.02", "--max-input-len", "4096",

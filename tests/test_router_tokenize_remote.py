@@ -34,7 +34,8 @@ def _failures(text: str, reason: str) -> float:
 
 async def test_chat_follow_up_lands_on_the_pod_holding_its_prefix_with_pod_tokenized_prompts():
     events = consecutive_free_ports(6)
-    with running_sims(3, ["--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
+    with running_sims(3, ["--enable-prompt-tokens-details",
+                          "--timing", "seed", "--kv-events-port", str(events), "--block-size", "16"]) as urls:
         settings = build_settings(RouterSettings, {
             "pods": fleet(urls, events), "port": free_port(), "tokenizer": "remote", "speculative_ttl_s": 0.2,
             "scrape_interval_s": 0.1, "health_interval_s": 0.2})

@@ -8,7 +8,7 @@ from simulator.testing import running_sims
 
 def test_demo_shows_a_prefix_hit_on_the_same_pod_only():
     lines: list[str] = []
-    with running_sims(2) as urls:
+    with running_sims(2, ["--enable-prompt-tokens-details"]) as urls:   # as the demo starts them
         cold, warm, other = prefix_cache_demo(urls, document_sections=10, out=lines.append)
     assert cold.cached_tokens == 0 and other.cached_tokens == 0
     assert warm.cached_tokens >= warm.prompt_tokens - 2 * 16 and warm.pod == cold.pod != other.pod

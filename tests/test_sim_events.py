@@ -21,7 +21,8 @@ def start_sim(fmt: str, blocks: int = 8):
     http, pub = base, base + 1
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
            "replay_endpoint": f"tcp://*:{pub + 1}", "topic": "kv@pod-a@sim-model", "buffer_steps": 100}
-    proc = kvroute_process(["sim", "--port", str(http), "--block-size", str(BLOCK), "--num-gpu-blocks", str(blocks),
+    proc = kvroute_process(["sim", "--enable-prompt-tokens-details",
+                            "--port", str(http), "--block-size", str(BLOCK), "--num-gpu-blocks", str(blocks),
                             "--kv-events-config", json.dumps(cfg), "--kv-events-format", fmt],
                            ready_url=f"http://127.0.0.1:{http}/health")
     return proc, f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{pub + 1}"
@@ -175,7 +176,8 @@ def test_kv_events_port_shortcut_offsets_per_pod():
     http, ev = base, base + 2
     ctx = zmq.Context()
     try:
-        with kvroute_process(["sim", "--port", str(http), "--count", "2", "--kv-events-port", str(ev)],
+        with kvroute_process(["sim", "--enable-prompt-tokens-details",
+                              "--port", str(http), "--count", "2", "--kv-events-port", str(ev)],
                              ready_url=f"http://127.0.0.1:{http + 1}/health"):
             state = httpx.get(f"http://127.0.0.1:{http + 1}/sim/state").json()
             assert state["events"]["endpoint"] == f"tcp://*:{ev + 2}"
@@ -209,7 +211,8 @@ def test_a_data_parallel_pod_runs_one_engine_per_rank_as_vllm_does():
     url = f"http://127.0.0.1:{http}"
     ctx = zmq.Context()
     try:
-        with kvroute_process(["sim", "--port", str(http), "--data-parallel-size", "2", "--kv-events-port", str(ev),
+        with kvroute_process(["sim", "--enable-prompt-tokens-details",
+                              "--port", str(http), "--data-parallel-size", "2", "--kv-events-port", str(ev),
                               "--block-size", "16", "--timing", "seed"], ready_url=url + "/health"), \
                 httpx.Client(base_url=url, timeout=10) as c:
             subs = [subscribe(ctx, f"tcp://127.0.0.1:{ev + r}") for r in range(2)]

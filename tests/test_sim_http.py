@@ -14,9 +14,24 @@ from tests.helpers import kvroute_process
 def pods():
     p0 = consecutive_free_ports(2)
     # two pods in one process, on p0 and p0 + 1
-    with kvroute_process(["sim", "--port", str(p0), "--count", "2", "--max-model-len", "4096"],
-                         ready_url=f"http://127.0.0.1:{p0 + 1}/health"):
+    with kvroute_process(["sim", "--enable-prompt-tokens-details", "--port", str(p0), "--count", "2",
+                          "--max-model-len", "4096"], ready_url=f"http://127.0.0.1:{p0 + 1}/health"):
         yield [f"http://127.0.0.1:{p0}", f"http://127.0.0.1:{p0 + 1}"]
+
+
+def test_prompt_tokens_details_are_null_unless_enabled_as_in_vllm():
+    """vLLM sends ``usage.prompt_tokens_details`` only with --enable-prompt-tokens-details (off by
+    default) and null otherwise, in a whole answer and in a stream's usage chunk alike."""
+    port = consecutive_free_ports(1)
+    with kvroute_process(["sim", "--port", str(port)], ready_url=f"http://127.0.0.1:{port}/health"), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+        body = {"model": "sim-model", "prompt": list(range(40)), "max_tokens": 2}
+        for _ in range(2):   # the second is a prefix hit: still no details
+            use = c.post("/v1/completions", json=body).json()["usage"]
+            assert "prompt_tokens_details" in use and use["prompt_tokens_details"] is None, use
+        r = c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        last = [line for line in r.text.splitlines() if line.startswith("data: {")][-1]
+        assert '"prompt_tokens_details":null' in last.replace(" ", ""), last
 
 
 def client(base: str) -> openai.OpenAI:

@@ -19,7 +19,8 @@ PROMPT = list(range(3000, 3200))  # 200 tokens = 12 full blocks of 16 + 8
 def pair():
     base = consecutive_free_ports(6)
     http, ev = base, base + 2
-    with kvroute_process(["sim", "--port", str(http), "--count", "2", "--kv-events-port", str(ev),
+    with kvroute_process(["sim", "--enable-prompt-tokens-details",
+                          "--port", str(http), "--count", "2", "--kv-events-port", str(ev),
                           "--nixl-lease-timeout-s", "1.5", "--nixl-latency-s", "0.05"],
                          ready_url=f"http://127.0.0.1:{http + 1}/health"):
         yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{http + 1}", f"tcp://127.0.0.1:{ev + 2}"
@@ -133,7 +134,8 @@ def test_a_decode_leg_waiting_for_its_read_counts_as_deferred_waiting():
     import threading
 
     base = consecutive_free_ports(2)
-    with kvroute_process(["sim", "--port", str(base), "--count", "2", "--nixl-latency-s", "1.5"],
+    with kvroute_process(["sim", "--enable-prompt-tokens-details",
+                          "--port", str(base), "--count", "2", "--nixl-latency-s", "1.5"],
                          ready_url=f"http://127.0.0.1:{base + 1}/health"):
         p_url, d_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
         kv = prefill_leg(p_url, PROMPT)["kv_transfer_params"]

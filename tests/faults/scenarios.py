@@ -343,7 +343,8 @@ async def router_restart(tmp: Path, duration_s: float = 6.0, rate: float = 20.0,
 async def sidecar_prefill_dies(tmp: Path) -> Row:
     row = Row("prefill pod dies between legs", "prefill pod SIGKILLed after its leg, before the decoder reads KV; "
               "and a prefill pod already dead")
-    with Sims(1, SEED, events=False, prefix="decode") as decode, Sims(1, SEED, events=False, prefix="prefill") as pre:
+    with Sims(1, [*SEED, "--enable-prompt-tokens-details"], events=False, prefix="decode") as decode, \
+            Sims(1, SEED, events=False, prefix="prefill") as pre:
         side = Served("sidecar", tmp, {"host": "127.0.0.1", "vllm_url": decode.urls[0], "log_level": "warning",
                                        "prefill_allowlist": ["127.0.0.1"]}, ready_path="/health")
         with side:
