@@ -131,6 +131,9 @@ class EngineBase:
         m.prompt_by_source["local_cache_hit"].inc(hit_tokens)
         m.prompt_by_source["external_kv_transfer"].inc(external)
         m.prompt_by_source["local_compute"].inc(req.n_prompt - hit_tokens - external)
+        # vllm:prompt_tokens is the whole prompt, cached or not, once per request (vLLM 0.32 adds the
+        # PrefillStats' num_prompt_tokens, the sum of the three sources above)
+        m.prompt_tokens.inc(req.n_prompt)
         # like vLLM, a request's cached tokens include KV received from a remote prefill (the usage
         # answer keeps the last token out: it is computed here)
         req.cached_tokens = max(hit_tokens, req.remote_tokens)
@@ -241,9 +244,6 @@ class CostEngine(EngineBase, CostCore):
     def _on_preempted(self, req: SimRequest) -> None:
         self.metrics.preemptions.inc()
 
-    def _on_prefill_tokens(self, req: SimRequest, n: int) -> None:
-        self.metrics.prompt_tokens.inc(n)
-
     def _output_token(self, i: int) -> int:
         return self.output.at(i)
 
@@ -322,7 +322,6 @@ class SeedEngine(EngineBase):
             req.scheduled_at = start
             m.queue_time.observe(start - req.arrival)
             await asyncio.sleep(max(0.0, first_at - loop.time()))
-            m.prompt_tokens.inc(req.n_prompt - req.cached_tokens)
             now = first_at
             req.emit(self.output.at(0), now)
             m.generation_tokens.inc()

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from simulator.testing import consecutive_free_ports
-from tests.helpers import kvroute_process
+from tests.helpers import kvroute_process, metric
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +161,17 @@ def test_pods_in_one_process_have_separate_caches(pods):
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     same = httpx.post(pods[0] + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
     assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+def test_prompt_tokens_total_counts_the_whole_prompt_cached_or_not(pods):
+    """vLLM's ``vllm:prompt_tokens`` adds each request's whole prompt once (its PrefillStats'
+    num_prompt_tokens), prefix hits included; ``..._by_source`` splits the same total."""
+    prompt = list(range(3000, 3100))
+    before = metric(pods[0], "vllm:prompt_tokens_total")
+    sources = metric(pods[0], "vllm:prompt_tokens_by_source_total")
+    hits = metric(pods[0], "vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        assert httpx.post(pods[0] + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+    assert metric(pods[0], "vllm:prefix_cache_hits_total") == hits + 96  # the second: (100 - 1) // 16 blocks
+    assert metric(pods[0], "vllm:prompt_tokens_total") == before + 200
+    assert metric(pods[0], "vllm:prompt_tokens_by_source_total") == sources + 200
