@@ -38,5 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=30, ws="none",
                             http=http)
     server = uvicorn.Server(config)
-    server.run()
+    if settings.data_parallel_size == 1:
+        server.run()
+    else:  # one listener per data-parallel rank: --port + r (sidecar/dataparallel.py)
+        try:
+            sockets = [uvicorn.Config(app, host=settings.host, port=port).bind_socket() for port in app.dp.ports]
+        except SystemExit:  # uvicorn exits when a port is taken; it has logged which
+            return 1
+        server.run(sockets=sockets)
     return 0 if server.started else 1

@@ -17,6 +17,17 @@ class SidecarSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the sidecar listens on")
     vllm_url: str = Field("http://127.0.0.1:8001", description="Base URL of the local decode vLLM")
 
+    data_parallel_size: int = Field(1, ge=1, le=256, description=(
+        "Data-parallel engines behind the local vLLM (llm-d's --data-parallel-size): the sidecar also "
+        "listens on --port+1 .. --port+N-1, one port per rank, and honours llm-d's (deprecated) "
+        "x-data-parallel-host-port header naming one of them"))
+    data_parallel_mode: Literal["external-lb", "internal-lb"] = Field("external-lb", description=(
+        "How rank r is reached: external-lb, vLLM runs one API server per rank on --vllm-url's port + r; "
+        "internal-lb, one API server for every rank, and the request carries X-data-parallel-rank: r"))
+    pod_ip: str | None = Field(None, description=(
+        "This pod's IP (set it from the Downward API): the host an x-data-parallel-host-port header "
+        "names; loopback and --host are always accepted"))
+
     prefill_timeout: float = Field(60.0, gt=0, description="Seconds the whole prefill leg may take")
     decode_timeout: float = Field(600.0, gt=0, description=(
         "Longest wait in seconds for the decoder's next bytes (response headers or the next chunk)"))
@@ -77,4 +88,6 @@ class SidecarSettings(BaseSettings):
     def _tls_pair(self) -> SidecarSettings:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if self.port + self.data_parallel_size - 1 > 65535:
+            raise ValueError(f"--port {self.port} leaves no room for {self.data_parallel_size} rank ports")
         return self

@@ -22,6 +22,7 @@ LLMD_PREFILL_HEADER = b"x-llm-d-prefiller-host-port"
 LEGACY_PREFILL_HEADER = b"x-prefiller-url"
 PREFILL_HEADERS = (LLMD_PREFILL_HEADER, PREFILL_HEADER, LEGACY_PREFILL_HEADER)  # the first present one counts
 REQUEST_ID_HEADER = b"x-request-id"
+DP_HOST_PORT_HEADER = b"x-data-parallel-host-port"  # llm-d's (deprecated) rank endpoint: dataparallel.py
 
 # paths served by the two-leg handler; everything else is proxied to the decoder unchanged
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -30,7 +31,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/re
 _DROPPED_REQUEST_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
-    *PREFILL_HEADERS, REQUEST_ID_HEADER,
+    *PREFILL_HEADERS, REQUEST_ID_HEADER, DP_HOST_PORT_HEADER,
 })
 _DROPPED_RESPONSE_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"te", b"trailer",

@@ -24,6 +24,7 @@ from kvcommon.asgi import read_body, wait_for_disconnect
 from kvcommon.errors import APIError, ClientDisconnected, error_body
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
+from sidecar.dataparallel import DataParallel, RankError
 from sidecar.legs import (
     GENERATION_PATHS,
     BadBody,
@@ -104,6 +105,7 @@ class SidecarApp:
         self.targets = TargetResolver(resolver, ttl_s=settings.target_dns_cache_s)
         self.session: aiohttp.ClientSession | None = None
         self.prefill_ssl = prefill_ssl_context(settings)
+        self.dp = DataParallel(settings)
         self.metrics.allowlist_entries.set_function(lambda: len(self.allowlist.snapshot))
         self._sample = random.SystemRandom().randrange  # --prefill-sampling: which of several targets
 
@@ -161,6 +163,11 @@ class SidecarApp:
         if path == "/metrics" and method == "GET":
             await _send_bytes(send, 200, self.metrics.render(), self.metrics.content_type.encode())
             return
+        try:
+            rank = self.dp.rank(scope)
+        except RankError as exc:
+            await _send_error(send, 400, str(exc), "BadRequestError")
+            return
         self.metrics.in_flight.inc()
         try:
             try:
@@ -179,7 +186,7 @@ class SidecarApp:
                 await send(message)
 
             if method == "POST" and path in GENERATION_PATHS:
-                work = self._generate(scope, body, tracked_send)
+                work = self._generate(scope, body, tracked_send, rank)
             else:
                 self.metrics.requests.labels("proxy").inc()
                 try:
@@ -187,7 +194,7 @@ class SidecarApp:
                 except BadBody as exc:
                     await _send_error(send, 400, str(exc), "BadRequestError")
                     return
-                work = self._decode_leg(scope, body, tracked_send, leg="direct")
+                work = self._decode_leg(scope, body, tracked_send, leg="direct", rank=rank)
             try:
                 await self._until_disconnect(work, receive)
             except Exception:  # a bug must cost one request an error answer, never the client a stack trace
@@ -218,7 +225,7 @@ class SidecarApp:
                 task.cancel()
 
     # ---- the two-leg handler ---------------------------------------------------------------
-    async def _generate(self, scope, body: bytes, send) -> None:
+    async def _generate(self, scope, body: bytes, send, rank: int | None) -> None:
         headers = scope["headers"]
         if not has_prefill_header(headers):
             self.metrics.requests.labels("direct").inc()
@@ -227,7 +234,7 @@ class SidecarApp:
             except BadBody as exc:
                 await _send_error(send, 400, str(exc), "BadRequestError")
                 return
-            await self._decode_leg(scope, body, send, leg="direct")
+            await self._decode_leg(scope, body, send, leg="direct", rank=rank)
             return
         self.metrics.requests.labels("pd").inc()
         rid = request_id(headers)
@@ -290,7 +297,7 @@ class SidecarApp:
         told = [(b"x-kvroute-prefill", how.encode()),
                 (b"x-kvroute-prefill-ms", f"{result.seconds * 1000:.1f}".encode())]
         await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid,
-                               extra_headers=told)
+                               extra_headers=told, rank=rank)
 
     def _engine_body(self, scope, body: bytes) -> bytes:
         """The body to send the decoder for a request that goes to it directly, on any path.
@@ -394,13 +401,18 @@ class SidecarApp:
 
     # ---- the decoder: decode leg and pass-through ------------------------------------------
     async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None,
-                          extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Send ``body`` to the local decoder and relay its answer chunk by chunk (plus ``extra_headers``)."""
+                          extra_headers: list[tuple[bytes, bytes]] | None = None, rank: int | None = None) -> None:
+        """Send ``body`` to the local decoder (engine ``rank``: ``dataparallel.py``) and relay its answer
+        chunk by chunk (plus ``extra_headers``)."""
         assert self.session is not None
         target = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
-        url = self.settings.vllm_url + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        base, rank_headers = self.dp.decoder(rank)
+        url = base + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
         headers = forward_headers(scope["headers"])
+        if rank_headers:  # the rank this port or header chose replaces any the client sent
+            names = {k.lower() for k, _ in rank_headers}
+            headers = [(k, v) for k, v in headers if k.lower() not in names] + rank_headers
         if rid is None:
             if any(k.lower() == b"x-request-id" for k, _ in scope["headers"]):
                 rid = request_id(scope["headers"])  # the client's when sane, else a fresh one
@@ -419,7 +431,7 @@ class SidecarApp:
             raise
         except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
             self.metrics.legs.labels(leg, "connect_error").inc()
-            log.warning("decoder at %s unreachable: %r", self.settings.vllm_url, exc)
+            log.warning("decoder at %s unreachable: %r", base, exc)
             await _send_error(send, 503, "The decode node is not ready to accept requests", "ServiceUnavailable")
             return
         except TimeoutError:

@@ -150,6 +150,11 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_tls_listener_serves_https_with_the_configured_certificate",
         "test_tls_settings_come_in_pairs",
     }),
+    "test_sidecar_dp.py": frozenset({
+        "test_external_lb_port_and_header_pick_the_rank",
+        "test_external_lb_refuses_an_endpoint_that_is_not_this_pods",
+        "test_internal_lb_sets_the_rank_header",
+    }),
     "test_sidecar_app.py": frozenset({
         "test_an_internal_error_is_an_openai_style_500_not_a_trace",
         "test_help_lists_every_setting_and_bad_settings_exit_cleanly",
