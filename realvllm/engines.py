@@ -88,25 +88,35 @@ def _env_at(home: Path) -> RealEnv:
 _handed_out: set[int] = set()
 
 
-def listen_port(low: int = 20000, high: int = 32000, attempts: int = 500) -> int:
+def listen_port(low: int = 20000, high: int = 32000, attempts: int = 500, count: int = 1) -> int:
     """A port for an engine to listen on: below the kernel's ephemeral range (32768+), where outgoing
     connections take their local ports, and free on every interface (vLLM binds its event sockets to
     ``*``), never handed out twice by this process. A port picked by binding port 0 comes from the
     ephemeral range and, on a busy machine, was taken by some connection in the half minute before
-    the engine bound it (seen in CI: "Address already in use" for a replay socket)."""
+    the engine bound it (seen in CI: "Address already in use" for a replay socket). ``count``: the
+    first of that many consecutive ports (a data-parallel engine's event sockets: port + rank)."""
     rng = random.Random()
     for _ in range(attempts):
-        port = rng.randrange(low, high)
-        if port in _handed_out:
+        port = rng.randrange(low, high - count)
+        ports = range(port, port + count)
+        if any(p in _handed_out for p in ports):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
+        if not all(_bindable(p) for p in ports):
+            continue
+        _handed_out.update(ports)
         return port
-    return free_port()
+    if count == 1:
+        return free_port()
+    raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -121,15 +131,20 @@ class Engine:
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: /reset_prefix_cache and the other dev endpoints
+    data_parallel_size: int = 1  # engines behind the one API port; rank r publishes on the event ports + r
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
     port: int = field(default_factory=lambda: listen_port())
-    events_port: int = field(default_factory=lambda: listen_port())
-    replay_port: int = field(default_factory=lambda: listen_port())
+    events_port: int = 0  # 0: picked (data_parallel_size consecutive ports)
+    replay_port: int = 0
     nixl_port: int = field(default_factory=lambda: listen_port())
     proc: subprocess.Popen | None = None
     starts: int = 0
     stuck: list[subprocess.Popen] = field(default_factory=list)  # killed but not yet reaped (``kill``)
+
+    def __post_init__(self) -> None:
+        self.events_port = self.events_port or listen_port(count=self.data_parallel_size)
+        self.replay_port = self.replay_port or listen_port(count=self.data_parallel_size)
 
     @property
     def url(self) -> str:
@@ -144,9 +159,11 @@ class Engine:
         return self.scratch / f"{self.name}.log"
 
     def kv_events(self) -> list[dict[str, str]]:
-        """The router's ``kv_events`` entry for this engine."""
-        return [{"endpoint": f"tcp://{self.host}:{self.events_port}", "replay": f"tcp://{self.host}:{self.replay_port}",
-                 "topic": self.topic}]
+        """The router's ``kv_events`` entries for this engine: one per data-parallel rank, as vLLM offsets
+        both sockets' ports by the rank."""
+        return [{"endpoint": f"tcp://{self.host}:{self.events_port + r}",
+                 "replay": f"tcp://{self.host}:{self.replay_port + r}", "topic": self.topic}
+                for r in range(self.data_parallel_size)]
 
     def command(self) -> list[str]:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
@@ -157,6 +174,8 @@ class Engine:
                "--max-num-seqs", "32", "--kv-events-config", json.dumps(events), "--disable-uvicorn-access-log"]
         if self.num_gpu_blocks:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.data_parallel_size > 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
         if self.nixl:
             cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                                         "kv_buffer_device": "cpu"})]

@@ -41,13 +41,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for i in real:
         items[i].add_marker(pytest.mark.real_vllm)
         items[i].add_marker(pytest.mark.timeout(600))
-    pd = [items[i] for i in real if "pd_engines" in getattr(items[i], "fixturenames", ())]
-    if pd:
-        # the NIXL pair's tests last in this tier, so the aggregated pair stopped for them is not wanted again
-        for item in pd:
+    # the data-parallel engine's tests, then the NIXL pair's, last in this tier: the aggregated pair is
+    # stopped for each of them and so is not wanted again
+    for fixture in ("dp_engine", "pd_engines"):
+        moved = [items[i] for i in real if fixture in getattr(items[i], "fixturenames", ())]
+        if not moved:
+            continue
+        for item in moved:
             items.remove(item)
-        last = max(i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents)
-        items[last + 1:last + 1] = pd
+        last = max((i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents),
+                   default=len(items) - 1)
+        items[last + 1:last + 1] = moved
+        real = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
 
 
 @pytest.fixture(scope="session")
@@ -148,9 +153,10 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
     proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
     try:
         wait_ready(base + "/ready", proc, START_TIMEOUT_S, log=log)
-        wait_for(lambda: http().get(base + "/ready", timeout=10).json().get("healthy_pods") == len(pods),
-                 START_TIMEOUT_S,
-                 "every pod healthy")
+        # a data-parallel pod is one routable unit per engine (each with its own event stream)
+        units = sum(p.get("data_parallel_size") or max(1, len(p.get("kv_events") or ())) for p in pods)
+        wait_for(lambda: http().get(base + "/ready", timeout=10).json().get("healthy_pods") == units,
+                 START_TIMEOUT_S, "every pod healthy")
         yield base
     except BaseException:
         print(f"---- router log ({log}), last lines:\n{log.read_text(errors='replace')[-3000:]}")

@@ -1,0 +1,81 @@
+"""A real data-parallel pod (``vllm serve --data-parallel-size 2``: two engines behind one API port).
+
+vLLM offsets each rank's event and replay sockets by its rank and labels its metrics by ``engine``;
+its own balancer does not look at the prefix cache. The router makes a candidate of each engine
+(``dp#0``, ``dp#1``), indexes each from its own stream, and sends a request to the engine it chose
+with ``X-data-parallel-rank``; a follow-up is credited exactly what that engine then hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from realvllm import engines as rv
+from realvllm.engines import MODEL_NAME, router_pod
+from tests.helpers import http
+from tests.real_vllm.conftest import _AggPair, cached_tokens, debug_route, engine_metric, running_router, wait_for
+
+WORDS = "river stone cloud lantern meadow harbor copper violet thunder orchard signal ember".split()
+
+
+@pytest.fixture(scope="module")
+def dp_engine(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> Iterator[rv.Engine]:
+    """One pod, two data-parallel engines; the aggregated pair is stopped first (four engines on two
+    cores would slow every other test)."""
+    _agg_pair.stop()
+    engine = rv.Engine(real_env, "dp", real_scratch, data_parallel_size=2)
+    rv.start_all([engine])
+    try:
+        yield engine
+    finally:
+        rv.stop_all([engine])
+
+
+def text(seed: int, words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+
+
+def per_engine(engine: rv.Engine, name: str) -> list[float]:
+    return [engine_metric(engine.url, name, engine=str(r)) for r in range(2)]
+
+
+def test_each_rank_is_indexed_from_its_own_stream(dp_engine, real_env, tmp_path):
+    with running_router(tmp_path, [router_pod(dp_engine)], tokenizer=str(real_env.tokenizer)) as base:
+        body = {"model": MODEL_NAME, "prompt": text(1, 300), "max_tokens": 2}
+        assert sorted(p["pod"] for p in debug_route(base, body)["pods"]) == ["dp#0", "dp#1"]
+        # straight to engine 1, past the router: only engine 1's stream announces the blocks
+        r = http().post(dp_engine.url + "/v1/completions", json=body, headers={"X-data-parallel-rank": "1"})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: cached_tokens(base, body, "dp#1") > 0, 20, "engine 1's blocks indexed")
+        assert cached_tokens(base, body, "dp#0") == 0
+
+
+def test_follow_ups_go_to_the_engine_holding_them_and_hit_what_was_credited(dp_engine, real_env, tmp_path):
+    with running_router(tmp_path, [router_pod(dp_engine)], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        for s in (2, 3):
+            first = {"model": MODEL_NAME, "prompt": text(s, 500), "max_tokens": 2}
+            before_prompt = per_engine(dp_engine, "vllm:prompt_tokens_total")
+            r = http().post(base + "/v1/completions", json=first)
+            assert r.status_code == 200, r.text
+            unit = r.headers["x-kvroute-pod"]
+            rank = int(unit.rsplit("#", 1)[1])
+            n = r.json()["usage"]["prompt_tokens"]
+            # the router's X-data-parallel-rank put it on that engine (vLLM counts the whole prompt there)
+            after = per_engine(dp_engine, "vllm:prompt_tokens_total")
+            grew = [a - b for a, b in zip(after, before_prompt, strict=True)]
+            assert grew == [n if e == rank else 0 for e in range(2)]
+
+            follow = {**first, "prompt": first["prompt"] + " " + text(s + 10, 150)}
+            wait_for(lambda f=follow, u=unit: cached_tokens(base, f, u) > 0, 20, f"{unit}'s blocks indexed")
+            predicted = cached_tokens(base, follow, unit)
+            hits = per_engine(dp_engine, "vllm:prefix_cache_hits_total")
+            r = http().post(base + "/v1/completions", json=follow)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-pod"] == unit, (unit, r.headers["x-kvroute-pod"])
+            observed = [a - b for a, b in zip(per_engine(dp_engine, "vllm:prefix_cache_hits_total"), hits, strict=True)]
+            print(f"session {s}: {unit}, credited {predicted}, engine hits {observed}")
+            assert observed == [predicted if e == rank else 0 for e in range(2)] and predicted > 0
