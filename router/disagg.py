@@ -87,15 +87,18 @@ def sanitize_body(raw: bytes, body: dict[str, Any], strip: bool, metrics: PDMetr
 
 
 def prefill_header(route: Route, pods: Mapping[str, PodConfig]) -> dict[str, str]:
-    """The header that tells a decode pod's sidecar where to prefill, when the route is remote; or,
-    on an aggregated route to one engine of a data-parallel pod, vLLM's header naming that engine.
-    (P/D legs carry no rank: llm-d's prefill header has no room for one, so vLLM balances them.)"""
-    if route.mode == "aggregated":
-        pod = pods.get(route.pod_id)
-        return {} if pod is None or pod.dp_rank is None else {RANK_HEADER: str(pod.dp_rank)}
-    if route.mode != "remote" or route.prefill_pod not in pods:
-        return {}
-    return {PREFILL_HEADER: host_port(pods[route.prefill_pod].url)}
+    """The headers that steer the pod the request is sent to: on a remote route, where its sidecar
+    should prefill; and when that pod (the aggregated or decode pod) is one engine of a data-parallel
+    pod, vLLM's header naming the engine (the sidecar passes it to the decode leg only). The prefill
+    leg carries no rank: llm-d's prefill header has no room for one, so vLLM balances a prefill
+    pod's engines."""
+    headers: dict[str, str] = {}
+    pod = pods.get(route.pod_id)
+    if pod is not None and pod.dp_rank is not None:
+        headers[RANK_HEADER] = str(pod.dp_rank)
+    if route.mode == "remote" and route.prefill_pod in pods:
+        headers[PREFILL_HEADER] = host_port(pods[route.prefill_pod].url)
+    return headers
 
 
 def sidecar_prefill_seconds(headers: Mapping[str, str], metrics: PDMetrics, remote: bool) -> float | None:

@@ -176,3 +176,29 @@ def test_a_new_decider_is_one_function_and_one_registration():
         DECIDER_FUNCTIONS.pop("test-remote-when-long")
     with pytest.raises(ValueError, match="unknown P/D decider 'test-remote-when-long'"):
         decide_pd([dec("d0")], [pre("p0")], req(4000), 10, PDParams(decider="test-remote-when-long"))
+
+
+def test_the_headers_name_the_prefill_pod_and_the_decode_engine_of_a_data_parallel_pod():
+    """A route's steering headers: the sidecar's prefill target on a remote route, and vLLM's
+    X-data-parallel-rank whenever the pod the request is sent to is one engine of a data-parallel
+    pod (aggregated, or the decode engine of a P/D route: the sidecar passes it to the decode leg)."""
+    from router.config import PodConfig, data_parallel_ranks
+    from router.disagg import prefill_header
+    from router.scheduling.decide import Route
+    from router.scheduling.snapshot import Prediction
+
+    units = [*data_parallel_ranks(PodConfig(id="d", url="http://10.0.0.2:8000", model="m", role="decode",
+                                            data_parallel_size=2)),
+             PodConfig(id="p", url="http://10.0.0.1:8001", model="m", role="prefill"),
+             PodConfig(id="a", url="http://10.0.0.3:8000", model="m")]
+    pods = {u.id: u for u in units}
+    pred = Prediction(queue_s=0, prefill_s=0, overhead_s=0, uncached_tokens=1)
+
+    def route(pod: str, mode: str, prefill: str | None = None) -> Route:
+        return Route(pod_id=pod, prefill_pod=prefill or pod, prediction=pred, ttft_s=0.1, cached_tokens=0, mode=mode)
+
+    assert prefill_header(route("d#1", "remote", "p"), pods) == {"x-data-parallel-rank": "1",
+                                                                 "x-prefiller-host-port": "10.0.0.1:8001"}
+    assert prefill_header(route("d#0", "local"), pods) == {"x-data-parallel-rank": "0"}
+    assert prefill_header(route("a", "aggregated"), pods) == {}
+    assert prefill_header(route("a", "remote", "p"), pods) == {"x-prefiller-host-port": "10.0.0.1:8001"}

@@ -196,7 +196,8 @@ def test_both_legs_carry_the_exact_bodies_and_one_request_id(pods, sidecar):
     r = httpx.post(sidecar + "/v1/chat/completions", json=body, timeout=10,
                    headers=[("x-prefiller-host-port", f"127.0.0.1:{prefill.port}, 127.0.0.1:1"),
                             ("x-prefiller-host-port", "127.0.0.1:2"),
-                            ("x-request-id", "req-abc"), ("authorization", "Bearer k")])
+                            ("x-request-id", "req-abc"), ("authorization", "Bearer k"),
+                            ("x-data-parallel-rank", "3")])
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "decoded"
     assert r.headers["x-request-id"] == "req-abc"
@@ -213,6 +214,7 @@ def test_both_legs_carry_the_exact_bodies_and_one_request_id(pods, sidecar):
     assert header(p_rec, "x-request-id") == ["req-abc"]
     assert header(p_rec, "authorization") == ["Bearer k"]
     assert header(p_rec, "x-prefiller-host-port") == []
+    assert header(p_rec, "x-data-parallel-rank") == []  # the rank names a decode engine (the router's choice)
 
     (d_rec,) = decode.received
     sent_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
@@ -222,6 +224,7 @@ def test_both_legs_carry_the_exact_bodies_and_one_request_id(pods, sidecar):
     assert header(d_rec, "x-request-id") == ["req-abc"]
     assert header(d_rec, "authorization") == ["Bearer k"]
     assert header(d_rec, "x-prefiller-host-port") == []
+    assert header(d_rec, "x-data-parallel-rank") == ["3"]
 
 
 def test_request_id_is_made_when_absent_and_legacy_header_works(pods, sidecar):
