@@ -351,7 +351,8 @@ class SidecarApp:
         url = f"{scheme}://{shown}:{target.port}{scope['path']}"
         headers = forward_headers(scope["headers"])
         # a rank names one of the decode pod's engines (dataparallel.py), never one of the prefill pod's
-        headers = [(k, v) for k, v in headers if k.lower() not in ("content-type", "accept-encoding", "x-data-parallel-rank")]
+        headers = [(k, v) for k, v in headers
+                   if k.lower() not in ("content-type", "accept-encoding", "x-data-parallel-rank")]
         headers += [("Host", target.host_port), ("X-Request-Id", rid), ("Content-Type", "application/json"),
                     ("Accept-Encoding", "identity")]
         extra: dict[str, Any] = {}
