@@ -30,6 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,18 +67,43 @@ SEED_70 = """Quoted from the seed's write-up (its own model, not run here):
 ORACLE = "perfect knowledge (simulated: min true TTFT) + early rejection"
 
 
-def simulated_row(name: str, policy: str, admission: bool, specs: list, arrivals: list[float], fleet: FleetSpec,
-                  objective_s: float, duration: float) -> dict:
-    """One table row computed by ``kvroute simulate`` on the same requests and arrival times."""
+def pod_specs(fleet: FleetSpec) -> tuple[Any, tuple[Any, ...]]:
+    """The fleet as ``kvroute simulate`` models it: (the common pod spec, one per pod where they
+    differ), with each pod's slowdown applied as the simulator applies it (every step's cost, the
+    decode steps too)."""
+    from dataclasses import replace
+
     from whatif.podmodel import PodSpec
+
+    spec = PodSpec(timing=fleet.timing, block_size=fleet.block_size, num_gpu_blocks=fleet.num_gpu_blocks,
+                   prefill_tokens_per_s=fleet.prefill_tokens_per_s, decode_s_per_token=fleet.decode_s_per_token,
+                   compute_s_per_token=fleet.compute_s_per_token)
+    if not fleet.slowdowns:
+        return spec, ()
+    per_pod = []
+    for i in range(fleet.pods):
+        k = fleet.slowdowns[i] if i < len(fleet.slowdowns) else 1.0
+        per_pod.append(replace(spec, prefill_tokens_per_s=spec.prefill_tokens_per_s / k,
+                               decode_s_per_token=spec.decode_s_per_token * k,
+                               step_overhead_s=spec.step_overhead_s * k,
+                               compute_s_per_token=spec.compute_s_per_token * k,
+                               kv_read_s_per_token=spec.kv_read_s_per_token * k))
+    return spec, tuple(per_pod)
+
+
+def simulated_row(name: str, policy: str, admission: bool, specs: list, arrivals: list[float], fleet: FleetSpec,
+                  objective_s: float, duration: float, router: dict | None = None) -> dict:
+    """One table row computed by ``kvroute simulate`` on the same requests and arrival times, in the
+    same world (timing, per-pod speeds, kvroute's prior)."""
     from whatif.simulate import SimConfig, simulate
 
     n = cut(arrivals, duration=duration)
-    spec = PodSpec(timing="seed", block_size=fleet.block_size, num_gpu_blocks=fleet.num_gpu_blocks,
-                   prefill_tokens_per_s=fleet.prefill_tokens_per_s, decode_s_per_token=fleet.decode_s_per_token)
+    spec, per_pod = pod_specs(fleet)
+    router = {**({"prefill_tokens_per_s": fleet.prior} if fleet.prior is not None else {}), **(router or {})}
     started = time.perf_counter()
     res = simulate(specs[:n], arrivals[:n], SimConfig(policy=policy, admission=admission, objective_s=objective_s,
-                                                      pods=fleet.pods, spec=spec, model=fleet.model))
+                                                      pods=fleet.pods, spec=spec, pod_specs=per_pod,
+                                                      model=fleet.model, router=router))
     s = res.summary
     return {"router": name, "requests": s["requests"], "hit_rate": s["hit_rate"], "ttft_p50": s["ttft_p50"],
             "ttft_p99": s["ttft_p99"], "ttft_p99_all": s.get("ttft_p99_all"), "slo_attainment": s["slo_attainment"],

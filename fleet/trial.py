@@ -44,9 +44,17 @@ class FleetSpec:
     decode_s_per_token: float = 0.01
     model: str = "sim-model"
     data_parallel_size: int = 1   # engines behind each pod's HTTP server (vLLM's --data-parallel-size)
+    timing: str = "seed"          # the pods' timing model: seed (one FIFO prefill server) or cost (batched steps)
+    compute_s_per_token: float = 5e-5  # cost timing: seconds per token computed in a step (the simulator's default)
+    # per pod, in order: how much slower than the rest it computes (the simulator's slowdown fault), for
+    # a heterogeneous fleet; pods past the end run at full speed
+    slowdowns: tuple[float, ...] = ()
+    # kvroute's prior prefill rate (its prefill_tokens_per_s); None: prefill_tokens_per_s, the true seed rate
+    prior: float | None = None
 
     def sim_args(self, events_port: int) -> list[str]:
-        return ["--timing", "seed", "--block-size", str(self.block_size), "--num-gpu-blocks", str(self.num_gpu_blocks),
+        return ["--timing", self.timing, "--block-size", str(self.block_size),
+                "--num-gpu-blocks", str(self.num_gpu_blocks), "--compute-s-per-token", str(self.compute_s_per_token),
                 "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-s-per-token",
                 str(self.decode_s_per_token), "--kv-events-port", str(events_port), "--model", self.model,
                 "--max-model-len", "131072", "--log-level", "error",
@@ -78,7 +86,8 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
                 for i, u in enumerate(urls)]
         cfg = {"port": port, "pods": pods, "policy": target.policy, "admission": target.admission,
                "ttft_objective_ms": objective_ms if target.admission else None,
-               "block_size": fleet.block_size, "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
+               "block_size": fleet.block_size,
+               "prefill_tokens_per_s": fleet.prior if fleet.prior is not None else fleet.prefill_tokens_per_s,
                "log_level": "warning", **target.extra}
         cfg_path = workdir / f"{target.name.replace(' ', '_')}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
@@ -126,6 +135,10 @@ def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *
     workdir.mkdir(parents=True, exist_ok=True)
     events = consecutive_free_ports(2 * fleet.pods * fleet.data_parallel_size)
     with running_sims(fleet.pods, fleet.sim_args(events)) as urls:
+        for url, slowdown in zip(urls, fleet.slowdowns):
+            if slowdown != 1.0:
+                httpx.post(url + "/sim/faults", json={"slowdown": slowdown}, timeout=10.0,
+                           trust_env=False).raise_for_status()
         try:
             proc, base = start_router(target, urls, events, fleet, objective_s * 1000, workdir, Path(peers_venv))
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:

@@ -58,6 +58,7 @@ class SimConfig:
     pods: int = 8
     prefill: int = 0               # > 0: the first ``prefill`` pods prefill, the others decode (P/D)
     spec: PodSpec = field(default_factory=PodSpec)
+    pod_specs: tuple[PodSpec, ...] = ()  # per pod, in order, where pods differ (a heterogeneous fleet); else ``spec``
     event_delay_s: float = 0.0
     request_latency_s: float = 0.0  # from the router's decision to the pod's admission (HTTP, event loops)
     scrape_interval_s: float = 0.25
@@ -159,7 +160,8 @@ class _Run:
         self.seq = itertools.count()
         self.oracle = cfg.policy == "oracle"
         self.router: Any = None if self.oracle else _build_router(cfg, self.clock)
-        self.pods = {pid: PodModel(pid, cfg.spec, self._events) for pid, _ in cfg.pod_ids()}
+        self.pods = {pid: PodModel(pid, cfg.pod_specs[i] if i < len(cfg.pod_specs) else cfg.spec, self._events)
+                     for i, (pid, _) in enumerate(cfg.pod_ids())}
         self.salts = {pid: zlib.crc32(pid.encode()) for pid in self.pods}
         self.records: list[RequestRecord] = []
         self.end = 0.0
@@ -259,7 +261,8 @@ class _Run:
         cfg = self.cfg
         config = {"label": cfg.name(), "policy": cfg.policy, "admission": cfg.admission, "objective_s": cfg.objective_s,
                   "slo_tpot": cfg.slo_tpot, "pods": cfg.pods, "prefill": cfg.prefill, "timing": cfg.spec.timing,
-                  "pod_spec": asdict(cfg.spec), "event_delay_s": cfg.event_delay_s,
+                  "pod_spec": asdict(cfg.spec), "pod_specs": [asdict(p) for p in cfg.pod_specs],
+                  "event_delay_s": cfg.event_delay_s,
                   "request_latency_s": cfg.request_latency_s,
                   "scrape_interval_s": cfg.scrape_interval_s, "router": cfg.router, "num_requests": n,
                   "slo_ttft": cfg.objective_s}
