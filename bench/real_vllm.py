@@ -11,6 +11,9 @@ block size 32, KV events with replay) stand in front of nothing simulated. On th
    world: the mean absolute error and the mean absolute percentage error of the router's predicted
    TTFT against the TTFT it observed, per request (from its own ``kvroute_ttft_prediction_error_seconds``
    and ``kvroute_ttft_prediction_relative_error``), and the most requests the pods had waiting.
+   From each world's prediction log: where the error sits (by work, batch, cold or warm prefix) and
+   the ceiling, the MAPE of the best linear predictor on the router's inputs fitted offline with
+   cross-validation (``ceiling``): how much of the error a better model could remove at all.
 2. **Routing quality.** The same kind of workload against the two real engines under each kvroute
    policy and vllm-router's ``cache_aware`` (token-id prompts), the engines' prefix caches reset
    before each run. Hit rate from the engines' own counters; TTFT percentiles and the share that met
@@ -186,6 +189,68 @@ def breakdown(log: Path) -> dict[str, Any]:
                           "warm": stats([r for r in recs if r["cached_tokens"]])}}
 
 
+def ceiling(log: Path, folds: int = 5) -> dict[str, Any]:
+    """How well ANY linear predictor on the router's inputs could have done on this log: the MAPE of
+    fits made offline with 5-fold cross-validation (least squares weighted by 1/observed, which
+    targets relative error), each feature set adding to the last. ``last observed`` is the pod's
+    latest observed TTFT when the request was routed (a router could know it); ``future arrivals``
+    adds the requests routed to the same pod and to the others while this one waited, which no
+    router knows when it routes (an upper bound for load-aware prediction)."""
+    import numpy as np
+
+    recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    if len(recs) < 5 * folds:
+        return {"n": len(recs)}
+    n = len(recs)
+    y = np.array([r["observed_s"] for r in recs])
+    route = np.array([r["t"] - r["observed_s"] for r in recs])
+    done = np.array([r["t"] for r in recs])
+    pod = np.array([r["pod"] for r in recs])
+    prev = np.full(n, float(np.median(y)))
+    for i in range(n):   # the pod's latest first token before this request was routed
+        before = np.flatnonzero((pod == pod[i]) & (done <= route[i]))
+        if before.size:
+            prev[i] = y[before[np.argmax(done[before])]]
+    during = (route[None, :] > route[:, None]) & (route[None, :] < done[:, None])   # [i, j]: j routed while i waited
+    same = pod[None, :] == pod[:, None]
+    work = np.array([r["work_tokens"] for r in recs]) / 1000.0
+    running = np.array([r["running"] for r in recs], dtype=float)
+    features = [
+        ("constant", np.ones(n)),
+        ("+ uncached work", work),
+        ("+ running batch", running),
+        ("+ cached tokens, work x batch", np.column_stack([np.array([r["cached_tokens"] for r in recs]) / 1000.0,
+                                                          work * running])),
+        ("+ last observed TTFT on the pod", prev),
+        ("+ future arrivals (not knowable)", np.column_stack([(during & same).sum(1), (during & ~same).sum(1)])),
+    ]
+    order = np.random.default_rng(0).permutation(n)
+    out: dict[str, Any] = {"n": n, "online": float(np.mean(np.abs(y - np.array([r["predicted_s"] for r in recs])) / y))}
+    x = np.empty((n, 0))
+    for label, cols in features:
+        x = np.column_stack([x, cols])
+        errors: list[float] = []
+        for test in np.array_split(order, folds):
+            train = np.setdiff1d(order, test)
+            w = 1.0 / y[train]
+            coef, *_ = np.linalg.lstsq(x[train] * w[:, None], y[train] * w, rcond=None)
+            errors.extend(np.abs(np.maximum(x[test] @ coef, 1e-3) - y[test]) / y[test])
+        out[label] = float(np.mean(errors))
+    return out
+
+
+def format_ceiling(rows: Sequence[dict[str, Any]]) -> str:
+    labelled = [r for r in rows if r.get("ceiling", {}).get("online") is not None]
+    if not labelled:
+        return "(no prediction logs)"
+    keys = [k for k in labelled[0]["ceiling"] if k not in ("n", "online")]
+    lines = ["| world | kvroute online | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for r in labelled:
+        c = r["ceiling"]
+        lines.append(f"| {r['world']} | {_pct(c['online'])} | " + " | ".join(_pct(c[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def format_breakdown(world: str, b: dict[str, Any]) -> str:
     lines = [f"{world}: where the error sits (prediction log)", "",
              "| slice | requests | median observed | median predicted | observed / model (median) | MAPE |",
@@ -267,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop_process(proc)
             rows[-1]["breakdown"] = breakdown(plog)
+            rows[-1]["ceiling"] = ceiling(plog)
             # the simulator's two timing models, same requests
             for timing in ("seed", "cost"):
                 events = consecutive_free_ports(4)
@@ -285,12 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         stop_process(proc)
                     rows[-1]["breakdown"] = breakdown(plog)
+                    rows[-1]["ceiling"] = ceiling(plog)
             results["prediction"] = rows
             print("\nTTFT prediction error of kvroute's calibrated predictor, same requests in each world\n")
             print(format_prediction(rows))
             for r in rows:
                 if r.get("breakdown"):
                     print("\n" + format_breakdown(r["world"], r["breakdown"]))
+            print("\nThe best any linear predictor on the router's inputs could do (MAPE, fitted offline on each "
+                  "world's log, 5-fold cross-validated)\n")
+            print(format_ceiling(rows))
         if "routing" not in skip:
             routing_rows = []
             for target in [*POLICIES, PEER]:

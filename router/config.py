@@ -197,6 +197,10 @@ class RouterSettings(BaseSettings):
     overhead_ms: float = Field(5.0, description="prior fixed per-request overhead before calibration")
     calibrate: bool = Field(True, description="learn each pod's prefill rate and overhead from observed TTFTs")
     calibration_halflife: float = Field(200.0, description="calibration memory, in observations")
+    calibration_fit: Literal["seconds", "relative"] = Field("seconds", description="what the calibration's least "
+                                                            "squares minimise: the error in seconds, or relative to "
+                                                            "the observed TTFT (robust to a slow tail; see "
+                                                            "docs/router.md)")
     unknown_request_tokens: int = Field(512, description="prefill tokens assumed per queued request the router "
                                         "did not send itself (seen only in vllm:num_requests_waiting)")
     affinity_bonus_ms: float = Field(0.0, description="predicted-ttft: credit for the pod holding the longest prefix")

@@ -131,7 +131,8 @@ class Router:
         self.ledger = ledger or Ledger(clock)
         self.calibrator = calibrator or Calibrator(settings.prefill_tokens_per_s, settings.overhead_ms / 1000.0,
                                                    settings.calibration_halflife, settings.calibrate,
-                                                   prior_sd=settings.ttft_error_prior_sd)
+                                                   prior_sd=settings.ttft_error_prior_sd,
+                                                   relative=settings.calibration_fit == "relative")
         self.block_size = block_size
         self.subscriber = subscriber
         self.policy = settings.policy if settings.scorers is None else "custom"

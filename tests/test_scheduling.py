@@ -313,3 +313,26 @@ def test_the_calibrator_learns_what_the_running_batch_adds():
     busy = cand("p", running=6, per_running_s=c.per_running_s, prefill_tokens_per_s=c.rate, overhead_s=c.overhead_s)
     p = predict(busy, RequestView(prompt_tokens=2000))
     assert p.batch_s == pytest.approx(6 * c.per_running_s) and p.ttft_s == pytest.approx(0.02 + 0.25 + 0.18, rel=0.1)
+
+
+def test_the_relative_fit_is_not_led_by_a_slow_tail():
+    """``calibration_fit: relative``: with a heavy multiplicative tail (a few requests 3-10x slow, as
+    on a shared CPU), the fit in seconds chases the tail and over-predicts the common request; the
+    relative fit keeps to it (lower mean relative error), and still learns the rate."""
+    def run(relative: bool) -> tuple[float, float]:
+        cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200, relative=relative)
+        rng = random.Random(7)
+        errors = []
+        for i in range(1500):
+            work = rng.uniform(200, 4000)
+            true = 0.02 + work / 5000
+            observed = true * (rng.uniform(3, 10) if rng.random() < 0.1 else rng.uniform(0.9, 1.1))
+            if i >= 500:
+                errors.append(abs(cal.pod("p").predict(work) - observed) / observed)
+            cal.observe("p", work, observed)
+        return sum(errors) / len(errors), cal.pod("p").rate
+
+    seconds_mape, _ = run(False)
+    relative_mape, relative_rate = run(True)
+    assert relative_mape < 0.8 * seconds_mape, (relative_mape, seconds_mape)
+    assert relative_rate == pytest.approx(5000, rel=0.25)
