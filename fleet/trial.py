@@ -113,6 +113,9 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
                "--policy", target.policy, "--log-level", "warn"]
     else:
         raise ValueError(f"unknown router kind {target.kind}")
+    # both peers open a Prometheus listener, on 29000 unless told: a port of its own, so a peer still
+    # closing (or another trial's) cannot make the next one fail to start
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += [str(a) for a in target.extra.get("args", [])]
     proc = spawn(cmd, log_path)
     base = f"http://127.0.0.1:{port}"
