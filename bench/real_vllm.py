@@ -312,6 +312,29 @@ def format_prediction(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def analyse_logs(folder: Path, out: Path, argv: list[str] | None) -> int:
+    worlds = [("real vLLM 0.32 (CPU), 2 engines", "predict-real.jsonl"),
+              ("simulator, seed timing, 2 pods", "predict-sim-seed.jsonl"),
+              ("simulator, cost timing, 2 pods", "predict-sim-cost.jsonl")]
+    rows = [{"world": w, "log": str(folder / f), "breakdown": breakdown(folder / f), "ceiling": ceiling(folder / f)}
+            for w, f in worlds if (folder / f).exists()]
+    if not rows:
+        print(f"no prediction logs in {folder}", file=sys.stderr)
+        return 2
+    for r in rows:
+        print("\n" + format_breakdown(r["world"], r["breakdown"]))
+    print("\nThe best any linear predictor on the router's inputs could do (MAPE, fitted offline on each world's "
+          "log, 5-fold cross-validated), beside the calibrator replayed on the same log\n")
+    print(format_ceiling(rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": {"command": "python bench/real_vllm.py " + " ".join(argv or sys.argv[1:])},
+                               "prediction": rows}, indent=2) + "\n")
+    real = rows[0]["ceiling"]
+    print(f"\n{rows[0]['world']}: kvroute live MAPE {_pct(real.get('online'))}; the best linear predictor on its "
+          f"inputs {_pct(min(v for k, v in real.items() if k.startswith('+') and 'not knowable' not in k))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=6.0, help="requests per second (default 6)")
@@ -321,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-venv", default="/tmp/peers-venv")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "real_vllm.json"))
     ap.add_argument("--skip", default="", help="comma list of parts to skip: prediction,routing")
+    ap.add_argument("--analyse-logs", metavar="DIR", help="run nothing: take apart the prediction logs an earlier "
+                    "run left in DIR (its workdir, kvroute-real-bench-*: predict-real.jsonl, predict-sim-*.jsonl) "
+                    "and write their breakdown and ceiling to --out")
     args = ap.parse_args(argv)
+    if args.analyse_logs:
+        return analyse_logs(Path(args.analyse_logs), Path(args.out), argv)
     # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so the engines and routers are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     skip = {p for p in args.skip.split(",") if p}
