@@ -88,12 +88,16 @@ def prefix_cache_demo(urls: list[str], document_sections: int = 40,
     return shots
 
 
+# (label, policy, early rejection, what it does: one line under the table)
 DEMO_POLICIES = [
-    ("random", "random", False),
-    ("least load", "least-load", False),
-    ("cache only", "cache-only", False),
-    ("predicted TTFT", "predicted-ttft", False),
-    ("predicted TTFT + early rejection", "predicted-ttft", True),
+    ("random", "random", False, "ignores the caches: most turns recompute their whole history"),
+    ("least load", "least-load", False, "balances the queues but ignores the caches: the same recomputation, spread"),
+    ("cache only", "cache-only", False, "follows every cached prefix: the pod holding the shared system prompt takes "
+                                        "everything and its queue grows without bound"),
+    ("predicted TTFT", "predicted-ttft", False, "weighs cache against queue: recomputes the shared prompt on other "
+                                                "pods once waiting would cost more"),
+    ("predicted TTFT + early rejection", "predicted-ttft", True, "also refuses at once (429) what no pod can serve "
+                                                                 "in time, so the requests it admits stay fast"),
 ]
 
 
@@ -116,7 +120,7 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
     results = []
     policies = [p for p in DEMO_POLICIES if not args.policies or p[1] in args.policies]
     workdir = Path(args.out)
-    for label, policy, admission in policies:
+    for label, policy, admission, _ in policies:
         started = time.monotonic()
         res = run_trial(Target(label, policy=policy, admission=admission), specs, arrivals, fleet=fleet,
                         objective_s=args.objective, duration=args.seconds, workdir=workdir / "logs",
@@ -132,6 +136,9 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
                 f"({time.monotonic() - started:.0f} s)", )
     out("")
     out(format_rows([row(r) for r in results], args.objective))
+    out("")
+    for label, _, _, what in policies:
+        out(f"  {label}: {what}")
     plot = save_plot(results, workdir / "demo-ttft-cdf.png", args.objective,
                      f"TTFT, {args.pods} simulated pods, {args.rate:g} req/s")
     out(f"\nplot: {plot}")
@@ -191,10 +198,12 @@ def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> i
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
     p.add_argument("--pods", type=int, default=4, help="simulated pods (default: 4)")
-    p.add_argument("--rate", type=float, default=60.0, help="requests per second (default: 60)")
-    p.add_argument("--seconds", type=float, default=12.0, help="seconds of load per policy (default: 12)")
+    # one system prompt shared by every session, at a load four pods cannot carry on one pod: where
+    # cache-only, prediction and rejection part (measured with kvroute simulate before choosing)
+    p.add_argument("--rate", type=float, default=100.0, help="requests per second (default: 100)")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds of load per policy (default: 20)")
     p.add_argument("--sessions", type=int, default=60, help="chat sessions (default: 60)")
-    p.add_argument("--system-prompts", type=int, default=8, help="shared system prompts (default: 8)")
+    p.add_argument("--system-prompts", type=int, default=1, help="shared system prompts (default: 1)")
     p.add_argument("--turn-tokens", type=int, default=600, help="new tokens per turn (default: 600)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="pod prefill speed (default: 20000)")
     p.add_argument("--objective", type=float, default=2.0, help="TTFT objective in seconds (default: 2)")
