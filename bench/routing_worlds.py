@@ -127,7 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep what --out already holds except what this run measures again")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the matching live rows")
     ap.add_argument("--simulated-only", action="store_true", help="run no live rows (with --merge: keep them)")
+    ap.add_argument("--print", action="store_true", help="run nothing: print the tables of --out (for the docs)")
     args = ap.parse_args(argv)
+    if args.print:
+        saved = json.loads(Path(args.out).read_text())
+        for name, w in saved["worlds"].items():
+            print(f"\n**{name}**: {w['what']}; {w['rate']:g} req/s, {w['requests']} requests\n")
+            print(format_rows(w["rows"], saved["config"]["objective_s"]))
+        return 0
     chosen = [w for w in WORLDS if w.name in args.worlds.split(",")]
     keys = [k for k in args.only.split(",") if k]
     targets = [t for t in TARGETS if not (args.no_peers and t.kind != "kvroute") and not args.simulated_only

@@ -192,7 +192,8 @@ def format_rows(rows: Sequence[dict[str, Any]], objective_s: float) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['router']} | — | — | — | — | not run: {r['error']} | — | — |")
+            why = " ".join(str(r["error"]).split())[:160]   # one line, whatever the process printed
+            lines.append(f"| {r['router']} | — | — | — | — | not run: {why} | — | — |")
             continue
         hit = f"{r['hit_rate'] * 100:.1f} %" if r.get("hit_rate") is not None else "—"
         met = f"{r['slo_attainment'] * 100:.1f} %" if r.get("slo_attainment") is not None else "—"
