@@ -174,6 +174,8 @@ def breakdown(log: Path) -> dict[str, Any]:
         return {"n": len(rs), "mape": sum(ape) / len(ape) if ape else None,
                 "median_observed_over_model": ratios[len(ratios) // 2] if ratios else None,
                 "median_observed_ms": 1000 * sorted(r["observed_s"] for r in rs)[len(rs) // 2],
+                "p10_observed_ms": 1000 * sorted(r["observed_s"] for r in rs)[len(rs) // 10],
+                "p90_observed_ms": 1000 * sorted(r["observed_s"] for r in rs)[9 * len(rs) // 10],
                 "median_predicted_ms": 1000 * sorted(r["predicted_s"] for r in rs)[len(rs) // 2]}
 
     def by(key, edges: Sequence[float]) -> dict[str, Any]:
@@ -281,7 +283,7 @@ def format_ceiling(rows: Sequence[dict[str, Any]]) -> str:
 
 def format_breakdown(world: str, b: dict[str, Any]) -> str:
     lines = [f"{world}: where the error sits (prediction log)", "",
-             "| slice | requests | median observed | median predicted | observed / model (median) | MAPE |",
+             "| slice | requests | observed p10 / median / p90 | median predicted | observed / model (median) | MAPE |",
              "|---|---|---|---|---|---|"]
     slices = [("all", b["all"])] + [(f"work {k} tokens", v) for k, v in b["by_work_tokens"].items()] + \
         [(f"running {k}", v) for k, v in b["by_running"].items()] + \
@@ -290,7 +292,8 @@ def format_breakdown(world: str, b: dict[str, Any]) -> str:
         if not st.get("n"):
             continue
         ratio = st["median_observed_over_model"]
-        lines.append(f"| {name} | {st['n']} | {st['median_observed_ms']:.0f} ms | {st['median_predicted_ms']:.0f} ms "
+        lines.append(f"| {name} | {st['n']} | {st.get('p10_observed_ms', 0):.0f} / {st['median_observed_ms']:.0f} / "
+                     f"{st.get('p90_observed_ms', 0):.0f} ms | {st['median_predicted_ms']:.0f} ms "
                      f"| {'—' if ratio is None else f'{ratio:.2f}'} | {_pct(st['mape'])} |")
     return "\n".join(lines)
 
