@@ -18,7 +18,7 @@ Every world is 8 simulated pods (real HTTP, real KV events over ZeroMQ) and a TT
 
 Rows: kvroute (predicted-ttft + early rejection) and the peers live; then, on the same requests in
 simulated time (``kvroute simulate``, the router's own decision code), kvroute without and with
-admission, kvroute with admission and the experimental relative calibration fit
+admission, kvroute without and with admission under the experimental relative calibration fit
 (``calibration_fit: relative``, not the default), and the perfect-knowledge oracle without and with
 rejection. The oracle knows every pod's true queue and cache; its TTFT is exact in seed timing and
 an estimate in cost timing (``whatif.podmodel.PodModel.true_ttft``: there it rejects more than it
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         relative = {"calibration_fit": "relative"}
         twins = [("kvroute predicted-ttft (simulated)", "predicted-ttft", False, None),
                  ("kvroute predicted-ttft + early rejection (simulated)", "predicted-ttft", True, None),
+                 ("kvroute, relative calibration fit (simulated)", "predicted-ttft", False, relative),
                  ("kvroute, relative calibration fit, + early rejection (simulated)", "predicted-ttft", True, relative),
                  ("perfect knowledge (simulated: min true TTFT), no rejection", "oracle", False, None),
                  (ORACLE, "oracle", True, None)]
