@@ -350,6 +350,16 @@ def stop_all(engines: Sequence[Engine], remove_scratch: bool = False) -> None:
             shutil.rmtree(e.scratch / f"{e.name}-tmp", ignore_errors=True)
 
 
+@contextmanager
+def running(engines: Sequence[Engine]) -> Iterator[list[Engine]]:
+    """Start ``engines`` (``start_all``), yield them, and stop them however the block ends."""
+    started = start_all(engines)
+    try:
+        yield started
+    finally:
+        stop_all(engines)
+
+
 def router_pod(engine: Engine, role: str = "both", **extra: Any) -> dict[str, Any]:
     """A router ``pods`` entry for ``engine``."""
     return {"id": engine.name, "url": engine.url, "model": MODEL_NAME, "role": role,

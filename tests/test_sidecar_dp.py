@@ -22,6 +22,14 @@ PROMPT = "Data parallel engines each keep their own cache. " * 8
 BODY = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
 
 
+def _ports_apart(n: int, other: int, other_n: int) -> int:
+    """The first of ``n`` consecutive free ports, none of them in ``other`` .. ``other + other_n - 1``."""
+    while True:
+        first = consecutive_free_ports(n)
+        if first + n <= other or first >= other + other_n:
+            return first
+
+
 def _scope(port: int, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
     return {"headers": headers or [], "server": ("127.0.0.1", port)}
 
@@ -53,9 +61,7 @@ def test_rank_from_port_and_header_and_refusals():
 def external():
     """(prefill URL, [rank 0 URL, rank 1 URL], [sidecar port 0 URL, sidecar port 1 URL], prefill target)."""
     base = consecutive_free_ports(3)
-    side = consecutive_free_ports(2)
-    while side in range(base - 1, base + 3):
-        side = consecutive_free_ports(2)
+    side = _ports_apart(2, base, 3)
     pods = [f"http://127.0.0.1:{base + i}" for i in range(3)]
     with kvroute_process(["sim", "--port", str(base), "--count", "3", "--host", "127.0.0.1"],
                          ready_url=pods[2] + "/health"):
@@ -110,9 +116,7 @@ def test_external_lb_refuses_an_endpoint_that_is_not_this_pods(external):
 def internal():
     """(the DP=2 simulated pod's URL, [sidecar port 0 URL, sidecar port 1 URL])."""
     pod = consecutive_free_ports(1)
-    side = consecutive_free_ports(2)
-    while side in range(pod - 1, pod + 1):
-        side = consecutive_free_ports(2)
+    side = _ports_apart(2, pod, 1)
     pod_url = f"http://127.0.0.1:{pod}"
     with kvroute_process(["sim", "--port", str(pod), "--host", "127.0.0.1", "--data-parallel-size", "2"],
                          ready_url=pod_url + "/health"):

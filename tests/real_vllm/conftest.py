@@ -116,11 +116,8 @@ def pd_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) ->
     _agg_pair.stop()
     engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True)
                for i, name in enumerate(("prefill", "decode"))]
-    rv.start_all(engines)
-    try:
+    with rv.running(engines):
         yield engines
-    finally:
-        rv.stop_all(engines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,11 +27,8 @@ def dp_engine(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> 
     cores would slow every other test)."""
     _agg_pair.stop()
     engine = rv.Engine(real_env, "dp", real_scratch, data_parallel_size=2)
-    rv.start_all([engine])
-    try:
+    with rv.running([engine]):
         yield engine
-    finally:
-        rv.stop_all([engine])
 
 
 def text(seed: int, words: int) -> str:

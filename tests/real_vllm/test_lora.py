@@ -28,11 +28,8 @@ def lora_engine(real_env: rv.RealEnv, real_scratch) -> Iterator[rv.Engine]:
     assert (path / "adapter_config.json").is_file(), f"no adapter at {path}: run make real-vllm"
     engine = rv.Engine(real_env, "lora", real_scratch, core=0, extra_args=[
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"{ADAPTER}={path}"])
-    rv.start_all([engine])
-    try:
+    with rv.running([engine]):
         yield engine
-    finally:
-        rv.stop_all([engine])
 
 
 def text(seed: int, words: int) -> str:
