@@ -706,6 +706,9 @@ class HFTokenizer(_ChatRendering):
             raise FileNotFoundError(f"tokenizer file not found: {tok_file}")
         folder = tok_file.parent
         self._tok = _HF.from_file(str(tok_file))
+        from indexer.prefix_tokens import fast_encoder
+
+        self._encode = fast_encoder(self._tok)  # lets go of the GIL, so a tokenize thread does not stall the loop
         self.name = str(folder.name or tok_file.name)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         cfg: dict[str, Any] = {}
@@ -729,8 +732,7 @@ class HFTokenizer(_ChatRendering):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.prefix_cache is not None:
             return self.prefix_cache.encode(text, add_special_tokens)
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        return ids
+        return self._encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

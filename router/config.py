@@ -191,6 +191,9 @@ class RouterSettings(BaseSettings):
     tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
                                         "in the tokenize threads, so they do not delay small requests")
+    gil_switch_interval_ms: float = Field(0.5, gt=0, description="how long a Python thread (a tokenize thread "
+                                          "hashing a big prompt) may hold the GIL before the event loop gets it "
+                                          "(sys.setswitchinterval; Python's default is 5 ms)")
     block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
                                    "vllm:cache_config_info, else 16)")
     prefill_tokens_per_s: float = Field(20000.0, description="prior prefill rate per pod before calibration")

@@ -146,6 +146,24 @@ def test_memory_is_bounded_and_a_mismatch_turns_the_cache_off():
     assert cache.encode(text + " more words") == hf.encode(text + " more words").ids  # off: whole again
 
 
+def test_a_chunk_end_inside_a_token_is_not_a_cut():
+    """A tokenizer whose tokens may span a space ("x y" is one token here): the chunk ending at that
+    space is not stored, and the chain of reusable chunks stops before it."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "x y", "aa", "bb", "cc", "dd", " "])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"x y|\S+|\s"), behavior="isolated")
+    text = "aa bb x y cc dd aa bb"
+    cache = PrefixTokenCache(hf, chunk_chars=1, min_chars=0, verify_every=0)
+    assert boundaries(text, 1)[:3] == [2, 5, 7]  # the third ends inside the token "x y"
+    assert cache.encode(text, False) == hf.encode(text, add_special_tokens=False).ids
+    assert len(cache._chunks) == 2  # "aa" and " bb": nothing from the crossed cut on
+    again = text + " cc"
+    assert cache.encode(again, False) == hf.encode(again, add_special_tokens=False).ids
+    assert cache.stats.reused_tokens == 3  # aa, " ", bb
+
+
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_branches_that_differ_inside_a_run_of_spaces_stay_exact(name):
     """A cut inside a run of spaces is where a tokenizer's look-ahead can join what a shorter run
