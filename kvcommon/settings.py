@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -144,5 +144,13 @@ def load_settings(cls: type[S], argv: list[str] | None, prog: str, description: 
     try:
         return settings_from_args(cls, args)
     except (ConfigError, ValueError) as exc:
-        parser.error(str(exc))
+        parser.error(settings_error(exc))
         raise  # unreachable: parser.error exits
+
+
+def settings_error(exc: Exception) -> str:
+    """What was wrong with the settings, without the values given (a key or a token may be one)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+                         for e in exc.errors(include_url=False, include_input=False, include_context=False))
+    return str(exc)

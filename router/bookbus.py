@@ -29,6 +29,17 @@ Every buffer is bounded: ZeroMQ's high-water marks, the largest frame accepted, 
 origin and origins tracked; whatever does not fit, and every frame that does not decode, is counted
 in ``kvroute_booking_bus_messages_total{kind, direction="dropped"}`` and dropped, never raised.
 
+**Who may speak on it.** Without a key the bus trusts its network: whoever reaches a replica's bus
+port reads its bookings (the fleet's pods and their load), and whatever a replica subscribes to (a
+static peer, or an address the peers' DNS name resolves to) writes bookings into its ledger; an
+inflated queue steers traffic away from a pod. With ``booking_bus_curve_secret_key`` (one CURVE key
+pair, a Kubernetes Secret shared by every router process) every socket of the bus speaks CURVE:
+the sockets that bind are CURVE servers with the pair, the sockets that connect are CURVE clients
+with the same pair, and a ZAP handler in each process that binds admits only clients presenting
+its public key. So a SUB takes messages only from a publisher that holds the secret key (the
+handshake proves the server's key), a bound socket serves only peers that hold it, and the traffic
+is encrypted. ``BusKey`` holds the pair.
+
 Topologies (``router/serve.py`` and ``router/service.py`` wire them):
 
 - workers of one ``kvroute serve``: the parent runs a ``Forwarder`` (XSUB/XPUB on 127.0.0.1); each
@@ -72,6 +83,53 @@ MAX_FORGOTTEN = 1024
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
+
+
+@dataclass(frozen=True)
+class BusKey:
+    """The bus's CURVE key pair (Z85 bytes), the same in every router process."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret_z85: str) -> BusKey:
+        """The pair from its secret key (40 Z85 characters); ValueError if it is not one."""
+        secret = secret_z85.strip().encode("ascii", errors="replace")
+        if len(secret) != 40:
+            raise ValueError("a CURVE secret key is 40 Z85 characters")
+        try:
+            return cls(zmq.curve_public(secret), secret)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise ValueError(f"not a CURVE secret key in Z85: {exc}") from None
+
+    def serve(self, sock: Any) -> None:
+        """A socket that binds: a CURVE server with the pair."""
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+    def dial(self, sock: Any) -> None:
+        """A socket that connects: a CURVE client with the pair, expecting a server with it."""
+        sock.curve_serverkey = self.public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+    def guard(self, ctx: zmq.Context) -> Any:
+        """Start a ZAP handler in ``ctx`` that admits only clients presenting this public key (the
+        sockets of ``ctx`` that bind would admit any key otherwise); stop it with ``.stop()``."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        key = self.public
+
+        class _OnlyOurs:
+            def callback(self, domain: str, client_key: bytes) -> bool:
+                return bool(client_key == key)
+
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvroute.bookbus.zap"))
+        auth.start()
+        auth.configure_curve_callback("*", _OnlyOurs())
+        return auth
 
 
 def new_origin() -> str:
@@ -179,8 +237,13 @@ class BookingBus:
                  resolve_interval_s: float = 5.0, snapshot_s: float = 0.5, peer_timeout_s: float = 3.0,
                  hwm: int = 10_000, max_bookings_per_origin: int = 50_000, max_origins: int = 256,
                  max_frame_bytes: int = 8 * 1024 * 1024, origin: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, key: BusKey | None = None):
+        """``key``: CURVE on every socket (the module's docstring says who may then speak)."""
+        if key is not None and pub_bind and pub_connect:
+            raise ValueError("with a CURVE key the PUB socket either binds (a server) or connects (a client)")
         self.ledger = ledger
+        self.key = key
+        self._auth: Any = None
         self.origin = origin or new_origin()
         self.pub_bind, self.pub_connect = list(pub_bind), list(pub_connect)
         self.static_peers = list(sub_connect)
@@ -353,6 +416,11 @@ class BookingBus:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         pub.setsockopt(zmq.LINGER, 0)
+        if self.key is not None and self.pub_bind:
+            self._auth = self.key.guard(self._ctx)
+            self.key.serve(pub)
+        elif self.key is not None:
+            self.key.dial(pub)
         for ep in self.pub_bind:
             pub.bind(ep)
             self.bound.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -363,6 +431,8 @@ class BookingBus:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if self.key is not None:
+            self.key.dial(sub)
         self._pub, self._sub = pub, sub
         self.set_peers([])
         if self.resolve_peers is not None:
@@ -431,6 +501,9 @@ class BookingBus:
             if s is not None:
                 s.close(linger=0)
         self._pub = self._sub = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -480,12 +553,16 @@ class Forwarder:
     ports; ``extra_binds`` also exposes XPUB to replicas (``booking_bus_bind``). Messages from
     replicas do not come through here: each worker subscribes to them itself."""
 
-    def __init__(self, hwm: int = 10_000, host: str = "127.0.0.1", extra_binds: Iterable[str] = ()):
+    def __init__(self, hwm: int = 10_000, host: str = "127.0.0.1", extra_binds: Iterable[str] = (),
+                 key: BusKey | None = None):
         self._ctx = zmq.Context()
+        self._auth = key.guard(self._ctx) if key is not None else None
         self._xsub = self._ctx.socket(zmq.XSUB)
         self._xpub = self._ctx.socket(zmq.XPUB)
         for s in (self._xsub, self._xpub):
             s.setsockopt(zmq.LINGER, 0)
+            if key is not None:  # both bind: the workers' sockets (and replicas') are its clients
+                key.serve(s)
         self._xsub.setsockopt(zmq.RCVHWM, hwm)
         self._xpub.setsockopt(zmq.SNDHWM, hwm)
         port_in = self._xsub.bind_to_random_port(f"tcp://{host}")
@@ -522,5 +599,7 @@ class Forwarder:
                 self._control.send(b"TERMINATE")
             self._thread.join(timeout_s)
         self._control.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         if not self._thread.is_alive():
             self._ctx.term()

@@ -307,6 +307,9 @@ class RouterSettings(BaseSettings):
                                           "bookings (repairs lost messages; also its heartbeat)")
     booking_bus_peer_timeout_s: float = Field(3.0, gt=0, description="a router silent this long has its bookings "
                                               "dropped")
+    booking_bus_curve_secret_key: str | None = Field(None, description="CURVE on the booking bus: one secret key "
+                                                     "(Z85, 40 characters) shared by every router process; only "
+                                                     "holders can publish or read bookings (docs/router.md)")
     booking_bus_hwm: int = Field(10_000, ge=1, description="ZeroMQ high-water mark of the bus sockets (messages)")
     booking_bus_max_bookings: int = Field(50_000, ge=1, description="largest number of bookings held for one other "
                                           "router (beyond: dropped and counted)")
@@ -325,6 +328,14 @@ class RouterSettings(BaseSettings):
         if any(keys) and not all(k and len(k) == 40 for k in keys):
             raise ValueError("kv_event_curve_server_key, _public_key and _secret_key go together, "
                              "40 Z85 characters each")
+        return self
+
+    @model_validator(mode="after")
+    def _bus_key(self) -> RouterSettings:
+        if self.booking_bus_curve_secret_key is not None:
+            from router.bookbus import BusKey
+
+            BusKey.from_secret(self.booking_bus_curve_secret_key)  # a ValueError names the problem, not the key
         return self
 
     @model_validator(mode="after")

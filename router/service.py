@@ -212,8 +212,9 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
     replicas = bool(settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns)
     if not settings.booking_bus or (forwarder is None and not replicas):
         return None
-    from router.bookbus import BookingBus
+    from router.bookbus import BookingBus, BusKey
 
+    key = BusKey.from_secret(settings.booking_bus_curve_secret_key) if settings.booking_bus_curve_secret_key else None
     resolve = None
     if settings.booking_bus_peers_dns:
         from router.discovery.dns import resolver_for
@@ -228,4 +229,5 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
                       sub_connect=([forwarder[1]] if forwarder else []) + list(settings.booking_bus_peers),
                       resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s,
                       snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
-                      hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings)
+                      hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings,
+                      key=key)

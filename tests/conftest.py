@@ -76,6 +76,8 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_serve_with_two_workers_shares_bookings_between_them",
         "test_replicas_follow_the_peer_list_a_resolver_gives",
         "test_two_replicas_with_bind_and_peers_see_each_others_bookings",
+        "test_with_a_curve_key_only_its_holders_publish_or_read_bookings",
+        "test_a_keyed_forwarder_takes_only_keyed_workers",
     }),
     "test_chat_template_parity.py": frozenset({"test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order"}),
     "test_cli.py": frozenset({"test_help_lists_every_subcommand"}),

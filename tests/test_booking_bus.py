@@ -21,7 +21,7 @@ import pytest
 import yaml
 import zmq
 
-from router.bookbus import TOPIC, BookingBus, Forwarder, encode
+from router.bookbus import TOPIC, BookingBus, BusKey, Forwarder, encode
 from router.booking import KV, PREFILL, Ledger
 from simulator.testing import running_sims
 from tests.helpers import ROOT, free_ports, kvroute_process, until
@@ -290,6 +290,93 @@ async def test_workers_share_bookings_through_the_forwarder():
         fwd.stop()
 
 
+def fresh_key() -> BusKey:
+    return BusKey.from_secret(zmq.curve_keypair()[1].decode())
+
+
+def outsider(kind: int, server_public: bytes) -> zmq.Socket:
+    """A socket with a CURVE pair of its own that knows the bus's public key."""
+    sock = zmq.Context.instance().socket(kind)
+    public, secret = zmq.curve_keypair()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+async def test_with_a_curve_key_only_its_holders_publish_or_read_bookings():
+    """Replicas sharing one key hear each other; a publisher without the key or with another one is
+    not heard when a replica subscribes to it, and it cannot read a replica's bookings either."""
+    key = fresh_key()
+    pr, po = free_ports(2)
+    rogues = [BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{pr}"], snapshot_s=0.1),
+              BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{po}"], snapshot_s=0.1, key=fresh_key())]
+    for r in rogues:
+        await r.start()
+    try:
+        async with two_buses(snapshot_s=0.1, peer_timeout_s=5.0, key=key) as (a, b):
+            for r in rogues:
+                r.set_peers(a.bound)  # they try to read a
+                r.ledger.book("p9", 10_000)  # and to write into a
+            a.set_peers([f"tcp://127.0.0.1:{pr}", f"tcp://127.0.0.1:{po}"])
+            # one who knows the public key (it is not secret) but holds another pair: ZAP turns it away
+            spy = outsider(zmq.SUB, key.public)
+            spy.setsockopt(zmq.SUBSCRIBE, b"")
+            spy.connect(a.bound[0])
+            ticket = a.ledger.book("p0", 800)
+            await until(lambda: b.ledger.inflight("p0") == 1, 5, "a's booking at b, over CURVE")
+            await asyncio.sleep(1.0)  # ten snapshot rounds of the rogues
+            assert a.ledger.inflight("p9") == 0 and b.ledger.inflight("p9") == 0
+            assert set(a.peers) == {b.origin}
+            assert all(r.ledger.inflight("p0") == 0 and not r.peers for r in rogues)
+            assert spy.poll(0) == 0  # not one of a's ten snapshots reached it
+            spy.close(linger=0)
+            a.ledger.release("p0", ticket)
+            await until(lambda: b.ledger.inflight("p0") == 0, 5, "the release")
+    finally:
+        for r in rogues:
+            await r.stop()
+
+
+async def test_a_keyed_forwarder_takes_only_keyed_workers():
+    key = fresh_key()
+    fwd = Forwarder(key=key).start()
+    workers = [BookingBus(Ledger(), pub_connect=[fwd.pub_endpoint], sub_connect=[fwd.sub_endpoint], snapshot_s=0.1,
+                          key=key) for _ in range(2)]
+    plain = BookingBus(Ledger(), pub_connect=[fwd.pub_endpoint], sub_connect=[fwd.sub_endpoint], snapshot_s=0.1)
+    try:
+        for w in [*workers, plain]:
+            await w.start()
+        plain.ledger.book("p9", 10_000)
+        forger = outsider(zmq.PUB, key.public)  # knows the public key, not the secret: ZAP turns it away
+        forger.connect(fwd.pub_endpoint)
+        workers[0].ledger.book("p0", 100)
+        await until(lambda: workers[1].ledger.inflight("p0") == 1, 10, "a keyed worker's booking at the other")
+        for seq in range(1, 11):
+            forger.send_multipart(encode("b", "forger", seq, ["p8", seq, 10_000, "p"]))
+            await asyncio.sleep(0.1)
+        forger.close(linger=0)
+        assert all(w.ledger.inflight("p9") == 0 and w.ledger.inflight("p8") == 0 for w in workers)
+        assert all(set(w.peers) == {o.origin for o in workers if o is not w} for w in workers)
+        assert not plain.peers and plain.ledger.inflight("p0") == 0
+    finally:
+        for w in [*workers, plain]:
+            await w.stop()
+        fwd.stop()
+
+
+def test_a_bus_key_is_checked_and_a_bad_one_is_not_echoed():
+    from kvcommon.settings import build_settings, settings_error
+    from router.config import RouterSettings
+
+    public, secret = zmq.curve_keypair()
+    assert BusKey.from_secret(secret.decode()).public == public
+    bad = "x" * 39
+    with pytest.raises(ValueError) as err:
+        build_settings(RouterSettings, file_data={"booking_bus_curve_secret_key": bad})
+    message = settings_error(err.value)
+    assert "40 Z85 characters" in message and bad not in message
+
+
 # ---- e2e: kvroute serve --workers 2 -------------------------------------------------------------
 def scrape(text: str) -> tuple[str, float]:
     """(origin, sum of kvroute_pod_booked_requests) of one /metrics answer."""
@@ -298,14 +385,17 @@ def scrape(text: str) -> tuple[str, float]:
     return (origin.group(1) if origin else ""), booked
 
 
-async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path):
+@pytest.mark.parametrize("keyed", [False, True], ids=["clear", "curve"])
+async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path, keyed):
+    """Curve: the parent's forwarder and both workers take the key from the one setting."""
     (port,) = free_ports(1)
+    key = {"booking_bus_curve_secret_key": zmq.curve_keypair()[1].decode()} if keyed else {}
     burst = 16
     # slow prefill so the burst's bookings stay open for seconds: 2 pods x 8 prompts of 2,000 tokens at 2,000/s
     with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "2000"]) as urls:
         cfg = tmp_path / "router.yaml"
         cfg.write_text(yaml.safe_dump({
-            "port": port, "workers": 2, "prefill_tokens_per_s": 2000.0, "calibrate": False,
+            "port": port, "workers": 2, "prefill_tokens_per_s": 2000.0, "calibrate": False, **key,
             "pods": [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]}))
         base = f"http://127.0.0.1:{port}"
         with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=40):
@@ -392,6 +482,10 @@ def test_build_bus_follows_the_settings():
                                  booking_bus_peers_dns="routers", booking_bus_snapshot_s=0.25), Ledger())
     assert replica.pub_bind == ["tcp://*:5570"] and replica.static_peers == ["tcp://10.0.0.2:5570"]
     assert replica.resolve_peers is not None and replica.snapshot_s == 0.25
+    assert replica.key is None
+    secret = zmq.curve_keypair()[1].decode()
+    keyed = build_bus(settings(booking_bus_bind="tcp://*:5570", booking_bus_curve_secret_key=secret), Ledger())
+    assert keyed.key == BusKey.from_secret(secret)
     with pytest.raises(ValueError):
         settings(booking_bus_peers=["10.0.0.2:5570"])
 

@@ -308,6 +308,9 @@ def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rende
     dep = one(docs, "Deployment", "kvroute-router")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert dep["spec"]["replicas"] == 2
+    env = {e["name"]: e for c in containers(dep) for e in c.get("env", [])}
+    bus_key = env["KVROUTE_BOOKING_BUS_CURVE_SECRET_KEY"]["valueFrom"]["secretKeyRef"]
+    assert bus_key == {"name": "kvroute-booking-bus", "key": "secret-key", "optional": True}
     hpa = one(docs, "HorizontalPodAutoscaler", "kvroute-router")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvroute-router"}
     assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
