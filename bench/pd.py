@@ -248,21 +248,27 @@ def _metric(url: str, name: str) -> float:
                or line.startswith(name + "{"))
 
 
-def build_workloads(names: list[str], seed: int) -> list[Workload]:
+def build_workloads(names: list[str], seed: int, duration_s: float | None = None) -> list[Workload]:
+    """``duration_s``: seconds of load per workload (default 16 multi-turn, 20 Mooncake); the
+    multi-turn sessions grow with it (80 per 16 s), so the rate stays the same."""
     out = []
     if "multiturn" in names:
-        specs = workloads.multiturn(system_prompts=8, system_prompt_len=2048, sessions=80, turns=4, turn_tokens=300,
-                                    output_len=64, seed=seed)
+        d = duration_s or 16.0
+        specs = workloads.multiturn(system_prompts=8, system_prompt_len=2048, sessions=max(1, round(80 * d / 16.0)),
+                                    turns=4, turn_tokens=300, output_len=64, seed=seed)
         offsets = arrivals.poisson(len(specs), rate=RATE, seed=seed)
-        out.append(Workload("multiturn", specs, offsets, objective_s=0.5, duration_s=16.0, compute_s_per_token=1e-4))
+        n = arrivals.cut(offsets, duration=d)
+        out.append(Workload("multiturn", specs[:n], offsets[:n], objective_s=0.5, duration_s=d,
+                            compute_s_per_token=1e-4))
     if "mooncake" in names:
         specs = workloads.mooncake(ROOT / "data" / "conversation_trace.jsonl", block_size=512, seed=seed)
         specs = workloads.limit_input_len(specs, 8192, "truncate")
         for s in specs:
             s.output_len = min(s.output_len, 128)
         offsets = arrivals.from_trace([s.timestamp for s in specs], time_scale=TIME_SCALE)
-        n = sum(1 for o in offsets if o < 20.0)
-        out.append(Workload("mooncake", specs[:n], offsets[:n], objective_s=1.0, duration_s=20.0,
+        d = duration_s or 20.0
+        n = sum(1 for o in offsets if o < d)
+        out.append(Workload("mooncake", specs[:n], offsets[:n], objective_s=1.0, duration_s=d,
                             compute_s_per_token=5e-5))
     for wl in out:  # build every prompt's bytes now, so the first trial does not pay for it while sending
         for spec in wl.specs:
@@ -311,12 +317,14 @@ def main(argv: list[str] | None = None) -> int:
                     "aggregated fleet of N pods (policy predicted-ttft, no sidecars) (default: 2:2)")
     ap.add_argument("--simulate", action="store_true", help="also simulate each kvroute row (kvroute plan's engine, "
                     "whatif/) on the same requests, for docs/simulate.md")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of load per workload (default: 16 "
+                    "multi-turn, 320 requests; 20 Mooncake, 100 requests)")
     args = ap.parse_args(argv)
     splits = [(int(a), int(b)) for a, b in (x.split(":") for x in args.splits.split(",") if x.strip())]
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-pd-bench-"))
     started = time.monotonic()
     rows = []
-    for wl in build_workloads(args.workloads.split(","), args.seed):
+    for wl in build_workloads(args.workloads.split(","), args.seed, args.duration):
         print(f"# {wl.name}: {len(wl.specs)} requests over {wl.duration_s:g} s, objective {wl.objective_s:g} s",
               flush=True)
         for split in splits:
@@ -336,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"met {fmt(r['attainment'], '%')}", flush=True)
     print()
     print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.json:  # the rows, each with the command that made it
+        cmd = "python bench/pd.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.json).write_text(json.dumps([{**r, "command": cmd} for r in rows], indent=2))
     print(f"\n(logs in {workdir}; {time.monotonic() - started:.0f} s in all)")
     heads = []
     for wl in {r["workload"] for r in rows}:
