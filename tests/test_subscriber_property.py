@@ -27,6 +27,7 @@ class Engine:
     def _reset(self):
         self.seq = 0
         self.held: dict[int, tuple[int, int]] = {}   # engine hash -> (doc, block)
+        self.copies: dict[int, int] = {}  # engine hash -> copies held (vLLM announces each copy of a block)
         self.buffer: list[tuple[int, EventBatch]] = []
 
     def h(self, d, i):
@@ -48,19 +49,26 @@ class Engine:
         n = min(n, 4 - start)
         if start > 0 and self.h(d, start - 1) not in self.held:
             return None
-        for i in range(start, start + n):
+        for i in range(start, start + n):  # storing a held block again is a second copy under the same hash
             self.held[self.h(d, i)] = (d, i)
+            self.copies[self.h(d, i)] = self.copies.get(self.h(d, i), 0) + 1
         return BlockStored(block_hashes=[self.h(d, i) for i in range(start, start + n)],
                            parent_block_hash=None if start == 0 else self.h(d, start - 1),
                            token_ids=DOCS[d][start * BS:(start + n) * BS], block_size=BS, medium="GPU")
 
     def remove(self, d, i):
-        if self.held.pop(self.h(d, i), None) is None:
+        """Evict one copy; the block is gone with its last copy."""
+        h = self.h(d, i)
+        if h not in self.held:
             return None
-        return BlockRemoved(block_hashes=[self.h(d, i)], medium="GPU")
+        self.copies[h] -= 1
+        if not self.copies[h]:
+            del self.copies[h], self.held[h]
+        return BlockRemoved(block_hashes=[h], medium="GPU")
 
     def clear(self):
         self.held.clear()
+        self.copies.clear()
         return AllBlocksCleared()
 
     async def replay(self, start):
@@ -80,6 +88,8 @@ ops = st.lists(st.one_of(
 @example([("store", 0, 0, 4, False)] + [("store", 1, i, 1, True) for i in range(4)], 2, True)  # buffer overflow
 @example([("store", 0, 0, 4, False), ("restart",), ("store", 1, 0, 2, True), ("store", 1, 2, 1, True)], 2, True)
 @example([("store", 0, 0, 2, False), ("restart",), ("clear", True)], 2, True)  # restart at exactly applied + 1
+# a block stored twice is two copies (vLLM announces each): one removal leaves it
+@example([("store", 0, 0, 1, False)] * 3 + [("store", 1, 0, 1, False)] * 2 + [("remove", 1, 0, False)], 2, False)
 def test_index_follows_the_engine_through_gaps_and_restarts(ops, buffer_steps, has_replay):
     asyncio.run(_run(ops, buffer_steps, has_replay))
 
