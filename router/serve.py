@@ -17,7 +17,7 @@ def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = 
 
     # a tokenize thread's Python work (chunk hashes, block keys of a 32k-token prompt) holds the GIL
     # for up to the switch interval at a time: Python's 5 ms showed in small requests' p99 beside big
-    # prompts; 0.5 ms measured 7-9 ms against 15-17 ms (docs/router.md, overhead at real sizes)
+    # prompts; 0.5 ms measured 6.2-6.4 ms against 12-15 ms (bench/gil_hold.py, docs/router.md)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     return create_app(Services(settings, bus_forwarder=bus_forwarder))
 
