@@ -21,11 +21,12 @@ compared: on a mismatch the cache turns itself off (``disabled``) and the router
 tokenization.
 
 **Off the GIL.** ``Tokenizer.encode`` holds the GIL for the whole encode (about 50 ms for a
-35k-token text on the build machine: ``bench/gil_hold.py``), so a big prompt tokenized in a thread still stalled the event loop.
-The batch calls release it while Rust works: ``encode_batch_fast`` (no offsets) for the whole texts
-and the checks, ``encode_batch`` where the chunk ends must be checked against the tokens; and
-those are checked by a binary search over ``token_to_chars`` per chunk end rather than by reading
-``offsets`` (a Python list of one tuple per token, built under the GIL: 9-11 ms at 35k tokens).
+35k-token text on the build machine: ``bench/gil_hold.py``), so a big prompt tokenized in a thread
+still stalled the event loop. The batch calls release it while Rust works: ``encode_batch_fast``
+(no offsets) for the whole texts and the checks, ``encode_batch`` where the chunk ends must be
+checked against the tokens; and those are checked by a binary search over ``token_to_chars`` per
+chunk end rather than by reading ``offsets`` (a Python list of one tuple per token, built under
+the GIL: 9-11 ms at 35k tokens).
 
 Memory is bounded by ``max_tokens`` (tokens held, as 4-byte arrays) with least-recently-used
 eviction; a missing link ends the reusable prefix there.
