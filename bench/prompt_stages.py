@@ -1,0 +1,105 @@
+"""Where a chat request's routing time goes at real sizes, stage by stage, in one process.
+
+The workload is ``bench/overhead.py``'s multi-turn chat requests (90 % follow-ups of an earlier
+conversation plus ~300 new tokens) with the real-vLLM tier's tokenizer; each stage is timed over
+every request after a warm-up pass, as the router runs it: parse the body, check the chat fields,
+render the template, tokenize (through the prefix token cache, warm), find the cache's chunk ends,
+compute the block keys, look the keys up in a prefix index of 8 pods, and credit them to one pod.
+
+    python bench/prompt_stages.py [--sizes 8000] [--json bench/results/prompt_stages.json]
+
+The last line printed is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import overhead as ov  # noqa: E402
+
+
+def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
+    """(mean prompt tokens, ms per request by stage, requests) for ``bench/overhead.py``'s chat
+    requests of about ``size`` tokens."""
+    import orjson
+
+    from indexer.index import PrefixIndex
+    from indexer.keys import block_keys, key_seed
+    from indexer.prefix_tokens import boundaries
+    from indexer.tokens import ChatRequest
+
+    reqs, mean = ov.chat_requests(tok, size)
+    raws = [r.split(b"\r\n\r\n", 1)[1] for r in reqs]
+    stages: dict[str, float] = {}
+
+    def timed(name: str, fn) -> list:
+        fn(0)  # warm
+        t0 = time.perf_counter()
+        got = [fn(i) for i in range(len(raws))]
+        stages[name] = (time.perf_counter() - t0) / len(raws) * 1000
+        return got
+
+    bodies = timed("parse the body (orjson)", lambda i: orjson.loads(raws[i]))
+    chats = timed("check the chat fields", lambda i: ChatRequest.from_body(bodies[i], "chat", False))
+    texts = timed("render the chat template", lambda i: tok.apply_chat_template(
+        chats[i].messages, chat_template=chats[i].chat_template, **chats[i].template_kwargs))
+    for t in texts:  # the cache learns every conversation once, as a running router would have
+        tok.encode(t, add_special_tokens=False)
+    ids = timed("tokenize (prefix token cache, warm)", lambda i: tok.encode(texts[i], add_special_tokens=False))
+    timed("  of which: find the chunk ends", lambda i: boundaries(texts[i], 256))
+    seed = key_seed("sim-model")
+    keys = timed("block keys (16-token blocks)", lambda i: block_keys(ids[i], 16, seed))
+    index = PrefixIndex(block_size=16)
+    for p in range(8):
+        index.add_pod(f"pod-{p}", "sim-model", approximate=True)
+    rng = random.Random(0)
+    for k in keys:
+        index.record_route(f"pod-{rng.randrange(8)}", k)
+    timed("index lookup (8 pods)", lambda i: index.match(keys[i]))
+    timed("credit the route (speculative)", lambda i: index.record_route("pod-0", keys[i]))
+    return mean, stages, len(raws)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from indexer.tokens import HFTokenizer
+    from realvllm.engines import RealVLLMUnavailable, find
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="8000")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        folder = find().model
+    except RealVLLMUnavailable as exc:
+        print(f"{exc}: build the real-vLLM tier (make real-vllm) for its tokenizer")
+        return 2
+    tok = HFTokenizer(folder)
+    tok.cache_prefixes(max_tokens=4_000_000)
+    out: dict = {"tokenizer": str(folder), "sizes": {}}
+    heads = []
+    for size in [int(x) for x in args.sizes.split(",") if x.strip()]:
+        mean, stages, n = measure(tok, size)
+        total = sum(v for k, v in stages.items() if not k.startswith("  "))
+        out["sizes"][str(size)] = {"mean_prompt_tokens": mean, "stages_ms": stages, "total_ms": total}
+        print(f"chat requests of {mean:,.0f} tokens on average ({n} requests):")
+        for name, ms in stages.items():
+            print(f"  {name:<40} {ms:7.3f} ms")
+        print(f"  {'total':<40} {total:7.3f} ms", flush=True)
+        heads.append(f"{mean:,.0f} tokens: {total:.2f} ms of routing work before the HTTP layers")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": "python bench/prompt_stages.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]), **out}, indent=2))
+    print("; ".join(heads))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
