@@ -56,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from indexer.tokens import HFTokenizer
-    from realvllm.engines import RealVLLMUnavailable, find
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
@@ -64,10 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
-    try:
-        folder = find().model
-    except RealVLLMUnavailable as exc:
-        print(f"{exc}: build the real-vLLM tier (make real-vllm) for its tokenizer")
+    folder = ov.tier_model()
+    if folder is None:
         return 2
     tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
     rng = random.Random(0)

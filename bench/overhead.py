@@ -251,6 +251,17 @@ def _words(rng, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def tier_model() -> Path | None:
+    """The real-vLLM tier's tiny model folder (its tokenizer.json), or None after saying how to get it."""
+    from realvllm.engines import RealVLLMUnavailable, find
+
+    try:
+        return find().model
+    except RealVLLMUnavailable as exc:
+        print(f"{exc}: build the real-vLLM tier (make real-vllm) for its tokenizer")
+        return None
+
+
 def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 40, seed: int = 0,
                   follow_up: float = 0.9, turn_words: int = 280) -> tuple[list[bytes], float]:
     """``count`` chat requests of about ``size`` prompt tokens: 90 % follow-ups of one of

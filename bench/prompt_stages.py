@@ -70,16 +70,13 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
 
 def main(argv: list[str] | None = None) -> int:
     from indexer.tokens import HFTokenizer
-    from realvllm.engines import RealVLLMUnavailable, find
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8000")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    try:
-        folder = find().model
-    except RealVLLMUnavailable as exc:
-        print(f"{exc}: build the real-vLLM tier (make real-vllm) for its tokenizer")
+    folder = ov.tier_model()
+    if folder is None:
         return 2
     tok = HFTokenizer(folder)
     tok.cache_prefixes(max_tokens=4_000_000)
