@@ -103,6 +103,12 @@ class BusKey:
         except (zmq.ZMQError, ValueError) as exc:
             raise ValueError(f"not a CURVE secret key in Z85: {exc}") from None
 
+    @classmethod
+    def of(cls, settings: Any) -> BusKey | None:
+        """The pair of a router's ``booking_bus_curve_secret_key``, or None when it has none."""
+        secret = settings.booking_bus_curve_secret_key
+        return cls.from_secret(secret) if secret else None
+
     def serve(self, sock: Any) -> None:
         """A socket that binds: a CURVE server with the pair."""
         sock.curve_secretkey = self.secret

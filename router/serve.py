@@ -98,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if settings.booking_bus:  # the workers share bookings through a forwarder in this process
             from router.bookbus import BusKey, Forwarder
 
-            key = BusKey.from_secret(settings.booking_bus_curve_secret_key) \
-                if settings.booking_bus_curve_secret_key else None
             forwarder = Forwarder(settings.booking_bus_hwm, extra_binds=[settings.booking_bus_bind]
-                                  if settings.booking_bus_bind else [], key=key).start()
+                                  if settings.booking_bus_bind else [], key=BusKey.of(settings)).start()
             os.environ[_BUS_ENV] = f"{forwarder.pub_endpoint} {forwarder.sub_endpoint}"
         try:
             uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)

@@ -214,7 +214,6 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
         return None
     from router.bookbus import BookingBus, BusKey
 
-    key = BusKey.from_secret(settings.booking_bus_curve_secret_key) if settings.booking_bus_curve_secret_key else None
     resolve = None
     if settings.booking_bus_peers_dns:
         from router.discovery.dns import resolver_for
@@ -230,4 +229,4 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
                       resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s,
                       snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
                       hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings,
-                      key=key)
+                      key=BusKey.of(settings))
