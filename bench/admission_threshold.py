@@ -7,7 +7,8 @@ Every row is ``kvroute simulate`` (the router's own decision code, calibration a
 simulated pods in simulated time), predicted-ttft with early rejection, 120 s of load; attainment
 is over all requests sent (a rejection is a miss).
 
-    python bench/admission_threshold.py [--values 0.5,0.25,0.1] [--out bench/results/admission_threshold.json]
+    python bench/admission_threshold.py [--values 0.5,0.25,0.1] [--set ttft_error_by_size=false]
+                                        [--out bench/results/admission_threshold.json]
 
 The last line printed is the headline: per value, the mean attainment over all worlds and the
 number of worlds where it is at least as good as the first value's.
@@ -70,24 +71,34 @@ def load(kind: str, rate: float, seed: int, duration: float) -> tuple[list, list
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--values", default="0.5,0.25,0.1", help="admission_miss_probability values (first: the reference)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a router setting for every row (a JSON value, else a string); repeatable")
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "admission_threshold.json"))
     args = ap.parse_args(argv)
     values = [float(v) for v in args.values.split(",") if v.strip()]
+    fixed: dict = {}
+    for item in args.set:
+        key, _, raw = item.partition("=")
+        try:
+            fixed[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            fixed[key.strip()] = raw
     rows = []
     started = time.monotonic()
     for name, held_out, fleet, kind, rate, objective, seed in worlds():
         specs, arrivals = load(kind, rate, seed, args.duration)
         for v in values:
             r = simulated_row(f"miss probability {v:g}", "predicted-ttft", True, specs, arrivals, fleet, objective,
-                              args.duration, {"admission_miss_probability": v})
+                              args.duration, {**fixed, "admission_miss_probability": v})
             rows.append({"world": name, "held_out": held_out, "value": v, "rate": rate, "objective_s": objective,
                          "met": r["slo_attainment"], "rejected": r["rejected"], "admitted_late": r["admitted_late"],
                          "requests": r["requests"]})
             print(f"{name:<58} {v:<5g} met {100 * r['slo_attainment']:5.1f} %  rejected {100 * r['rejected']:4.1f} %"
                   f"  late {100 * (r['admitted_late'] or 0):4.1f} %", flush=True)
-    Path(args.out).write_text(json.dumps({"command": "python bench/admission_threshold.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "duration_s": args.duration, "rows": rows}, indent=2))
+    command = "python bench/admission_threshold.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    Path(args.out).write_text(json.dumps({"command": command, "duration_s": args.duration, "settings": fixed,
+                                          "rows": rows}, indent=2))
     names = list(dict.fromkeys(r["world"] for r in rows))
     met = {(r["world"], r["value"]): r["met"] for r in rows}
     heads = []

@@ -141,6 +141,8 @@ class RouterSettings(BaseSettings):
                                                      "pods' learnt error model); none = compare the point estimate")
     ttft_error_prior_sd: float = Field(0.25, ge=0, description="spread of ln(observed/predicted TTFT) assumed for a "
                                        "pod before it has been observed")
+    ttft_error_by_size: bool = Field(True, description="learn each pod's error model per size of prediction (one "
+                                     "bucket per doubling, shrunk towards the pod's pooled one) rather than pooled")
     ttft_interval_level: float = Field(0.9, gt=0, lt=1, description="level of the predicted TTFT interval that "
                                        "/debug/route shows and kvroute_ttft_interval_total checks")
     prediction_log_path: str | None = Field(None, description="write one JSON line per timed first token (what "

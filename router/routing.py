@@ -100,7 +100,7 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: lis
             inflight_requests=ledger.inflight(p.id),
             queue_tokens=ledger.queued_tokens(p.id, cal.rate),
             prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s, per_running_s=cal.per_running_s,
-            log_error_mean=error[0], log_error_sd=error[1],
+            log_error_mean=error[0], log_error_sd=error[1], error_by_size=cal.error_table(),
             cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
             tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
         ))
@@ -132,7 +132,8 @@ class Router:
         self.calibrator = calibrator or Calibrator(settings.prefill_tokens_per_s, settings.overhead_ms / 1000.0,
                                                    settings.calibration_halflife, settings.calibrate,
                                                    prior_sd=settings.ttft_error_prior_sd,
-                                                   relative=settings.calibration_fit == "relative")
+                                                   relative=settings.calibration_fit == "relative",
+                                                   by_size=settings.ttft_error_by_size)
         self.block_size = block_size
         self.subscriber = subscriber
         self.policy = settings.policy if settings.scorers is None else "custom"

@@ -202,3 +202,19 @@ def test_the_headers_name_the_prefill_pod_and_the_decode_engine_of_a_data_parall
     assert prefill_header(route("d#0", "local"), pods) == {"x-data-parallel-rank": "0"}
     assert prefill_header(route("a", "aggregated"), pods) == {}
     assert prefill_header(route("a", "remote", "p"), pods) == {"x-prefiller-host-port": "10.0.0.1:8001"}
+
+
+def test_decode_pods_are_ranked_by_admissions_own_test():
+    """A decode pod whose median meets the objective but whose miss risk admission would refuse
+    ranks after a safe one, whatever the work weight prefers (the aggregated ranking's rule)."""
+    risky = DecodeView(candidate=Candidate(pod_id="d-risky", role="decode", cached_tokens=7000,
+                                           effective_cached_tokens=7000.0, queue_tokens=16000, log_error_sd=0.4,
+                                           overhead_s=0.01), kv_capacity_tokens=100_000)
+    safe = DecodeView(candidate=Candidate(pod_id="d-safe", role="decode", log_error_sd=0.05, overhead_s=0.01),
+                      kv_capacity_tokens=100_000)
+    params = PDParams(decider="never", work_weight=3.0)
+    d = decide_pd([risky, safe], [], req(8000, objective=1.0), 10, params, miss_tolerance=0.25)
+    by_id = {o.decode_pod: o.local for o in d.ranked}  # risky 0.86 s (a 35 % risk), safe 0.41 s (none)
+    assert by_id["d-risky"].ttft_s < 1.0 and by_id["d-risky"].miss_probability(1.0) > 0.25
+    assert d.verdict.admitted and d.chosen.decode_pod == "d-safe"
+    assert decide_pd([risky, safe], [], req(8000, objective=1.0), 10, params).chosen.decode_pod == "d-risky"

@@ -2,6 +2,7 @@
 
 import math
 import random
+from dataclasses import replace
 from statistics import NormalDist
 
 import pytest
@@ -22,6 +23,7 @@ from router.scheduling import (
     register,
 )
 from router.scheduling.scorers import SCORERS
+from router.scheduling.snapshot import SIZE_BUCKETS, size_bucket
 
 
 def policy(name, work_weight=0.0, affinity_bonus_ms=0.0):
@@ -277,6 +279,40 @@ def test_the_calibrator_learns_how_a_pod_errs():
     assert mean == pytest.approx(math.log(2.0), abs=0.05) and 0.03 < sd < 0.1
 
 
+
+def test_the_error_model_is_learnt_per_size_of_prediction():
+    """Short predictions scatter (one engine step either way), long ones are tight: the bucket of a
+    1.5 s prediction must not inherit the 50 ms ones' spread, which would make admission refuse
+    requests that would have met the objective."""
+    # one bucket per doubling: [1/16 s, 1/8 s) is 1, [1 s, 2 s) is 5; the ends take the rest
+    sizes = (0.01, 0.07, 0.125, 0.99, 1.0, 1.99, 15.9, 16.0, 1e9)
+    assert [size_bucket(t) for t in sizes] == [0, 1, 2, 4, 5, 5, 8, 9, 9]
+    assert size_bucket(float("nan")) == 0 and size_bucket(float("inf")) == SIZE_BUCKETS - 1 == 9
+    cal = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=200, enabled=False)
+    rng = random.Random(5)
+    for _ in range(600):
+        cal.observe("a", 0.0, 0.05 * math.exp(rng.gauss(0, 0.5)), 0.05)
+        cal.observe("a", 0.0, 1.5 * math.exp(rng.gauss(0.1, 0.02)), 1.5)
+    pod = cal.pod("a")
+    pooled_mean, pooled_sd = pod.error_model()
+    assert pooled_sd > 0.3
+    table = pod.error_table()
+    assert len(table) == SIZE_BUCKETS
+    short, long = table[size_bucket(0.05)], table[size_bucket(1.5)]
+    assert short[1] > 0.4 and long[1] < 0.1 and long[0] == pytest.approx(0.1, abs=0.03)
+    assert table[size_bucket(6.0)] == pytest.approx((pooled_mean, pooled_sd))  # never seen: the pooled model
+    # the prediction picks its own size's model: 1.5 s of work on this pod has the tight one
+    c = cand("a", log_error_mean=pooled_mean, log_error_sd=pooled_sd, error_by_size=table, overhead_s=0.0)
+    p = predict(c, RequestView(prompt_tokens=15000))
+    assert p.model_ttft_s == pytest.approx(1.5) and (p.log_mean, p.log_sd) == long
+    assert predict(c, RequestView(prompt_tokens=500)).log_sd == short[1]
+    # 1.5 s x e^0.1 = 1.66 s against 2 s: a sure thing by its own size's model, a real risk by the pooled one
+    assert p.miss_probability(2.0) < 0.01 < 0.2 < predict(replace(c, error_by_size=()), RequestView(
+        prompt_tokens=15000)).miss_probability(2.0)
+    pooled_only = Calibrator(prior_rate=10000, prior_overhead_s=0.01, by_size=False)
+    pooled_only.observe("a", 0.0, 1.0, 1.0)
+    assert pooled_only.pod("a").error_table() == ()
+
 def test_admission_on_the_probability_of_a_miss():
     req = RequestView(prompt_tokens=8000, objective_s=1.0)
     honest = cand("a", log_error_sd=0.25)                  # predicted 0.81 s, unbiased
@@ -300,6 +336,27 @@ def test_admission_on_the_probability_of_a_miss():
     slower = cand("b", log_error_sd=0.25, queue_tokens=1000)  # 0.91 s
     assert decide([late, slower], req, scoring, PolicyState()).chosen.pod_id == "b"
 
+
+
+def test_the_ranking_asks_admissions_question_so_a_risky_cheap_pod_loses_to_a_safe_one():
+    """A request admitted because one pod is safe must go there, not to a pod whose median meets the
+    objective but whose risk admission would have refused (found in the cost world: 1.2 of its
+    2.4 % admitted-and-late went to such pods)."""
+    req = RequestView(prompt_tokens=8000, objective_s=1.0)
+    # both 0.81 s at the median; "risky" holds the prompt (cheap for prefill-work) but its predictions
+    # scatter (log sd 0.4: a 30 % chance of missing 1 s); "safe" is cold but sure of itself
+    risky = cand("risky", cached_tokens=7000, effective_cached_tokens=7000.0, queue_tokens=7000, log_error_sd=0.4)
+    safe = cand("safe", log_error_sd=0.05)
+    scoring = policy("predicted-ttft", work_weight=3.0)
+    pr, ps = predict(risky, req), predict(safe, req)
+    assert pr.ttft_s == pytest.approx(ps.ttft_s) and pr.ttft_s < 1.0
+    assert pr.miss_probability(1.0) > 0.25 > ps.miss_probability(1.0)
+    d = decide([risky, safe], req, scoring, PolicyState(), miss_tolerance=0.25)
+    assert d.verdict.admitted and d.chosen.pod_id == "safe"
+    # the point rule (no tolerance) sees both meeting the objective, and the cheaper one wins
+    assert decide([risky, safe], req, scoring, PolicyState()).chosen.pod_id == "risky"
+    # the objective times admission's slack is the line the ranking uses too: at 1.5 s both are safe
+    assert decide([risky, safe], req, scoring, PolicyState(), slack=1.5, miss_tolerance=0.25).chosen.pod_id == "risky"
 
 def test_the_calibrator_learns_what_the_running_batch_adds():
     cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200)

@@ -6,6 +6,10 @@ prediction's error model (``Prediction.miss_probability``) says how far to trust
 estimate. With a tolerance of 0.5 and an unbiased model this is the point rule; the default,
 0.25, also rejects within the prediction's own error of the line (docs/router.md says why). A pod
 whose predictions have run late moves the line earlier. ``None`` keeps the point rule.
+
+The ranking asks the same question of each pod (``likely_to_meet``): a pod counts as meeting the
+objective only if admission would have admitted the request on it alone, so the request never
+goes to a pod whose risk admission would have refused while a safer pod was on the list.
 """
 
 from __future__ import annotations
@@ -21,6 +25,23 @@ class Verdict:
     admitted: bool
     reason: str  # "ok", "no-objective", "exempt", "slo" (rejected), "no-pods" (rejected), "kv" (rejected)
     miss_probability: float | None = None  # the best pod's, when the objective was checked
+
+
+def likely_to_meet(prediction: Prediction, limit_s: float | None, miss_tolerance: float | None,
+                   ttft_s: float | None = None) -> bool:
+    """Whether one pod (or path: ``ttft_s`` replaces the prediction's TTFT) passes admission's test
+    for an objective of ``limit_s`` (``objective x slack``; ``None``: no objective, always true)."""
+    if limit_s is None:
+        return True
+    t = prediction.ttft_s if ttft_s is None else ttft_s
+    if miss_tolerance is None:
+        return t <= limit_s
+    return prediction.miss_probability(limit_s, t) <= miss_tolerance
+
+
+def objective_limit(request: RequestView, slack: float = 1.0) -> float | None:
+    """The line a request's TTFT is judged against: its objective times ``slack``."""
+    return None if request.objective_s is None else request.objective_s * slack
 
 
 def admit(predictions: Iterable[Prediction], request: RequestView, enabled: bool = True, slack: float = 1.0,

@@ -24,13 +24,19 @@ docs/router.md.
 exponentially weighted mean and variance with the same memory. Before ``prior_weight``
 observations it is shrunk towards no bias and ``prior_sd``. Admission uses it to ask how likely a
 miss is rather than whether the point estimate crosses the objective, and ``/debug/route`` shows
-the interval it gives.
+the interval it gives. With ``by_size`` (the setting ``ttft_error_by_size``, on by default) it is
+also learnt per size of prediction (``snapshot.size_bucket``: one bucket per doubling), each bucket
+shrunk towards the pooled model by ``prior_weight`` observations: predictions err differently at
+different sizes (in simulated time a pooled log sd of 0.10 where predictions of 1-2 s erred by
+0.005, and 0.34 where they erred by 0.25), and admission asks about the ones near the objective.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from .snapshot import SIZE_BUCKETS, size_bucket
 
 _KT = 1000.0  # work is fitted in kilotokens to keep the two parameters on similar scales
 
@@ -51,15 +57,19 @@ class PodCalibration:
     log_n: int = 0
     per_running_s: float = 0.0
     relative: bool = False  # least squares on the error relative to the observed TTFT (see above)
+    by_size: bool = True  # the error model per size of prediction too (see above)
     # RLS state: theta = [overhead_s, s_per_kilotoken, s_per_running], P = its covariance (3x3)
     _theta: list[float] = field(default_factory=list)
     _p: list[list[float]] = field(default_factory=list)
     _typical: float | None = None  # exponentially weighted mean observed TTFT (scales the relative fit)
+    _sizes: list[list[float]] = field(default_factory=list)  # per size bucket: [mean, var, n] of the log error
+    _table: tuple[tuple[float, float], ...] | None = None  # error_table(), until the next observation
 
     def __post_init__(self) -> None:
         self._theta = [self.overhead_s, _KT / self.rate, self.per_running_s]
         # a weak prior: a few observations outweigh it (the batch term starts at 0, a little firmer)
         self._p = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.01]]
+        self._sizes = [[0.0, 0.0, 0.0] for _ in range(SIZE_BUCKETS)]
 
     def predict(self, work_tokens: float, running: float = 0.0) -> float:
         return self.overhead_s + max(work_tokens, 0.0) / self.rate + max(running, 0.0) * self.per_running_s
@@ -71,6 +81,21 @@ class PodCalibration:
         var = (n0 * self.prior_sd ** 2 + n * self.log_var) / (n + n0)
         return mean, math.sqrt(max(var, 0.0))
 
+    def error_table(self) -> tuple[tuple[float, float], ...]:
+        """(mean, sd) per size bucket (``snapshot.size_bucket``), each shrunk towards the pooled
+        model while its own data is scarce; empty without ``by_size``."""
+        if not self.by_size:
+            return ()
+        if self._table is None:
+            mean0, sd0 = self.error_model()
+            n0 = self.prior_weight
+            rows = []
+            for m, v, n in self._sizes:
+                var = (n0 * sd0 ** 2 + n * v) / (n + n0)
+                rows.append(((n0 * mean0 + n * m) / (n + n0), math.sqrt(max(var, 0.0))))
+            self._table = tuple(rows)
+        return self._table
+
     def observe_error(self, predicted_s: float, ttft_s: float) -> None:
         """Fold one (predicted, observed) pair into the error model."""
         if not (predicted_s > 0 and ttft_s > 0 and math.isfinite(ttft_s) and math.isfinite(predicted_s)):
@@ -81,6 +106,14 @@ class PodCalibration:
         self.log_mean += w * d
         self.log_var = (1.0 - w) * (self.log_var + w * d * d)
         self.log_n += 1
+        if self.by_size:
+            b = self._sizes[size_bucket(predicted_s)]
+            w = max(1.0 - self.forget, 1.0 / (b[2] + 1))
+            d = r - b[0]
+            b[0] += w * d
+            b[1] = (1.0 - w) * (b[1] + w * d * d)
+            b[2] += 1
+            self._table = None
 
     def observe(self, work_tokens: float, ttft_s: float, predicted_s: float | None = None,
                 running: float = 0.0) -> float:
@@ -121,7 +154,7 @@ class Calibrator:
 
     def __init__(self, prior_rate: float, prior_overhead_s: float, halflife: float = 200.0,
                  enabled: bool = True, min_rate: float | None = None, max_rate: float | None = None,
-                 prior_sd: float = 0.25, relative: bool = False):
+                 prior_sd: float = 0.25, relative: bool = False, by_size: bool = True):
         self.prior_rate = prior_rate
         self.prior_overhead_s = prior_overhead_s
         self.enabled = enabled
@@ -130,6 +163,7 @@ class Calibrator:
         self.max_rate = max_rate if max_rate is not None else prior_rate * 20
         self.prior_sd = prior_sd
         self.relative = relative
+        self.by_size = by_size
         self.pods: dict[str, PodCalibration] = {}
 
     def pod(self, pod_id: str, prior_rate: float | None = None) -> PodCalibration:
@@ -138,7 +172,7 @@ class Calibrator:
             rate = prior_rate or self.prior_rate
             cal = PodCalibration(overhead_s=self.prior_overhead_s, rate=rate, min_rate=min(self.min_rate, rate),
                                  max_rate=max(self.max_rate, rate), forget=self.forget, prior_sd=self.prior_sd,
-                                 relative=self.relative)
+                                 relative=self.relative, by_size=self.by_size)
             self.pods[pod_id] = cal
         return cal
 

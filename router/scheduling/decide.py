@@ -62,7 +62,7 @@ def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scori
     if dry_run and scoring.stateful:
         state = copy.deepcopy(state)
     predictions = {c.pod_id: predict(c, request) for c in candidates}
-    ranked = rank(candidates, request, predictions, scoring, state)
+    ranked = rank(candidates, request, predictions, scoring, state, slack, miss_tolerance)
     verdict = admit(predictions.values(), request, admission, slack, miss_tolerance)
     routes = {c.pod_id: Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=predictions[c.pod_id],
                               ttft_s=predictions[c.pod_id].ttft_s,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .admission import Verdict, admit
+from .admission import Verdict, admit, likely_to_meet, objective_limit
 from .predictor import predict
 from .snapshot import Candidate, Prediction, RequestView
 
@@ -143,8 +143,10 @@ def predicted_tpot(view: DecodeView, request_tokens: int, params: PDParams) -> f
 
 
 def remote_choices(decode: DecodeView, prefills: Sequence[Candidate], request: RequestView,
-                   params: PDParams) -> list[RemoteChoice]:
-    """Every prefill pod for this decode pod, best first (objective met, then cost, then TTFT)."""
+                   params: PDParams, limit_s: float | None = None,
+                   miss_tolerance: float | None = None) -> list[RemoteChoice]:
+    """Every prefill pod for this decode pod, best first: likely to meet ``limit_s`` (admission's
+    test, ``admission.likely_to_meet``), then cost, then TTFT."""
     lacking = max(0, request.prompt_tokens - int(decode.candidate.effective_cached_tokens))
     moved = transfer_seconds(lacking, params)
     # after the read the request joins the decode pod's waiting queue, behind the prefill work
@@ -158,11 +160,10 @@ def remote_choices(decode: DecodeView, prefills: Sequence[Candidate], request: R
         arrival = pred.ttft_s + moved
         out.append(RemoteChoice(prefill_pod=p.pod_id, prediction=pred, transfer_tokens=lacking,
                                 transfer_s=moved, ttft_s=max(arrival, decode_queue_s) + tail))
-    objective = request.objective_s
     tiebreak = {p.pod_id: (p.load, p.tiebreak) for p in prefills}
 
     def key(r: RemoteChoice) -> tuple[bool, float, int, int]:
-        misses = objective is not None and r.ttft_s > objective
+        misses = not likely_to_meet(r.prediction, limit_s, miss_tolerance, r.ttft_s)
         cost = r.ttft_s + params.work_weight * r.prediction.prefill_s
         return (misses, round(r.ttft_s if misses else cost, 6)) + tiebreak[r.prefill_pod]
 
@@ -238,9 +239,9 @@ def decide_mode(name: str, local: Prediction, remote: RemoteChoice | None, uncac
 
 
 def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: RequestView, output_tokens: int,
-               params: PDParams) -> Option:
+               params: PDParams, limit_s: float | None = None, miss_tolerance: float | None = None) -> Option:
     local = predict(decode.candidate, request)
-    ranking = remote_choices(decode, prefills, request, params) if prefills else []
+    ranking = remote_choices(decode, prefills, request, params, limit_s, miss_tolerance) if prefills else []
     best_remote = ranking[0] if ranking else None
     uncached = max(0, request.prompt_tokens - int(decode.candidate.effective_cached_tokens))
     mode, reason = decide_mode(params.decider, local, best_remote, uncached, request, params)
@@ -253,18 +254,23 @@ def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: Reque
                   uncached_on_decode=uncached)
 
 
+def path_prediction(o: Option) -> Prediction:
+    """The prediction of the pod that prefills an option's request (its error model judges the path)."""
+    return o.remote.prediction if o.mode == "remote" and o.remote else o.local
+
+
 def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], request: RequestView,
               output_tokens: int, params: PDParams, admission: bool = True, slack: float = 1.0,
               miss_tolerance: float | None = None) -> PDDecision:
     """Rank the decode pods (each with its prefill plan) and admit or reject the request."""
     if params.decider not in DECIDER_FUNCTIONS:
         raise ValueError(f"unknown P/D decider {params.decider!r}; expected one of {', '.join(DECIDER_FUNCTIONS)}")
-    options = [option_for(d, prefills, request, output_tokens, params) for d in decodes]
+    limit = objective_limit(request, slack)
+    options = [option_for(d, prefills, request, output_tokens, params, limit, miss_tolerance) for d in decodes]
     if not options:
         return PDDecision(ranked=[], verdict=Verdict(False, "no-pods"), decider=params.decider)
     roomy = [o for o in options if o.has_room]
     best_tpot = min((o.tpot_s for o in roomy), default=None)
-    objective = request.objective_s
     tiebreak = {d.pod_id: (d.candidate.load, d.candidate.tiebreak) for d in decodes}
     # the work a path adds to the fleet: the prefill, and for a remote one the transfer too (it holds
     # the link and both pods' blocks, and copies the context to another decode pod)
@@ -275,7 +281,7 @@ def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], requ
         if not o.has_room:  # least short of room first, for requests that may not be refused
             short = o.kv_needed_tokens - (o.kv_free_tokens or 0.0)
             return (1, 0, 0, short) + tiebreak[o.decode_pod]
-        misses = objective is not None and o.ttft_s > objective
+        misses = not likely_to_meet(path_prediction(o), limit, miss_tolerance, o.ttft_s)
         slow = best_tpot is not None and o.tpot_s > best_tpot * (1.0 + params.tpot_tolerance) + 1e-12
         cost = o.ttft_s if misses else o.ttft_s + params.work_weight * own_work[o.decode_pod]
         return (0, misses, slow, round(cost, 6)) + tiebreak[o.decode_pod]
@@ -287,6 +293,6 @@ def decide_pd(decodes: Sequence[DecodeView], prefills: Sequence[Candidate], requ
         verdict = Verdict(True, "exempt") if (request.exempt and admission) else \
             (Verdict(True, "no-objective") if not admission else Verdict(False, "kv"))
     else:  # each path's TTFT with the error model of the pod that prefills it
-        paths = [o.remote.prediction if o.mode == "remote" and o.remote else o.local for o in roomy]
-        verdict = admit(paths, request, admission, slack, miss_tolerance, ttfts=[o.ttft_s for o in roomy])
+        verdict = admit([path_prediction(o) for o in roomy], request, admission, slack, miss_tolerance,
+                        ttfts=[o.ttft_s for o in roomy])
     return PDDecision(ranked=ranked, verdict=verdict, decider=params.decider, best_tpot_s=best_tpot, notes=notes)

@@ -4,7 +4,8 @@
 The pod is modelled as one FIFO prefill server. Its queue is the uncached prefill work the router
 has booked there and not yet seen start (``queue_tokens``), plus any requests its metrics say are
 waiting that the router did not send (counted at ``unknown_request_tokens`` each). Everything is
-divided by the pod's calibrated prefill rate.
+divided by the pod's calibrated prefill rate. The prediction carries the pod's error model for a
+prediction of its size (``Candidate.error_model``), which admission turns into a miss probability.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def predict(candidate: Candidate, request: RequestView) -> Prediction:
     rate = max(candidate.prefill_tokens_per_s, 1.0)
     queued = candidate.queue_tokens + foreign_waiting(candidate) * request.unknown_request_tokens
     own = uncached_tokens(candidate, request)
-    return Prediction(queue_s=queued / rate, prefill_s=own / rate, overhead_s=candidate.overhead_s,
-                      uncached_tokens=own, log_mean=candidate.log_error_mean, log_sd=candidate.log_error_sd,
-                      batch_s=max(candidate.running, 0) * candidate.per_running_s)
+    queue_s, prefill_s = queued / rate, own / rate
+    batch_s = max(candidate.running, 0) * candidate.per_running_s
+    log_mean, log_sd = candidate.error_model(queue_s + prefill_s + candidate.overhead_s + batch_s)
+    return Prediction(queue_s=queue_s, prefill_s=prefill_s, overhead_s=candidate.overhead_s,
+                      uncached_tokens=own, log_mean=log_mean, log_sd=log_sd, batch_s=batch_s)

@@ -18,9 +18,11 @@ they can be (so weights stay comparable); a scorer that keeps state between requ
 Ties never fall to chance (except in ``random``): they go by load, then by a stable per-(prompt,
 pod) number, so ``/debug/route`` and the real decision agree and cold prefixes spread over the
 fleet the way rendezvous hashing spreads keys. When the ranking uses the objective
-(``objective_first``, on whenever ``predicted-ttft`` is listed), pods predicted to meet the
-request's objective rank before pods predicted to miss it, and those go by predicted TTFT alone,
-so no other scorer can cause a miss by itself.
+(``objective_first``, on whenever ``predicted-ttft`` is listed), pods likely to meet the request's
+objective rank before the others, and those go by predicted TTFT alone, so no other scorer can
+cause a miss by itself. "Likely to meet" is admission's own test (``admission.likely_to_meet``:
+the miss probability within ``admission_miss_probability``), so the request admitted on the
+strength of one pod is not then sent to a riskier one because it is cheaper by the other scorers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .admission import likely_to_meet, objective_limit
 from .snapshot import Candidate, Prediction, RequestView
 
 
@@ -220,8 +223,10 @@ def _by_load(c: Candidate) -> tuple[int, float, int, int]:
 
 
 def rank(candidates: Sequence[Candidate], request: RequestView, predictions: Mapping[str, Prediction],
-         scoring: Scoring, state: PolicyState) -> list[Candidate]:
-    """The candidates best first by the weighted sum of the scorers' costs (see the module docstring)."""
+         scoring: Scoring, state: PolicyState, slack: float = 1.0,
+         miss_tolerance: float | None = None) -> list[Candidate]:
+    """The candidates best first by the weighted sum of the scorers' costs (see the module docstring);
+    ``slack`` and ``miss_tolerance`` are admission's, for the objective split."""
     if not candidates:
         return []
     x = ScoreInput(candidates, request, predictions, state)
@@ -229,13 +234,12 @@ def rank(candidates: Sequence[Candidate], request: RequestView, predictions: Map
     for scorer, weight in scoring.scorers:
         for pid, cost in scorer.costs(x).items():
             total[pid] += weight * cost
-    objective = request.objective_s if scoring.objective_first else None
+    limit = objective_limit(request, slack) if scoring.objective_first else None
 
     def key(c: Candidate) -> tuple[Any, ...]:
-        if objective is not None:
-            ttft = predictions[c.pod_id].ttft_s
-            if ttft > objective:
-                return (1, round(ttft, 6)) + _by_load(c)
+        p = predictions[c.pod_id]
+        if not likely_to_meet(p, limit, miss_tolerance):
+            return (1, round(p.ttft_s, 6)) + _by_load(c)
         return (0, round(total[c.pod_id], 6)) + _by_load(c)
 
     return sorted(candidates, key=key)

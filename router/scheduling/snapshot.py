@@ -32,9 +32,11 @@ class Candidate:
     prefill_tokens_per_s: float = 20000.0
     overhead_s: float = 0.005
     per_running_s: float = 0.0  # TTFT added per request running beside it (the batch; calibrated)
-    # how this pod's predictions have erred: ln(observed / predicted) ~ Normal(mean, sd) (calibrator)
+    # how this pod's predictions have erred: ln(observed / predicted) ~ Normal(mean, sd) (calibrator),
+    # over all its predictions, and per size of prediction (``size_bucket``; empty: the pooled one)
     log_error_mean: float = 0.0
     log_error_sd: float = 0.0
+    error_by_size: tuple[tuple[float, float], ...] = ()
     # the prefix index's answer for this prompt
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
@@ -46,6 +48,28 @@ class Candidate:
     def load(self) -> int:
         """Requests queued or prefilling here: the router's own plus any it did not send."""
         return self.inflight_requests + max(0, self.waiting - self.inflight_requests)
+
+
+    def error_model(self, model_ttft_s: float) -> tuple[float, float]:
+        """(mean, sd) of ln(observed / predicted) for a prediction of ``model_ttft_s`` on this pod."""
+        if not self.error_by_size:
+            return self.log_error_mean, self.log_error_sd
+        return self.error_by_size[size_bucket(model_ttft_s)]
+
+
+SIZE_BUCKETS = 10
+
+
+def size_bucket(predicted_s: float) -> int:
+    """The error model's bucket for a prediction: one per doubling, [1/16 s, 1/8 s) is 1 and
+    [1 s, 2 s) is 5; below 1/16 s is 0, 16 s and above the last. How far a prediction errs depends on
+    its size: a 50 ms one is at the mercy of one engine step, a 1.5 s one is mostly queue, and
+    admission cares about the ones near the line."""
+    if not predicted_s > 0.0625:
+        return 0
+    if not predicted_s < 16.0:
+        return SIZE_BUCKETS - 1
+    return math.floor(math.log2(predicted_s)) + 5
 
 
 @dataclass(frozen=True, slots=True)
