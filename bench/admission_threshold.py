@@ -7,7 +7,7 @@ Every row is ``kvroute simulate`` (the router's own decision code, calibration a
 simulated pods in simulated time), predicted-ttft with early rejection, 120 s of load; attainment
 is over all requests sent (a rejection is a miss).
 
-    python bench/admission_threshold.py [--values 0.5,0.25,0.1] [--set ttft_error_by_size=false]
+    python bench/admission_threshold.py [--values 0.5,0.25,0.1,0.05] [--set ttft_error_by_size=false]
                                         [--out bench/results/admission_threshold.json]
 
 The last line printed is the headline: per value, the mean attainment over all worlds and the
@@ -70,7 +70,8 @@ def load(kind: str, rate: float, seed: int, duration: float) -> tuple[list, list
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--values", default="0.5,0.25,0.1", help="admission_miss_probability values (first: the reference)")
+    ap.add_argument("--values", default="0.5,0.25,0.1,0.05",
+                    help="admission_miss_probability values (first: the reference)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a router setting for every row (a JSON value, else a string); repeatable")
     ap.add_argument("--duration", type=float, default=120.0)

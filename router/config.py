@@ -136,7 +136,7 @@ class RouterSettings(BaseSettings):
                                             "misses it are rejected with 429 (none = no objective)")
     admission: bool = Field(True, description="reject early (429) when the best prediction misses the objective")
     admission_slack: float = Field(1.0, description="reject when predicted TTFT > objective x this factor")
-    admission_miss_probability: float | None = Field(0.25, gt=0, lt=1, description="reject when on every pod the "
+    admission_miss_probability: float | None = Field(0.1, gt=0, lt=1, description="reject when on every pod the "
                                                      "probability of missing objective x slack is above this (the "
                                                      "pods' learnt error model); none = compare the point estimate")
     ttft_error_prior_sd: float = Field(0.25, ge=0, description="spread of ln(observed/predicted TTFT) assumed for a "
