@@ -27,8 +27,9 @@ miss is rather than whether the point estimate crosses the objective, and ``/deb
 the interval it gives. With ``by_size`` (the setting ``ttft_error_by_size``, on by default) it is
 also learnt per size of prediction (``snapshot.size_bucket``: one bucket per doubling), each bucket
 shrunk towards the pooled model by ``prior_weight`` observations: predictions err differently at
-different sizes (in simulated time a pooled log sd of 0.10 where predictions of 1-2 s erred by
-0.005, and 0.34 where they erred by 0.25), and admission asks about the ones near the objective.
+different sizes (a 50 ms one by a whole engine step, a 1.5 s one mostly by the queue), and admission
+asks about the ones near the objective; pooled, the interval there was too wide
+(``bench/calibration.py``; docs/router.md, "How far to trust a prediction").
 """
 
 from __future__ import annotations
