@@ -313,6 +313,32 @@ def test_the_error_model_is_learnt_per_size_of_prediction():
     pooled_only.observe("a", 0.0, 1.0, 1.0)
     assert pooled_only.pod("a").error_table() == ()
 
+
+def test_a_pod_that_has_seen_few_long_predictions_borrows_their_spread_from_the_fleet():
+    """Long prompts are rare on any one pod: its bucket for them would stay near its pooled spread
+    (the short requests' scatter) and refuse prompts that would make it. The spread at that size
+    comes from every pod; the bias stays the pod's own."""
+    cal = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=200, enabled=False)
+    rng = random.Random(6)
+    for _ in range(400):  # pod a: many long predictions, tight
+        cal.observe("a", 0.0, 1.5 * math.exp(rng.gauss(0.0, 0.02)), 1.5)
+    for _ in range(400):  # pod b: short ones that scatter and run 30 % late, and three long ones
+        cal.observe("b", 0.0, 0.05 * math.exp(rng.gauss(math.log(1.3), 0.5)), 0.05)
+    for _ in range(3):
+        cal.observe("b", 0.0, 1.5 * math.exp(rng.gauss(0.0, 0.02)), 1.5)
+    b = cal.pod("b")
+    _, pooled_sd = b.error_model()
+    mean, sd = b.error_table()[size_bucket(1.5)]
+    assert pooled_sd > 0.4 and sd < 0.1  # the fleet's spread at 1.5 s, not b's pooled one
+    assert 0.1 < mean < math.log(1.3)  # b's bias, shrunk by its own three observations
+    # without the fleet the same pod's bucket keeps most of its pooled spread
+    alone = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=200, enabled=False)
+    for _ in range(400):
+        alone.observe("b", 0.0, 0.05 * math.exp(rng.gauss(math.log(1.3), 0.5)), 0.05)
+    for _ in range(3):
+        alone.observe("b", 0.0, 1.5 * math.exp(rng.gauss(0.0, 0.02)), 1.5)
+    assert alone.pod("b").error_table()[size_bucket(1.5)][1] > 0.3
+
 def test_admission_on_the_probability_of_a_miss():
     req = RequestView(prompt_tokens=8000, objective_s=1.0)
     honest = cand("a", log_error_sd=0.25)                  # predicted 0.81 s, unbiased

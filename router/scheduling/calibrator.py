@@ -25,8 +25,9 @@ exponentially weighted mean and variance with the same memory. Before ``prior_we
 observations it is shrunk towards no bias and ``prior_sd``. Admission uses it to ask how likely a
 miss is rather than whether the point estimate crosses the objective, and ``/debug/route`` shows
 the interval it gives. With ``by_size`` (the setting ``ttft_error_by_size``, on by default) it is
-also learnt per size of prediction (``snapshot.size_bucket``: one bucket per doubling), each bucket
-shrunk towards the pooled model by ``prior_weight`` observations: predictions err differently at
+also learnt per size of prediction (``snapshot.size_bucket``: one bucket per doubling), a bucket
+with few observations leaning on the pod's pooled mean and on the fleet's spread at that size
+(``error_table``): predictions err differently at
 different sizes (a 50 ms one by a whole engine step, a 1.5 s one mostly by the queue), and admission
 asks about the ones near the objective; pooled, the interval there was too wide
 (``bench/calibration.py``; docs/router.md, "How far to trust a prediction").
@@ -40,6 +41,24 @@ from dataclasses import dataclass, field
 from .snapshot import SIZE_BUCKETS, size_bucket
 
 _KT = 1000.0  # work is fitted in kilotokens to keep the two parameters on similar scales
+
+
+class SizeErrors:
+    """Exponentially weighted mean and variance of the log error per size bucket; ``version`` counts
+    the observations, so a table built on it knows when it is stale."""
+
+    def __init__(self) -> None:
+        self.buckets = [[0.0, 0.0, 0.0] for _ in range(SIZE_BUCKETS)]  # [mean, var, n]
+        self.version = 0
+
+    def add(self, predicted_s: float, r: float, forget: float) -> None:
+        b = self.buckets[size_bucket(predicted_s)]
+        w = max(1.0 - forget, 1.0 / (b[2] + 1))
+        d = r - b[0]
+        b[0] += w * d
+        b[1] = (1.0 - w) * (b[1] + w * d * d)
+        b[2] += 1
+        self.version += 1
 
 
 @dataclass
@@ -63,14 +82,15 @@ class PodCalibration:
     _theta: list[float] = field(default_factory=list)
     _p: list[list[float]] = field(default_factory=list)
     _typical: float | None = None  # exponentially weighted mean observed TTFT (scales the relative fit)
-    _sizes: list[list[float]] = field(default_factory=list)  # per size bucket: [mean, var, n] of the log error
+    fleet: SizeErrors | None = None  # every pod's errors per size (the Calibrator's), for the spread
+    _sizes: SizeErrors = field(default_factory=SizeErrors)  # this pod's errors per size
     _table: tuple[tuple[float, float], ...] | None = None  # error_table(), until the next observation
+    _table_at: tuple[int, int] = (-1, -1)  # the versions (own, fleet) it was built at
 
     def __post_init__(self) -> None:
         self._theta = [self.overhead_s, _KT / self.rate, self.per_running_s]
         # a weak prior: a few observations outweigh it (the batch term starts at 0, a little firmer)
         self._p = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.01]]
-        self._sizes = [[0.0, 0.0, 0.0] for _ in range(SIZE_BUCKETS)]
 
     def predict(self, work_tokens: float, running: float = 0.0) -> float:
         return self.overhead_s + max(work_tokens, 0.0) / self.rate + max(running, 0.0) * self.per_running_s
@@ -83,18 +103,27 @@ class PodCalibration:
         return mean, math.sqrt(max(var, 0.0))
 
     def error_table(self) -> tuple[tuple[float, float], ...]:
-        """(mean, sd) per size bucket (``snapshot.size_bucket``), each shrunk towards the pooled
-        model while its own data is scarce; empty without ``by_size``."""
+        """(mean, sd) per size bucket (``snapshot.size_bucket``), empty without ``by_size``. While a
+        bucket's own data is scarce its mean is shrunk towards this pod's pooled mean (a pod's bias is
+        its own) and its spread towards the fleet's spread at that size (how far a prediction of that
+        size errs is much the same on every pod, and the fleet sees many more long ones than one pod
+        does), which is itself shrunk towards this pod's pooled spread."""
         if not self.by_size:
             return ()
-        if self._table is None:
+        at = (self._sizes.version, self.fleet.version if self.fleet is not None else 0)
+        if self._table is None or self._table_at != at:
             mean0, sd0 = self.error_model()
             n0 = self.prior_weight
+            fleet = self.fleet.buckets if self.fleet is not None else None
             rows = []
-            for m, v, n in self._sizes:
-                var = (n0 * sd0 ** 2 + n * v) / (n + n0)
+            for i, (m, v, n) in enumerate(self._sizes.buckets):
+                var0 = sd0 ** 2
+                if fleet is not None:
+                    _, fv, fn = fleet[i]
+                    var0 = (n0 * var0 + fn * fv) / (n0 + fn)
+                var = (n0 * var0 + n * v) / (n + n0)
                 rows.append(((n0 * mean0 + n * m) / (n + n0), math.sqrt(max(var, 0.0))))
-            self._table = tuple(rows)
+            self._table, self._table_at = tuple(rows), at
         return self._table
 
     def observe_error(self, predicted_s: float, ttft_s: float) -> None:
@@ -108,13 +137,9 @@ class PodCalibration:
         self.log_var = (1.0 - w) * (self.log_var + w * d * d)
         self.log_n += 1
         if self.by_size:
-            b = self._sizes[size_bucket(predicted_s)]
-            w = max(1.0 - self.forget, 1.0 / (b[2] + 1))
-            d = r - b[0]
-            b[0] += w * d
-            b[1] = (1.0 - w) * (b[1] + w * d * d)
-            b[2] += 1
-            self._table = None
+            self._sizes.add(predicted_s, r, self.forget)
+            if self.fleet is not None:
+                self.fleet.add(predicted_s, r, self.forget)
 
     def observe(self, work_tokens: float, ttft_s: float, predicted_s: float | None = None,
                 running: float = 0.0) -> float:
@@ -165,6 +190,7 @@ class Calibrator:
         self.prior_sd = prior_sd
         self.relative = relative
         self.by_size = by_size
+        self.fleet = SizeErrors()  # every pod's errors per size: the spread a pod's scarce buckets lean on
         self.pods: dict[str, PodCalibration] = {}
 
     def pod(self, pod_id: str, prior_rate: float | None = None) -> PodCalibration:
@@ -173,7 +199,7 @@ class Calibrator:
             rate = prior_rate or self.prior_rate
             cal = PodCalibration(overhead_s=self.prior_overhead_s, rate=rate, min_rate=min(self.min_rate, rate),
                                  max_rate=max(self.max_rate, rate), forget=self.forget, prior_sd=self.prior_sd,
-                                 relative=self.relative, by_size=self.by_size)
+                                 relative=self.relative, by_size=self.by_size, fleet=self.fleet)
             self.pods[pod_id] = cal
         return cal
 
