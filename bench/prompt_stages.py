@@ -3,8 +3,9 @@
 The workload is ``bench/overhead.py``'s multi-turn chat requests (90 % follow-ups of an earlier
 conversation plus ~300 new tokens) with the real-vLLM tier's tokenizer; each stage is timed over
 every request after a warm-up pass, as the router runs it: parse the body, check the chat fields,
-render the template, tokenize (through the prefix token cache, warm), find the cache's chunk ends,
-compute the block keys, look the keys up in a prefix index of 8 pods, and credit them to one pod.
+render the template, tokenize (through the prefix token cache, warm, as the router asks it: no token
+list built), find the cache's chunk ends, compute the block keys (the remembered keys of the
+prefix plus the new blocks), look the keys up in a prefix index of 8 pods, and credit them to one pod.
 
     python bench/prompt_stages.py [--sizes 8000] [--json bench/results/prompt_stages.json]
 
@@ -33,8 +34,8 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
 
     from indexer.index import PrefixIndex
     from indexer.keys import block_keys, key_seed
-    from indexer.prefix_tokens import boundaries
-    from indexer.tokens import ChatRequest
+    from indexer.prefix_tokens import CachedTokens, boundaries
+    from indexer.tokens import ChatRequest, routing_encoder
 
     reqs, mean = ov.chat_requests(tok, size)
     raws = [r.split(b"\r\n\r\n", 1)[1] for r in reqs]
@@ -51,12 +52,16 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
     chats = timed("check the chat fields", lambda i: ChatRequest.from_body(bodies[i], "chat", False))
     texts = timed("render the chat template", lambda i: tok.apply_chat_template(
         chats[i].messages, chat_template=chats[i].chat_template, **chats[i].template_kwargs))
-    for t in texts:  # the cache learns every conversation once, as a running router would have
-        tok.encode(t, add_special_tokens=False)
-    ids = timed("tokenize (prefix token cache, warm)", lambda i: tok.encode(texts[i], add_special_tokens=False))
-    timed("  of which: find the chunk ends", lambda i: boundaries(texts[i], 256))
+    encode = routing_encoder(tok)
     seed = key_seed("sim-model")
-    keys = timed("block keys (16-token blocks)", lambda i: block_keys(ids[i], 16, seed))
+    for t in texts:  # the cache learns every conversation once (tokens and keys), as a running router would have
+        got = encode(t, False)
+        if isinstance(got, CachedTokens):
+            got.block_keys(16, seed)
+    ids = timed("tokenize (prefix token cache, warm)", lambda i: encode(texts[i], False))
+    timed("  of which: find the chunk ends", lambda i: boundaries(texts[i], 256))
+    keys = timed("block keys (16-token blocks)", lambda i: ids[i].block_keys(16, seed)
+                 if isinstance(ids[i], CachedTokens) else block_keys(ids[i], 16, seed))
     index = PrefixIndex(block_size=16)
     for p in range(8):
         index.add_pod(f"pod-{p}", "sim-model", approximate=True)

@@ -524,11 +524,18 @@ class PrefixIndex:
     def speculate(self, pod_id: str, keys: Sequence[int], ttl_s: float | None = None) -> None:
         """Credit ``pod_id`` with ``keys`` for ``ttl_s`` (default ``speculative_ttl_s``) right after
         routing a request there, so its siblings follow before the engine's events arrive. Real
-        BlockStored events for those keys confirm (replace) the credit; otherwise it expires."""
+        BlockStored events for those keys confirm (replace) the credit; otherwise it expires. The
+        leading blocks the pod's events already hold are not credited again (a follow-up turn's
+        whole history, usually): a credit on them would only hide their eviction for ``ttl_s``."""
         pod = self._pods.get(pod_id)
         if pod is None or pod.primary is None or not keys:
             return
-        self._add_predicted(pod.primary, keys, self.speculative_ttl_s if ttl_s is None else ttl_s)
+        bit = pod.primary.bit
+        held = 0
+        if len(self._tiers) <= 1:  # with offload tiers a credit also says "on the GPU" (see match)
+            held = _depths_of_keys(keys, self._any.get, None, bit).get(bit, 0)
+        if held < len(keys):
+            self._add_predicted(pod.primary, keys[held:], self.speculative_ttl_s if ttl_s is None else ttl_s)
 
     def record_route(self, pod_id: str, keys: Sequence[int]) -> None:
         """Learn from a routing decision: for a pod added with ``approximate=True`` (no KV events)

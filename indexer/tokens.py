@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime
@@ -627,9 +628,25 @@ def chat_request_ids(body: dict[str, Any], tokenizer: Tokenizer, api: str = "cha
                      trust_request_template: bool = False) -> list[int]:
     """The prompt token ids vLLM computes for a chat request body (``api`` "chat" for
     /v1/chat/completions, "tokenize" for /tokenize). Raises ``ChatTemplateError`` (a 400)."""
+    text, add_special_tokens = chat_text(body, tokenizer, api, trust_request_template)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_text(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
+              trust_request_template: bool = False) -> tuple[str, bool]:
+    """The rendered prompt of a chat request body and whether to add special tokens around it."""
     req = ChatRequest.from_body(body, api, trust_request_template)
     text = tokenizer.apply_chat_template(req.messages, chat_template=req.chat_template, **req.template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    return text, req.add_special_tokens
+
+
+def routing_encoder(tokenizer: Tokenizer) -> Callable[[str, bool], Sequence[int]]:
+    """``(text, add_special_tokens) -> tokens`` for routing: the prefix token cache's ``encode_cached``
+    where the tokenizer has one (``HFTokenizer.cache_prefixes``), else ``encode``."""
+    cache = getattr(tokenizer, "prefix_cache", None)
+    if cache is not None:
+        return cache.encode_cached  # type: ignore[no-any-return]
+    return tokenizer.encode
 
 
 def completion_add_special_tokens(body: dict[str, Any]) -> bool:

@@ -12,11 +12,18 @@ with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from indexer.tokens import ChatRequest, ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
+from indexer.tokens import (
+    ChatRequest,
+    ChatTemplateError,
+    Tokenizer,
+    chat_text,
+    completion_add_special_tokens,
+    routing_encoder,
+)
 from router.errors import APIError
 
 
@@ -70,23 +77,25 @@ def add_special_tokens(body: dict[str, Any]) -> bool:
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
-def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens(body))
+        return routing_encoder(tokenizer)(prompt, add_special_tokens(body))
     return prompt
 
 
-def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
     chat_messages(body)
     try:
-        return chat_request_ids(body, tokenizer)
+        text, special = chat_text(body, tokenizer)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+    return routing_encoder(tokenizer)(text, special)
 
 
-def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    """``kind`` is "chat" or "completion"."""
+def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
+    """``kind`` is "chat" or "completion". With a prefix token cache the answer may be a
+    ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap."""
     return chat_tokens(body, tokenizer) if kind == "chat" else completion_tokens(body, tokenizer)
 
 

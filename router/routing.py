@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from indexer.keys import block_keys, key_seed
+from indexer.prefix_tokens import CachedTokens
 from indexer.tokens import Tokenizer
 from router.booking import Booking, Ledger
 from router.config import PodConfig, RouterSettings
@@ -60,7 +61,7 @@ class Plan:
 
     kind: str
     model: str
-    tokens: list[int]
+    tokens: Sequence[int]  # a list, or the prefix token cache's CachedTokens
     keys: list[int]
     request: RequestView
     decision: Decision
@@ -76,7 +77,7 @@ def _priority_exempt(value: str | None, exempt_values: list[str]) -> bool:
     return value is not None and value.strip().lower() in exempt_values
 
 
-def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: list[int], *, index: Any,
+def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: Sequence[int], *, index: Any,
                   ledger: Ledger, calibrator: Calibrator, block_size: int, salts: Mapping[str, int]) -> FleetSnapshot:
     """The fleet as one decision sees it: per pod its scraped load, the router's bookings, its
     calibrated speed and the prefix index's answer for this prompt, plus decode pods' KV room."""
@@ -223,30 +224,35 @@ class Router:
             return value
         return self.settings.pd_expected_output_tokens
 
-    def keys_for(self, model: str, tokens: list[int], salt: str | None = None) -> list[int]:
+    def keys_for(self, model: str, tokens: Sequence[int], salt: str | None = None) -> list[int]:
         """The prompt's block keys, with the extra keys vLLM hashes into each block and announces in
         its BlockStored ``extra_keys``: a LoRA adapter's name in every block (and its name in the chain's
         seed, as the index keys the events' ``lora_name``), a ``cache_salt`` in the first block after
-        it; so a prompt meets only blocks of the same adapter and salt."""
+        it; so a prompt meets only blocks of the same adapter and salt. Tokens from the prefix token
+        cache (``CachedTokens``) key only what their remembered prefix does not cover."""
         seed = self._seeds.get(model)
         base, adapter = self.target(model)
         if seed is None:
             seed = self._seeds[model] = key_seed(base, adapter)
-        extra: list[Any] | None = None
-        if adapter is not None:
-            extra = [[adapter]] * (len(tokens) // self.block_size)
-            if salt is not None and extra:
-                extra[0] = [adapter, salt]
-        elif salt is not None:
-            extra = [[salt]]
-        return block_keys(tokens, self.block_size, seed, extra)
 
-    def snapshot(self, model: str, keys: list[int], tokens: list[int]) -> FleetSnapshot:
+        def extra_for(blocks: int, first: int) -> list[Any] | None:  # blocks first .. first + blocks - 1
+            if adapter is not None:
+                extra: list[Any] = [[adapter]] * blocks
+                if salt is not None and first == 0 and extra:
+                    extra[0] = [adapter, salt]
+                return extra
+            return [[salt]] if salt is not None and first == 0 else None
+
+        if isinstance(tokens, CachedTokens):
+            return tokens.block_keys(self.block_size, seed, (adapter, salt), extra_for)
+        return block_keys(tokens, self.block_size, seed, extra_for(len(tokens) // self.block_size, 0))
+
+    def snapshot(self, model: str, keys: list[int], tokens: Sequence[int]) -> FleetSnapshot:
         pods = self.registry.serving(*self.target(model))
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
-    def prompt(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int]:
+    def prompt(self, kind: str, body: Mapping[str, Any]) -> tuple[Sequence[int], int]:
         """The prompt's token ids with the local tokenizer, and the tokens of the other prompts of a
         completion batch. Touches no routing state, so it may run in a tokenize thread (see
         ``prompt_and_keys``)."""
@@ -254,13 +260,13 @@ class Router:
         rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         return tokens, rest
 
-    def prompt_and_keys(self, kind: str, body: Mapping[str, Any]) -> tuple[list[int], int, list[int]]:
+    def prompt_and_keys(self, kind: str, body: Mapping[str, Any]) -> tuple[Sequence[int], int, list[int]]:
         """``prompt`` and the prompt's block keys: the CPU-heavy part of ``plan``, for a tokenize thread."""
         tokens, rest = self.prompt(kind, body)
         return tokens, rest, self.keys_for(self.resolve_model(body), tokens, cache_salt(body))
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
-             tokens: list[int] | None = None, exact: bool = True, grants: Any = None,
+             tokens: Sequence[int] | None = None, exact: bool = True, grants: Any = None,
              rest: int | None = None, keys: list[int] | None = None) -> Plan:
         """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
 

@@ -176,6 +176,7 @@ class Services:
             totals.update({"tokenize_cache_hit_rate": cache.hit_rate(),
                            "tokenize_cache_reused_tokens": float(cache.stats.reused_tokens),
                            "tokenize_cache_held_tokens": float(cache.held_tokens),
+                           "tokenize_cache_key_hit_rate": cache.key_hit_rate(),
                            "tokenize_cache_enabled": 0.0 if cache.disabled else 1.0})
         return totals
 

@@ -300,6 +300,21 @@ def test_speculative_credit_expires_unless_confirmed():
     assert ix.stats()["predicted_keys"] == 0
 
 
+def test_a_follow_up_credits_only_the_blocks_the_pods_events_do_not_hold():
+    """Routing a follow-up turn to the pod that holds its history credits only the new blocks: the
+    held ones stay the events' to keep or evict, so an eviction shows at once, not after the TTL."""
+    clock = Clock()
+    ix = new_index(speculative_ttl_s=2.0, clock=clock)
+    t = toks(5)
+    k = keys_of(t)
+    ix.apply_event("b", stored([1, 2, 3], None, t[:3 * BS]))  # the history: three blocks
+    ix.speculate("b", k)  # the follow-up: five
+    assert ix.match(k)["b"].blocks == 5
+    assert ix.stats()["predicted_keys"] == 2  # only the two new blocks are credited
+    ix.apply_event("b", BlockRemoved(block_hashes=[2, 3], medium="GPU"))
+    assert ix.match(k)["b"].blocks == 1  # the eviction counts now
+
+
 def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
     clock = Clock()
     ix = PrefixIndex(block_size=BS, approximate_ttl_s=100.0, speculative_ttl_s=1.0, max_blocks_per_pod=32, clock=clock)

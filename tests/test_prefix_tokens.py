@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer.prefix_tokens import PrefixTokenCache, boundaries
+from indexer.keys import block_keys
+from indexer.prefix_tokens import CachedTokens, PrefixTokenCache, boundaries
 
 WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
          "naïve café 東京 数据 ok? yes: no; (a) [b] {c} \"q\" 'r' a-b a_b 3.14 1e10 -- ... ")
@@ -119,6 +120,68 @@ def test_a_chat_history_reuses_its_prefix_and_stays_exact(name):
     assert cache.stats.hits >= 4 and cache.hit_rate() > 0.5, (cache.stats, cache.hit_rate())
 
 
+def _extra_for(adapter, salt):
+    """The router's per-block extra keys (router.routing.Router.keys_for): an adapter in every block,
+    a salt in the first."""
+    def extra_for(blocks, first):
+        if adapter is not None:
+            extra = [[adapter]] * blocks
+            if salt is not None and first == 0 and extra:
+                extra[0] = [adapter, salt]
+            return extra
+        return [[salt]] if salt is not None and first == 0 else None
+    return extra_for
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=words, follow_ups=st.lists(st.tuples(st.floats(0.3, 1.0), words, text_piece), min_size=1, max_size=5),
+       special=st.booleans(), block_size=st.sampled_from([1, 3, 16]),
+       tag=st.sampled_from([(None, None), (None, "salt-a"), ("lora-1", None), ("lora-1", "salt-a")]))
+def test_block_keys_from_cached_tokens_are_the_full_tokenizations_keys(name, prefix, follow_ups, special,
+                                                                       block_size, tag):
+    """A follow-up's keys come from the remembered keys of its prefix plus the new blocks: always
+    equal to ``block_keys`` of the whole token list, for next turns and branches, any block size,
+    with or without a salt or adapter."""
+    hf = TOKENIZERS[name]
+    cache = PrefixTokenCache(hf, chunk_chars=24, min_chars=0, verify_every=0)
+    extra_for = _extra_for(*tag)
+    text = " ".join(prefix)
+    for keep, more, noise in [(1.0, [], "")] + follow_ups:
+        text = text[:int(len(text) * keep)] + " " + " ".join(more) + noise
+        full = hf.encode(text, add_special_tokens=special).ids
+        got = cache.encode_cached(text, special)
+        if not isinstance(got, CachedTokens):
+            continue
+        assert len(got) == len(full)
+        want = block_keys(full, block_size, 12345, extra_for(len(full) // block_size, 0))
+        assert got.block_keys(block_size, 12345, tag, extra_for) == want, (name, block_size, tag)
+        assert got == full
+    if all(keep == 1.0 for keep, _, _ in follow_ups) and len(boundaries(" ".join(prefix), 24)) > 1:
+        assert cache.stats.key_hits >= 1  # a next turn took its prefix's keys from the cache
+
+
+def test_a_follow_up_takes_its_prefixs_keys_and_keys_memory_is_bounded():
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=32, min_chars=0, verify_every=0, max_tokens=3000)
+    text = " ".join(corpus(15, seed=4))
+    for turn in range(12):
+        text += " " + " ".join(corpus(2, seed=20 + turn))
+        got = cache.encode_cached(text, True)
+        assert isinstance(got, CachedTokens)
+        full = hf.encode(text, add_special_tokens=True).ids
+        assert got.block_keys(16, 7) == block_keys(full, 16, 7)
+        assert cache._keys_held <= 3000 // 4
+    assert cache.stats.key_hits >= 6 and cache.stats.key_misses == 0
+    assert len(cache._keys) < 12  # the oldest turns' keys were let go
+    # another seed or tag is another chain of keys: no hit, still exact
+    hits = cache.stats.key_hits
+    text += " more words"
+    got = cache.encode_cached(text, True)
+    full = hf.encode(text, add_special_tokens=True).ids
+    assert got.block_keys(16, 8) == block_keys(full, 16, 8) and cache.stats.key_hits == hits
+
+
 def test_boundaries_are_spaces_after_a_letter_or_digit_at_least_chunk_chars_apart():
     text = "aaaa bbbb. cccc  dddd 12 e"
     ends = boundaries(text, 4)
@@ -205,6 +268,12 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                         body = {"model": "m", "messages": history, "max_tokens": 2}
                         explained = (await c.post("/debug/route", json=body)).json()
                         assert explained["prompt_tokens"] == len(chat_request_ids(body, plain))
+                        # the keys it routes on are the full tokenization's, salted or not
+                        tokens, _ = services.router.prompt("chat", body)
+                        assert turn == 0 or isinstance(tokens, CachedTokens)
+                        for salt in (None, "tenant-a"):
+                            assert services.router.keys_for("m", tokens, salt) == \
+                                services.router.keys_for("m", chat_request_ids(body, plain), salt)
                         assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
                         history.append({"role": "assistant", "content": " ".join(corpus(2, seed=50 + turn))})
                     metrics = (await c.get("/metrics")).text

@@ -339,6 +339,25 @@ def test_a_pod_that_has_seen_few_long_predictions_borrows_their_spread_from_the_
         alone.observe("b", 0.0, 1.5 * math.exp(rng.gauss(0.0, 0.02)), 1.5)
     assert alone.pod("b").error_table()[size_bucket(1.5)][1] > 0.3
 
+def test_the_error_table_kept_row_by_row_equals_one_built_afresh():
+    """Another pod's observation changes one row of every pod's table (its size bucket in the fleet):
+    only that row is rebuilt, and the table stays what a rebuild from scratch gives."""
+    cal = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=50, enabled=False)
+    rng = random.Random(11)
+    pods = ["a", "b", "c"]
+    for p in pods:
+        cal.pod(p).error_table()
+    for step in range(600):
+        p = rng.choice(pods)
+        predicted = math.exp(rng.uniform(math.log(0.03), math.log(12.0)))
+        cal.observe(p, 0.0, predicted * math.exp(rng.gauss(0.1, 0.3)), predicted)
+        if step % 7 == 0:
+            for q in pods:
+                kept = cal.pod(q).error_table()
+                cal.pod(q)._table = None  # forces a full rebuild
+                assert kept == cal.pod(q).error_table(), (step, q)
+
+
 def test_admission_on_the_probability_of_a_miss():
     req = RequestView(prompt_tokens=8000, objective_s=1.0)
     honest = cand("a", log_error_sd=0.25)                  # predicted 0.81 s, unbiased

@@ -50,15 +50,18 @@ class SizeErrors:
     def __init__(self) -> None:
         self.buckets = [[0.0, 0.0, 0.0] for _ in range(SIZE_BUCKETS)]  # [mean, var, n]
         self.version = 0
+        self.stamps = [0] * SIZE_BUCKETS  # per bucket: the version of its last change
 
     def add(self, predicted_s: float, r: float, forget: float) -> None:
-        b = self.buckets[size_bucket(predicted_s)]
+        i = size_bucket(predicted_s)
+        b = self.buckets[i]
         w = max(1.0 - forget, 1.0 / (b[2] + 1))
         d = r - b[0]
         b[0] += w * d
         b[1] = (1.0 - w) * (b[1] + w * d * d)
         b[2] += 1
         self.version += 1
+        self.stamps[i] = self.version
 
 
 @dataclass
@@ -84,8 +87,10 @@ class PodCalibration:
     _typical: float | None = None  # exponentially weighted mean observed TTFT (scales the relative fit)
     fleet: SizeErrors | None = None  # every pod's errors per size (the Calibrator's), for the spread
     _sizes: SizeErrors = field(default_factory=SizeErrors)  # this pod's errors per size
-    _table: tuple[tuple[float, float], ...] | None = None  # error_table(), until the next observation
-    _table_at: tuple[int, int] = (-1, -1)  # the versions (own, fleet) it was built at
+    _table: tuple[tuple[float, float], ...] | None = None  # error_table(), kept up to date row by row
+    _table_own: int = -1  # this pod's version it was built at (any change of its own: every row)
+    _table_fleet: list[int] = field(default_factory=list)  # the fleet's bucket stamps each row was built at
+    _table_base: tuple[float, float] = (0.0, 0.0)  # this pod's pooled (mean, sd) the rows lean on
 
     def __post_init__(self) -> None:
         self._theta = [self.overhead_s, _KT / self.rate, self.per_running_s]
@@ -110,21 +115,32 @@ class PodCalibration:
         does), which is itself shrunk towards this pod's pooled spread."""
         if not self.by_size:
             return ()
-        at = (self._sizes.version, self.fleet.version if self.fleet is not None else 0)
-        if self._table is None or self._table_at != at:
-            mean0, sd0 = self.error_model()
-            n0 = self.prior_weight
-            fleet = self.fleet.buckets if self.fleet is not None else None
-            rows = []
-            for i, (m, v, n) in enumerate(self._sizes.buckets):
-                var0 = sd0 ** 2
-                if fleet is not None:
-                    _, fv, fn = fleet[i]
-                    var0 = (n0 * var0 + fn * fv) / (n0 + fn)
-                var = (n0 * var0 + n * v) / (n + n0)
-                rows.append(((n0 * mean0 + n * m) / (n + n0), math.sqrt(max(var, 0.0))))
-            self._table, self._table_at = tuple(rows), at
+        fleet = self.fleet
+        if self._table is None or self._table_own != self._sizes.version or \
+                len(self._table_fleet) != (SIZE_BUCKETS if fleet is not None else 0):  # this pod learnt: all rows
+            self._table_base = self.error_model()
+            self._table_fleet = list(fleet.stamps) if fleet is not None else []
+            self._table = tuple(self._error_row(i) for i in range(SIZE_BUCKETS))
+            self._table_own = self._sizes.version
+        elif fleet is not None and self._table_fleet != fleet.stamps:  # another pod learnt: its rows
+            rows = list(self._table)
+            for i, stamp in enumerate(fleet.stamps):
+                if self._table_fleet[i] != stamp:
+                    rows[i] = self._error_row(i)
+                    self._table_fleet[i] = stamp
+            self._table = tuple(rows)
         return self._table
+
+    def _error_row(self, i: int) -> tuple[float, float]:
+        mean0, sd0 = self._table_base
+        n0 = self.prior_weight
+        m, v, n = self._sizes.buckets[i]
+        var0 = sd0 ** 2
+        if self.fleet is not None:
+            _, fv, fn = self.fleet.buckets[i]
+            var0 = (n0 * var0 + fn * fv) / (n0 + fn)
+        var = (n0 * var0 + n * v) / (n + n0)
+        return (n0 * mean0 + n * m) / (n + n0), math.sqrt(max(var, 0.0))
 
     def observe_error(self, predicted_s: float, ttft_s: float) -> None:
         """Fold one (predicted, observed) pair into the error model."""
