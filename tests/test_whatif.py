@@ -142,16 +142,22 @@ def attainment(policy: str, admission: bool, specs: list[Any], arrivals: list[fl
 
 
 @pytest.mark.e2e  # pure but seconds long: runs with the e2e tier (tests/conftest.py's rule 2)
-def test_oracle_is_at_least_as_good_as_every_policy() -> None:
+def test_oracle_is_at_least_as_good_as_every_policy_that_admits_everything() -> None:
     """On this small cache-heavy workload. The oracle is greedy (each request where its true TTFT is
-    lowest), so this is a property of the workload, not a theorem: docs/simulate.md shows a heavier
-    load where predicted-ttft + early rejection beats it."""
+    lowest, refused only when no pod makes the objective), so this is a property of the workload,
+    not a theorem. Early rejection at a miss-probability line refuses borderline requests the
+    oracle still admits, which keeps later ones on time: here predicted-ttft with it beats the
+    oracle (docs/simulate.md), and the test says so, so that a change in either shows."""
     specs, arrivals = cache_heavy()
     oracle = attainment("oracle", True, specs, arrivals)["slo_attainment"]
     for policy in ("random", "round-robin", "least-load", "cache-only", "predicted-ttft"):
-        for admission in (False, True):
-            s = attainment(policy, admission, specs, arrivals)
-            assert oracle >= s["slo_attainment"], (policy, admission, oracle, s["slo_attainment"])
+        s = attainment(policy, False, specs, arrivals)
+        assert oracle >= s["slo_attainment"], (policy, oracle, s["slo_attainment"])
+    for policy in ("random", "round-robin", "least-load", "cache-only"):
+        s = attainment(policy, True, specs, arrivals)
+        assert oracle >= s["slo_attainment"], (policy, "early rejection", oracle, s["slo_attainment"])
+    rejecting = attainment("predicted-ttft", True, specs, arrivals)
+    assert rejecting["slo_attainment"] >= oracle - 0.01, (oracle, rejecting["slo_attainment"])
 
 
 @pytest.mark.e2e  # pure but seconds long: runs with the e2e tier (tests/conftest.py's rule 2)
