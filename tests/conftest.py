@@ -177,7 +177,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "test_subscriber_property.py": frozenset({"test_index_follows_the_engine_through_gaps_and_restarts"}),
     "test_replay_workloads.py": frozenset({"test_real_mooncake_trace_loads_and_shares_block_zero", "test_azure_trace"}),
     "test_whatif.py": frozenset({
-        "test_oracle_is_at_least_as_good_as_every_policy",
+        "test_oracle_is_at_least_as_good_as_every_policy_that_admits_everything",
         "test_predicted_ttft_beats_random_on_a_cache_heavy_workload",
         "test_deterministic_for_a_seed",
     }),
