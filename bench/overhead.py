@@ -2,8 +2,9 @@
 
 Everything runs on this machine over loopback: a fast static backend (raw asyncio + httptools,
 answering every completion with the same small JSON), and in front of it, one at a time, kvroute
-(``kvroute serve``, one process), vllm-router (``cache_aware``) when it is installed, and two bare
-FastAPI proxies, one on aiohttp and one on httpx, to re-measure the client-pool choice. The load
+(``kvroute serve``, one process), vllm-router (``cache_aware``) when it is installed, and three bare
+FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream client (``router/upstream.py``),
+to re-measure the client choice. The load
 generator is also raw asyncio + httptools with pre-built requests, so it costs little CPU.
 
     python bench/overhead.py [--seconds 5] [--connections 32] [--peers-venv /tmp/peers-venv]
@@ -126,18 +127,26 @@ def run_bare_proxy(port: int, upstream: str, client: str) -> None:
         if client == "aiohttp":
             import aiohttp
             state["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        elif client == "kvroute":
+            from router.upstream import UpstreamClient
+            state["s"] = UpstreamClient()
         else:
             import httpx
             state["s"] = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=None))
         yield
-        await (state["s"].close() if client == "aiohttp" else state["s"].aclose())
+        await (state["s"].aclose() if client == "httpx" else state["s"].close())
 
     app = FastAPI(lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def proxy(request: Request):
         body = await request.body()
+        if client == "kvroute":
+            resp = await state["s"].post(upstream + "/v1/completions", body, {"content-type": "application/json"})
+            data = await resp.read()
+            resp.release()
+            return Response(data, status_code=resp.status, media_type="application/json")
         if client == "aiohttp":
             async with state["s"].post(upstream + "/v1/completions", data=body,
                                        headers={"content-type": "application/json"}) as r:
@@ -432,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "backend":
         run_backend(args.port)
         return 0
-    if args.role in ("proxy-aiohttp", "proxy-httpx"):
+    if args.role in ("proxy-aiohttp", "proxy-httpx", "proxy-kvroute"):
         run_bare_proxy(args.port, args.upstream, args.role.split("-")[1])
         return 0
 
@@ -486,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  vllm-router: not installed in {args.peers_venv} (see the docstring); row skipped")
             rows.append({"target": "vllm-router (cache_aware)", "error": "not installed"})
 
-        for client in ("aiohttp", "httpx"):
+        for client in ("aiohttp", "httpx", "kvroute"):
             if f"proxy-{client}" in skip:
                 continue
             pport = free_port()
@@ -494,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--upstream", upstream])
             procs.append(px)
             wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
-            rows.append(measure(f"bare FastAPI + {client}", pport, args))
+            rows.append(measure(f"bare FastAPI + {'kvroute client' if client == 'kvroute' else client}", pport, args))
             stop_process(px)
     finally:
         for p in procs:

@@ -35,7 +35,8 @@ async def read_body(scope: MutableMapping[str, Any], receive: Receive, limit: in
     """
     if timeout_s:
         try:
-            return await asyncio.wait_for(read_body(scope, receive, limit), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own, unlike wait_for
+                return await read_body(scope, receive, limit)
         except TimeoutError:
             raise APIError(408, f"request body not received within {timeout_s:g} s") from None
     declared = header(scope, b"content-length")

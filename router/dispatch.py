@@ -1,8 +1,9 @@
-"""Sending a request to a pod and relaying its answer: one long-lived aiohttp session.
+"""Sending a request to a pod and relaying its answer, over the router's own HTTP/1.1 client.
 
-Why aiohttp: a bare FastAPI proxy measured 2,286 req/s with aiohttp against 307 req/s with httpx at
-32 connections on this kind of machine (httpx's pool serialises under a lock); ``bench/overhead.py``
-re-measures it. Bytes pass through untouched: request bodies as the client sent them, responses as
+The client (``router/upstream.py``) replaced aiohttp, which had replaced httpx: a bare FastAPI proxy
+measured 2,286 req/s with aiohttp against 307 req/s with httpx at 32 connections on this kind of
+machine (httpx's pool serialises under a lock), and ``bench/overhead.py`` measures all three. Bytes
+pass through untouched: request bodies as the client sent them, responses as
 network chunks (no SSE re-parsing, no decompression). A connection failure or a 5xx before the
 first response byte is retried on the next-best pod; after the first byte nothing is retried.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
+from router.upstream import PodIOError, PoolBusy, UpstreamClient, UpstreamResponse
 
-# Request headers never forwarded to a pod: hop-by-hop ones, ones aiohttp recomputes, and internal
-# ones a client must not be able to set (they steer sidecars to hosts, or impersonate the router).
+# Request headers never forwarded to a pod: hop-by-hop ones, ones the client writes itself (host,
+# content-length), and internal ones a client must not be able to set (they steer sidecars to hosts,
+# or impersonate the router).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
                         "expect", "proxy-connection"})
@@ -27,67 +29,71 @@ RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "con
                            "x-kvroute-pod", "x-request-id", "proxy-authenticate", "trailer", "upgrade"})
 
 
+_UNSENDABLE = ("\r", "\n", "\0")
+
+
 def forwardable(name: str) -> bool:
     """Whether a client request header (lower-case name) may be passed on to a pod."""
     return name not in HOP_BY_HOP and name not in INTERNAL and not name.startswith(INTERNAL_PREFIXES)
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_authorization: bool) -> dict[str, str]:
+    """The client's headers a pod may see, plus the request id. A header whose name or value holds
+    CR, LF or NUL is dropped: written out as is it would split the upstream request."""
     out: dict[str, str] = {}
     for k, v in raw:
         name = k.decode("latin-1").lower()
         if not forwardable(name) or name == "x-request-id" or (drop_authorization and name == "authorization"):
             continue
         value = v.decode("latin-1")
+        if any(c in name or c in value for c in _UNSENDABLE):
+            continue
         out[name] = f"{out[name]}, {value}" if name in out else value
     out["x-request-id"] = request_id
     return out
 
 
-def response_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in resp.headers.items() if k.lower() not in RESPONSE_DROP]
+def response_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in resp.headers.raw if k.lower() not in RESPONSE_DROP]
 
 
 class UpstreamError(Exception):
     """The pod could not be reached or failed before sending a byte; another pod may be tried."""
 
     def __init__(self, cause: str, status: int | None = None, body: bytes = b"",
-                 headers: list[tuple[str, str]] | None = None):
+                 headers: list[tuple[str, str]] | None = None, pod_down: bool = True):
         super().__init__(cause)
         self.cause = cause
         self.status = status
         self.body = body
         self.headers = headers or []
+        self.pod_down = pod_down and status is None  # False for a 5xx, and for our own pool being full
 
 
 @dataclass
 class Opened:
     """An upstream response whose status is below 500 (and, for streams, whose first chunk is in)."""
 
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     first_chunk: bytes
     streaming: bool
 
 
 class Dispatcher:
-    """Owns the one upstream ``ClientSession`` of the process."""
+    """Owns the one upstream client (connection pool) of the process."""
 
     def __init__(self, connect_timeout_s: float = 3.0, read_timeout_s: float | None = None,
                  max_connections: int = 0, max_connections_per_pod: int = 0):
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._limits = (max_connections, max_connections_per_pod)
-        self.session: aiohttp.ClientSession | None = None
+        self._args = (connect_timeout_s, read_timeout_s, max_connections, max_connections_per_pod)
+        self.client: UpstreamClient | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self._limits[0], limit_per_host=self._limits[1],
-                                         ttl_dns_cache=300, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.client = UpstreamClient(*self._args)
 
     async def stop(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
 
     async def open(self, url: str, body: bytes, headers: dict[str, str],
                    on_first_byte: Callable[[], None] | None = None) -> Opened:
@@ -96,28 +102,29 @@ class Dispatcher:
         Raises ``UpstreamError`` for anything retryable: connect failures, resets before the first
         byte, 5xx. The caller owns the returned response and must close or release it.
         """
-        assert self.session is not None, "dispatcher not started"
+        assert self.client is not None, "dispatcher not started"
         try:
-            resp = await self.session.post(url, data=body, headers=headers)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
-            raise UpstreamError(f"connect: {type(exc).__name__}") from exc
+            resp = await self.client.post(url, body, headers)
+        except PoolBusy as exc:
+            raise UpstreamError(f"busy: {exc}", pod_down=False) from exc
+        except PodIOError as exc:
+            raise UpstreamError(f"connect: {exc}") from exc
         try:
             if resp.status >= 500:
                 try:
                     payload = await resp.read()
-                except (TimeoutError, aiohttp.ClientError, OSError):
+                except PodIOError:
                     payload = b""
                 hdrs = response_headers(resp)
                 resp.release()
                 raise UpstreamError(f"status {resp.status}", resp.status, payload, hdrs)
-            ctype = resp.headers.get("content-type", "")
-            streaming = ctype.startswith("text/event-stream")
+            streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
             first = b""
             if streaming:
                 try:
-                    first = await resp.content.readany()
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                    raise UpstreamError(f"read: {type(exc).__name__}") from exc
+                    first = await resp.readany()
+                except PodIOError as exc:
+                    raise UpstreamError(f"read: {exc}") from exc
                 if not first:
                     raise UpstreamError("empty stream")
                 if on_first_byte:
@@ -131,9 +138,9 @@ class Dispatcher:
 async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]]) -> None:
     """Send the first chunk and then every network chunk as it arrives."""
     await send(opened.first_chunk)
-    content = opened.resp.content
+    resp = opened.resp
     while True:
-        chunk = await content.readany()
+        chunk = await resp.readany()
         if not chunk:
             return
         await send(chunk)

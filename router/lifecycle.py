@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -37,6 +36,7 @@ from router.errors import error_body, error_response
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry
 from router.routing import Plan, Router
+from router.upstream import PodIOError
 
 POD_HEADER = "x-kvroute-pod"
 
@@ -84,9 +84,9 @@ class Lifecycle:
                                           {**headers, **prefill_header(route, plan.pods)}, request)
             except UpstreamError as failed:
                 self._end(router, booking, Outcome(cand.pod_id, ""))
-                if failed.status is None:
+                if failed.pod_down:
                     self.registry.mark(cand.pod_id, False)
-                self.metrics.retries.labels("5xx" if failed.status else "connect").inc()
+                self.metrics.retries.labels("5xx" if failed.status else "connect" if failed.pod_down else "busy").inc()
                 failure = (cand.pod_id, failed)
                 continue
             except BaseException:
@@ -162,7 +162,7 @@ class Lifecycle:
                                                        router.finish, booking)
         try:
             payload = await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except PodIOError as exc:
             resp.close()
             self._end(router, booking, Outcome(pod_id, "502"))
             return error_response(502, f"pod {pod_id} failed mid-response ({type(exc).__name__})",
@@ -214,7 +214,7 @@ class RelayResponse(Response):
                 exc = pump.exception()
                 if exc is None:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                elif isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
+                elif isinstance(exc, OSError) and not isinstance(exc, PodIOError):
                     how = "disconnect"  # the client's socket went away while we wrote
                 else:
                     how = "upstream-error"

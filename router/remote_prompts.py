@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from indexer.tokens import RemoteTokenizer
 from router.prompts import add_special_tokens, check_chat, completion_prompt
+from router.upstream import UpstreamClient
 
 log = logging.getLogger("kvroute")
 
@@ -45,7 +45,7 @@ class PromptIds:
 
 
 class _Answer:
-    """The slice of an httpx response RemoteTokenizer reads, filled from an aiohttp one."""
+    """The slice of an httpx response RemoteTokenizer reads, filled from the router's client."""
 
     def __init__(self, status: int, body: bytes):
         self.status_code = status
@@ -63,18 +63,28 @@ class _Answer:
 
 
 class SessionPoster:
-    """``post(url, content=, headers=)`` over the router's shared aiohttp session, with a deadline."""
+    """``post(url, content=, headers=)`` over the router's upstream client, with a deadline."""
 
-    def __init__(self, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float):
-        self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    def __init__(self, client: Callable[[], UpstreamClient | None], timeout_s: float):
+        self._client = client
+        self._timeout_s = timeout_s
 
     async def post(self, url: str, content: bytes, headers: dict[str, str]) -> _Answer:
-        session = self._session()
-        if session is None:
-            raise RuntimeError("the upstream session is not started")
-        async with session.post(url, data=content, headers=headers, timeout=self._timeout) as resp:
-            return _Answer(resp.status, await resp.read())
+        client = self._client()
+        if client is None:
+            raise RuntimeError("the upstream client is not started")
+        return await asyncio.wait_for(self._post(client, url, content, headers), self._timeout_s)
+
+    @staticmethod
+    async def _post(client: UpstreamClient, url: str, content: bytes, headers: dict[str, str]) -> _Answer:
+        resp = await client.post(url, content, headers)
+        try:
+            body = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return _Answer(resp.status, body)
 
 
 def _estimate(text_or_messages: Any) -> list[int]:
@@ -88,10 +98,10 @@ def _estimate(text_or_messages: Any) -> list[int]:
 
 
 class RemotePrompts:
-    def __init__(self, registry: Any, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float,
+    def __init__(self, registry: Any, client: Callable[[], UpstreamClient | None], timeout_s: float,
                  cache_size: int, on_failure: Callable[[str], None]):
         self._registry = registry
-        self._poster = SessionPoster(session, timeout_s)
+        self._poster = SessionPoster(client, timeout_s)
         self._timeout_s = timeout_s
         self._cache_size = cache_size
         self._on_failure = on_failure

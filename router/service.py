@@ -60,7 +60,7 @@ class Services:
             from router.remote_prompts import RemotePrompts
 
             self.remote_prompts = RemotePrompts(
-                self.registry, lambda: self.dispatcher.session, settings.remote_tokenize_timeout_s,
+                self.registry, lambda: self.dispatcher.client, settings.remote_tokenize_timeout_s,
                 settings.remote_tokenize_cache_size,
                 on_failure=lambda reason: self.metrics.tokenize_failures.labels(reason).inc())
         self.index: Any = None

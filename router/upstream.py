@@ -1,0 +1,430 @@
+"""The router's HTTP/1.1 client for requests to pods: asyncio protocols and httptools' parser.
+
+Why not aiohttp: under 32 connections of small chats, aiohttp's client was the largest single part
+of the router's CPU time (24 % of the event loop's samples, more than tokenizing); this client does
+the one thing the router needs (POST a body it already holds, relay the answer) with a keep-alive
+pool and no per-request machinery. ``bench/overhead.py`` measures both in bare proxies.
+
+What it does, and the bounds it keeps:
+
+- one pool of keep-alive connections per pod (scheme, host, port), with an optional limit in all
+  and per pod; a request that finds the pool full waits at most the connect timeout for a slot;
+- connect timeout; a read timeout between chunks (none by default: a prefill may take long);
+- a connection idle for ``idle_s`` is closed rather than reused: a pod's server closes idle
+  connections after its own keep-alive (vLLM's uvicorn: 5 s), and a request written on a
+  connection the pod is closing is lost. The one case left (the pod closed a reused connection
+  as the request was written, before a byte of answer) is retried once on a new connection;
+- the answer's headers are bounded (64 KiB), a whole answer by ``max_response_bytes``, and a
+  stream buffers at most ``max_buffer_bytes`` before it stops reading the socket;
+- every failure of the pod's side raises ``PodIOError`` (a ``ConnectionError``), so callers can
+  tell it from the client's socket failing; cancelling a request closes its connection, which
+  is how a pod learns that the client has gone and aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class PodIOError(ConnectionError):
+    """The pod's connection failed, timed out, closed early or sent an answer we cannot read."""
+
+
+class PoolBusy(Exception):
+    """No connection to the pod came free within the connect timeout (the pod is not at fault)."""
+
+
+@lru_cache(maxsize=4096)
+def split_url(url: str) -> tuple[tuple[str, str, int], str, str]:
+    """(pool key, Host header, request target) of an http(s) URL."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.scheme, host, port), f"{shown}:{port}", target
+
+
+def request_head(target: str, host: str, headers: Mapping[str, str], length: int) -> bytes:
+    """The request line and headers. Names and values must already be free of CR, LF and NUL
+    (``router.dispatch.upstream_headers`` drops a client header that is not)."""
+    lines = [f"POST {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
+    lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+class Headers(Mapping[str, str]):
+    """An answer's headers by lower-case name (repeated names joined by ", "); ``raw`` as sent."""
+
+    __slots__ = ("raw", "_by_name")
+
+    def __init__(self, raw: list[tuple[str, str]]):
+        self.raw = raw
+        by_name: dict[str, str] = {}
+        for k, v in raw:
+            name = k.lower()
+            by_name[name] = f"{by_name[name]}, {v}" if name in by_name else v
+        self._by_name = by_name
+
+    def __getitem__(self, name: str) -> str:
+        return self._by_name[name.lower()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; it parses one answer at a time."""
+
+    def __init__(self, client: UpstreamClient, key: tuple[str, str, int]):
+        self.client = client
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.uses = 0
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[str, str]] = []
+        self._header_bytes = 0
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.received = False
+        self.error: BaseException | None = None
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self._paused = False
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        if self.complete or self.error is not None:  # bytes past the answer: the connection is unusable
+            self._fail(PodIOError("the pod sent bytes after its answer"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(PodIOError(f"malformed answer from the pod: {exc}"))
+            return
+        if self.buffered > self.client.max_buffer_bytes and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            if self.headers_done and self._eof_delimited():
+                self.complete = True
+                self.keep_alive = False
+            else:
+                self.error = PodIOError("the pod closed the connection" + (f" ({exc})" if exc else ""))
+        self._wake()
+        self.client._forget(self)
+
+    # ---- httptools callbacks ---------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise httptools.HttpParserError(f"headers larger than {MAX_HEADER_BYTES} bytes")
+        self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (we never send Expect): wait for the real one
+            self.raw_headers = []
+            self._header_bytes = 0
+            return
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self.headers_done:
+            self.chunks.append(body)
+            self.buffered += len(body)
+            self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.headers_done:
+            self.complete = True
+            self._wake()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _eof_delimited(self) -> bool:
+        names = {k.lower() for k, _ in self.raw_headers}
+        return "content-length" not in names and "transfer-encoding" not in names
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def start(self, data: list[bytes]) -> None:
+        self._reset()
+        self.uses += 1
+        assert self.transport is not None
+        self.transport.writelines(data)
+
+    def take(self) -> bytes:
+        data = b"".join(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
+        self.chunks.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until something happens on the connection, at most ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        handle = loop.call_later(timeout, _expire, waiter) if timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(PodIOError("the pod sent nothing within the read timeout"))
+
+
+class UpstreamResponse:
+    """An answer whose status and headers are in. The caller must ``release`` or ``close`` it."""
+
+    def __init__(self, conn: _Connection):
+        self._conn: _Connection | None = conn
+        self.status = conn.status
+        self.headers = Headers(conn.raw_headers)
+
+    async def readany(self) -> bytes:
+        """The body bytes that have come since the last call; b"" once the answer is complete."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        while True:
+            if conn.chunks:
+                return conn.take()
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
+                return b""
+            try:
+                await conn.wait(conn.client.read_timeout_s)
+            except PodIOError:
+                conn.close()
+                raise
+
+    async def read(self) -> bytes:
+        """The whole body, at most the client's ``max_response_bytes``."""
+        parts: list[bytes] = []
+        size = 0
+        limit = self._conn.client.max_response_bytes if self._conn is not None else 0
+        while chunk := await self.readany():
+            size += len(chunk)
+            if size > limit:
+                self.close()
+                raise PodIOError(f"the pod's answer is larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Give the connection back for reuse if its answer was read to the end, else close it."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.client._put_back(conn)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+class UpstreamClient:
+    def __init__(self, connect_timeout_s: float = 3.0, read_timeout_s: float | None = None,
+                 max_connections: int = 0, max_connections_per_pod: int = 0,
+                 max_response_bytes: int = 64 * 1024 * 1024, max_buffer_bytes: int = 1024 * 1024,
+                 idle_s: float = 4.0):
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s or None
+        self.max_connections = max_connections
+        self.max_connections_per_pod = max_connections_per_pod
+        self.max_response_bytes = max_response_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self.idle_s = idle_s
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._count: dict[tuple[str, str, int], int] = {}
+        self._total = 0
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._ssl: ssl.SSLContext | None = None
+        self._closing = False
+
+    # ---- pool ------------------------------------------------------------------------------
+    def _has_room(self, key: tuple[str, str, int]) -> bool:
+        return ((not self.max_connections or self._total < self.max_connections)
+                and (not self.max_connections_per_pod or self._count.get(key, 0) < self.max_connections_per_pod))
+
+    def _pop_idle(self, key: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.idle_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _acquire(self, key: tuple[str, str, int], deadline: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn = self._pop_idle(key)
+            if conn is not None:
+                return conn
+            if self._has_room(key):
+                return await self._connect(key, deadline)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PoolBusy(f"no free connection to {key[1]}:{key[2]} within {self.connect_timeout_s:g} s")
+            waiter = loop.create_future()
+            self._slot_waiters.append(waiter)
+            handle = loop.call_later(left, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                handle.cancel()
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+
+    async def _connect(self, key: tuple[str, str, int], deadline: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        scheme, host, port = key
+        conn = _Connection(self, key)
+        self._total += 1
+        self._count[key] = self._count.get(key, 0) + 1
+        tls: dict[str, Any] = {}
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            tls = {"ssl": self._ssl, "server_hostname": host}
+        try:
+            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port, **tls),
+                                   max(deadline - loop.time(), 0.001))
+        except BaseException as exc:
+            conn.closed = True
+            self._forget(conn)
+            if isinstance(exc, (OSError, TimeoutError, ssl.SSLError)):
+                raise PodIOError(f"connect to {host}:{port}: {type(exc).__name__}") from exc
+            raise
+        return conn
+
+    def _forget(self, conn: _Connection) -> None:
+        """A connection closed: free its slot (once)."""
+        if getattr(conn, "_forgotten", False):
+            return
+        conn._forgotten = True  # type: ignore[attr-defined]
+        self._total -= 1
+        left = self._count.get(conn.key, 1) - 1
+        if left > 0:
+            self._count[conn.key] = left
+        else:
+            self._count.pop(conn.key, None)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _put_back(self, conn: _Connection) -> None:
+        if conn.closed or not conn.complete or not conn.keep_alive or conn.chunks or self._closing:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.key, []).append(conn)
+        self._wake_one()
+
+    # ---- requests --------------------------------------------------------------------------
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        """Send the request and wait for the answer's status and headers.
+
+        Raises ``PodIOError`` (cannot connect, closed, malformed, read timeout) or ``PoolBusy``.
+        """
+        key, host, target = split_url(url)
+        data = [request_head(target, host, headers, len(body)), body]
+        deadline = asyncio.get_running_loop().time() + self.connect_timeout_s
+        for attempt in (0, 1):
+            conn = await self._acquire(key, deadline)
+            reused = conn.uses > 0
+            conn.start(data)
+            try:
+                while not conn.headers_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.wait(self.read_timeout_s)
+            except PodIOError:
+                conn.close()
+                if attempt == 0 and reused and not conn.received and conn.closed:
+                    continue  # the pod closed this idle connection as the request went out
+                raise
+            except BaseException:
+                conn.close()  # cancelled: closing is how the pod learns the client has gone
+                raise
+            return UpstreamResponse(conn)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        self._closing = True
+        for idle in list(self._idle.values()):
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
+        await asyncio.sleep(0)
