@@ -2,37 +2,43 @@
 
 Everything runs on this machine over loopback: a fast static backend (raw asyncio + httptools,
 answering every completion with the same small JSON), and in front of it, one at a time, kvroute
-(``kvroute serve``, one process), vllm-router (``cache_aware``) when it is installed, and three bare
-FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream client (``router/upstream.py``),
-to re-measure the client choice. The load
-generator is also raw asyncio + httptools with pre-built requests, so it costs little CPU.
+(``kvroute serve``, one process and two workers), vllm-router (``cache_aware``) when it is
+installed, and three bare FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream
+client (``router/upstream.py``), to re-measure the client choice. The load generator is also raw
+asyncio + httptools with pre-built requests, so it costs little CPU.
 
     python bench/overhead.py [--seconds 5] [--connections 32] [--peers-venv /tmp/peers-venv]
-    python bench/overhead.py --sizes 20,1000,8000,32000 --tokenizer <model folder> --json results/overhead.json
+    python bench/overhead.py --sizes 20,1000,8000,32000 [--kinds chat,completion] --json results/overhead_sizes.json
 
 Prints one row per target: 1-connection p50/p99 latency and added p50 over direct, and 32-connection
 throughput and p99. The last line is the headline.
 
-With ``--sizes`` the requests are chat requests of about that many prompt tokens (a real BPE
-tokenizer, ``--tokenizer``: by default the real-vLLM tier's model if it is built), as multi-turn
-traffic sends them: 40 conversations, each request 90 % a follow-up (the conversation so far plus
-~300 new tokens) and 10 % new; kvroute is given the same tokenizer. A last measurement runs one
-connection of cold 32k-token prompts beside one connection of small requests and reports the
-small requests' p99. vllm-router is looked for in --peers-venv
-(install it there with ``python -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install
-vllm-router``; it is never a project dependency).
+With ``--sizes`` the requests are of about that many prompt tokens (a real BPE tokenizer,
+``--tokenizer``: by default the real-vLLM tier's model if it is built), as multi-turn traffic sends
+them: 40 conversations, each request 90 % a follow-up (the conversation so far plus ~300 new
+tokens) and 10 % new, as chat requests and as completions of the same text; kvroute is given the
+same tokenizer. Each row has thousands of distinct requests (``distinct_count``), sent in their
+order by all connections together, so kvroute sends none twice in a row and a follow-up comes after
+the turns it follows; a faster peer may wrap around (each row's JSON has ``sent`` and
+``distinct``). vllm-router and sglang-router (``cache_aware``) run in the same pass. A last
+measurement runs one connection of cold prompts of the largest size beside one connection of
+small requests and reports the small requests' p99. The peers are looked for in --peers-venv
+(``python -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router==0.1.17
+sglang-router==0.3.2``); they are never project dependencies.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from fastapi import Request
@@ -165,14 +171,15 @@ def run_bare_proxy(port: int, upstream: str, client: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class _Conn(asyncio.Protocol):
-    """One keep-alive connection sending ``requests`` in turn (from a random start), one at a time."""
+    """One keep-alive connection sending requests one at a time: each the next of ``requests`` by the
+    shared ``cursor``, so all connections together send them in their order, wrapping at the end."""
 
     def __init__(self, requests: list[bytes], latencies: list[float], stop_at: float, done: asyncio.Future,
-                 errors: list, start: int = 0):
+                 errors: list, cursor: Iterator[int]):
         import httptools
 
         self.requests, self.lat, self.stop_at, self.done, self.errors = requests, latencies, stop_at, done, errors
-        self.i = start
+        self.cursor = cursor
         self.parser = httptools.HttpResponseParser(self)
         self.sent = 0.0
 
@@ -182,8 +189,7 @@ class _Conn(asyncio.Protocol):
 
     def _send(self):
         self.sent = time.perf_counter()
-        self.t.write(self.requests[self.i % len(self.requests)])
-        self.i += 1
+        self.t.write(self.requests[next(self.cursor) % len(self.requests)])
 
     def on_message_complete(self):
         now = time.perf_counter()
@@ -209,16 +215,19 @@ def http_request(path: str, body: bytes) -> bytes:
 
 
 async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
-               requests: list[bytes] | None = None) -> dict:
+               requests: list[bytes] | None = None, cursor: Iterator[int] | None = None) -> dict:
+    """``connections`` connections for ``seconds`` after ``warmup``; requests are taken in order from
+    ``cursor`` (pass one cursor to several calls to go on where the last stopped)."""
     requests = requests or [http_request("/v1/completions", BODY)]
+    cursor = cursor if cursor is not None else itertools.count()
     loop = asyncio.get_running_loop()
     # warm-up (connection pools, JIT-free but caches)
     w_lat: list[float] = []
     dones = []
     for _ in range(connections):
         fut = loop.create_future()
-        await loop.create_connection(lambda fut=fut: _Conn(requests, w_lat, time.perf_counter() + warmup, fut, []),
-                                     "127.0.0.1", port)
+        await loop.create_connection(lambda fut=fut: _Conn(requests, w_lat, time.perf_counter() + warmup, fut, [],
+                                                           cursor), "127.0.0.1", port)
         dones.append(fut)
     await asyncio.gather(*dones)
     lat: list[float] = []
@@ -226,11 +235,10 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
     dones, transports = [], []
     started = time.perf_counter()
     stop_at = started + seconds
-    for c in range(connections):
+    for _ in range(connections):
         fut = loop.create_future()
-        start = c * len(requests) // max(connections, 1)
-        t, _p = await loop.create_connection(lambda fut=fut, start=start: _Conn(requests, lat, stop_at, fut, errors,
-                                                                                start), "127.0.0.1", port)
+        t, _p = await loop.create_connection(lambda fut=fut: _Conn(requests, lat, stop_at, fut, errors, cursor),
+                                             "127.0.0.1", port)
         dones.append(fut)
         transports.append(t)
     await asyncio.gather(*dones)
@@ -272,22 +280,30 @@ def tier_model() -> Path | None:
 
 
 def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 40, seed: int = 0,
-                  follow_up: float = 0.9, turn_words: int = 280) -> tuple[list[bytes], float]:
-    """``count`` chat requests of about ``size`` prompt tokens: 90 % follow-ups of one of
-    ``conversations`` conversations (all of it so far plus ~300 new tokens), 10 % new ones. Returns
-    the HTTP requests and their mean prompt tokens (as the router counts them)."""
+                  follow_up: float = 0.9, turn_words: int = 280, kind: str = "chat",
+                  sample: int = 0, turns: int = 10) -> tuple[list[bytes], float]:
+    """``count`` requests of about ``size`` prompt tokens, as multi-turn traffic sends them: each a
+    follow-up (with probability ``follow_up``) of one of at most ``conversations`` open conversations,
+    that is all of it so far plus an answer and a new turn (~300 words), or else a new conversation.
+    A conversation closes after ``turns`` follow-ups, so its prompts grow by whole turns and every
+    follow-up's prefix is exactly an earlier request's. ``kind`` "chat" sends the messages,
+    "completion" the same conversation as one prompt string ("role: content" lines). Returns the
+    HTTP requests and their mean prompt tokens as the router counts them (over ``sample`` of them,
+    spread evenly; 0 = all)."""
     import random
 
     from indexer.tokens import chat_request_ids
 
     rng = random.Random(seed * 1000 + size)
     if size <= 300:  # small prompts: all different, no history
-        bodies = [{"model": "sim-model", "messages": [{"role": "user", "content": _words(rng, max(size - 8, 1))}],
-                   "max_tokens": 8} for _ in range(count)]
+        histories = [[{"role": "user", "content": _words(rng, max(size - 8, 1))}] for _ in range(count)]
     else:
-        system_words = max(int(size * 0.9) - turn_words, 50)
+        # fewer turns where ``turns`` of them would outgrow the size (under ~3k tokens: 75 % follow-ups
+        # at 1k), and the system prompt so that a conversation's prompts centre on about the size
+        turns = max(2, min(turns, int((size * 0.9 - 50 - turn_words) * 2 / (turn_words + 40))))
+        system_words = max(int(size * 0.9) - turn_words - (turns // 2) * (turn_words + 40), 50)
         convs: list[list[dict]] = []
-        bodies = []
+        histories = []
         for _ in range(count):
             if not convs or (rng.random() > follow_up and len(convs) < conversations):
                 convs.append([{"role": "system", "content": _words(rng, system_words)}])
@@ -295,12 +311,27 @@ def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 4
             else:
                 history = rng.choice(convs)
                 history.append({"role": "assistant", "content": _words(rng, 40)})
-                if len(history) > 8:  # keep the size near its target: an old turn leaves the window
-                    del history[1:3]
             history.append({"role": "user", "content": _words(rng, turn_words)})
-            bodies.append({"model": "sim-model", "messages": [dict(m) for m in history], "max_tokens": 8})
-    sizes = [len(chat_request_ids(b, tokenizer)) for b in bodies]
-    return [http_request("/v1/chat/completions", json.dumps(b).encode()) for b in bodies], sum(sizes) / len(sizes)
+            histories.append([dict(m) for m in history])
+            if len(history) >= 2 * turns + 2:  # system + the first turn + ``turns`` follow-ups
+                convs.remove(history)
+    if kind == "chat":
+        bodies = [{"model": "sim-model", "messages": h, "max_tokens": 8} for h in histories]
+        path = "/v1/chat/completions"
+    else:
+        bodies = [{"model": "sim-model", "prompt": "\n".join(f"{m['role']}: {m['content']}" for m in h),
+                   "max_tokens": 8} for h in histories]
+        path = "/v1/completions"
+    step = max(1, len(bodies) // sample) if sample else 1
+    counted = [len(chat_request_ids(b, tokenizer)) if kind == "chat" else len(tokenizer.encode(b["prompt"]))
+               for b in bodies[::step]]
+    return [http_request(path, json.dumps(b).encode()) for b in bodies], sum(counted) / len(counted)
+
+
+def distinct_count(size: int, budget_bytes: int = 200_000_000) -> int:
+    """How many requests of ``size`` tokens a sized row gets: more than kvroute sends in one row at
+    the rates this machine gives, within ``budget_bytes`` of request bodies (about 5.5 bytes a token)."""
+    return max(200, min(6000, budget_bytes // max(1, int(size * 5.5))))
 
 
 async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes]) -> dict:
@@ -324,19 +355,28 @@ def start_backend(procs: list[subprocess.Popen]) -> tuple[int, str]:
 
 
 def measure(name: str, port: int, args, requests: list[bytes] | None = None) -> dict:
-    one = asyncio.run(load(port, 1, args.seconds, requests=requests))
-    many = asyncio.run(load(port, args.connections, args.seconds, requests=requests))
+    """1 connection, then ``args.connections``, going on through ``requests`` in order."""
+    cursor = itertools.count()
+    one = asyncio.run(load(port, 1, args.seconds, requests=requests, cursor=cursor))
+    many = asyncio.run(load(port, args.connections, args.seconds, requests=requests, cursor=cursor))
     row = {"target": name, "c1_p50_ms": one["p50_ms"], "c1_p99_ms": one["p99_ms"], "c1_rps": one["rps"],
            f"c{args.connections}_rps": many["rps"], f"c{args.connections}_p99_ms": many["p99_ms"],
-           "errors": one["errors"] + many["errors"]}
+           "errors": one["errors"] + many["errors"], "sent": next(cursor), "distinct": len(requests or [0])}
     print(f"  {name:<28} 1 conn: p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms ({one['rps']:.0f} req/s)   "
           f"{args.connections} conn: {many['rps']:.0f} req/s p99 {many['p99_ms']:.2f} ms   errors {row['errors']}",
           flush=True)
     return row
 
 
+def peer_version(venv: Path, dist: str) -> str:
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
 def sized(args) -> int:
-    """``--sizes``: every target at every prompt size, then the big-beside-small measurement."""
+    """``--sizes``: every target at every prompt size and kind, then the big-beside-small measurement."""
     from indexer.tokens import HFTokenizer
     from realvllm.engines import RealVLLMUnavailable, find
 
@@ -350,32 +390,40 @@ def sized(args) -> int:
         return 2
     tok = HFTokenizer(folder)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    kinds = [k for k in args.kinds.split(",") if k.strip()]
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
-    workload = {size: chat_requests(tok, size) for size in sizes}
+    workload = {(kind, size): chat_requests(tok, size, count=distinct_count(size), kind=kind, sample=100)
+                for kind in kinds for size in sizes}
     procs: list[subprocess.Popen] = []
     out: dict = {"tokenizer": str(folder), "seconds": args.seconds, "connections": args.connections,
-                 "sizes": {}, "mixed": {}}
-    peer = Path(args.peers_venv) / "bin" / "vllm-router"
+                 "kinds": kinds, "rows": [], "mixed": {}}
+    venv = Path(args.peers_venv)
     try:
         bport, upstream = start_backend(procs)
         print(f"overhead bench at real sizes: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
               f"tokenizer {folder}")
-        if peer.exists():
-            version = subprocess.run([str(Path(args.peers_venv) / "bin" / "pip"), "show", "vllm-router"],
-                                     capture_output=True, text=True).stdout
-            out["vllm_router_version"] = next((ln.split(":", 1)[1].strip() for ln in version.splitlines()
-                                               if ln.startswith("Version:")), "?")
-            print(f"vllm-router {out['vllm_router_version']} from {args.peers_venv}")
         targets: list[tuple[str, list[str] | None]] = [("direct", None)]
         pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
         for workers in (1, 2):
             targets.append((f"kvroute ({workers} worker{'s' if workers > 1 else ''})",
                             [sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level", "error",
                              "--workers", str(workers), "--tokenizer", str(folder)]))
-        if peer.exists() and "vllm-router" not in args.skip:
-            targets.append(("vllm-router (cache_aware)", [str(peer), "--worker-urls", upstream, "--policy",
-                                                          "cache_aware", "--log-level", "error", "--disable-retries",
-                                                          "--disable-circuit-breaker"]))
+        for dist, name, cmd in (
+                ("vllm-router", "vllm-router (cache_aware)",
+                 [str(venv / "bin" / "vllm-router"), "--worker-urls", upstream, "--policy", "cache_aware",
+                  "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"]),
+                ("sglang-router", "sglang-router (cache_aware)",
+                 [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--worker-urls", upstream,
+                  "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+                  "--prometheus-port", str(free_port())])):
+            if dist in args.skip:
+                continue
+            if not Path(cmd[0]).exists():
+                print(f"  {dist}: not installed in {venv} (see the docstring); row skipped")
+                continue
+            out[f"{dist}_version"] = peer_version(venv, dist)
+            print(f"{dist} {out[f'{dist}_version']} from {venv}")
+            targets.append((name, cmd))
         for name, cmd in targets:
             port = bport
             proc = None
@@ -388,11 +436,12 @@ def sized(args) -> int:
                     time.sleep(2.0)
                 else:
                     wait_ready(f"http://127.0.0.1:{port}/v1/completions", proc, 60.0, body=PROBE)
-            for size in sizes:
-                requests, mean = workload[size]
-                row = measure(f"{name} @ {mean:.0f} tokens", port, args, requests)
-                out["sizes"].setdefault(str(size), {"mean_prompt_tokens": mean, "rows": []})["rows"].append(
-                    {**row, "target": name})
+            for kind in kinds:
+                for size in sizes:
+                    requests, mean = workload[(kind, size)]
+                    row = measure(f"{name} @ {kind} {mean:.0f} tokens", port, args, requests)
+                    out["rows"].append({**row, "target": name, "kind": kind, "size": size,
+                                        "mean_prompt_tokens": mean})
             if size_big := max(sizes):
                 big, _ = chat_requests(tok, size_big, count=60, follow_up=0.0, conversations=60, seed=7)
                 small, _ = chat_requests(tok, 20, count=50, seed=8)
@@ -410,14 +459,15 @@ def sized(args) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2))
     key = f"c{args.connections}_rps"
     lines = []
-    for block in out["sizes"].values():
-        rows = {r["target"]: r for r in block["rows"]}
-        d, k1, k2 = rows.get("direct"), rows.get("kvroute (1 worker)"), rows.get("kvroute (2 workers)")
-        vr = rows.get("vllm-router (cache_aware)")
-        if d and k1:
-            ratio = f", {max(k1[key], k2[key] if k2 else 0) / vr[key]:.2f}x vllm-router's req/s" if vr else ""
-            lines.append(f"{block['mean_prompt_tokens']:.0f} tokens: +{k1['c1_p50_ms'] - d['c1_p50_ms']:.2f} ms p50"
-                         f"{ratio}")
+    for kind in kinds:
+        for size in sizes:
+            rows = {r["target"]: r for r in out["rows"] if r["kind"] == kind and r["size"] == size}
+            d, k1, k2 = rows.get("direct"), rows.get("kvroute (1 worker)"), rows.get("kvroute (2 workers)")
+            vr = rows.get("vllm-router (cache_aware)")
+            if d and k1:
+                ratio = f", {max(k1[key], k2[key] if k2 else 0) / vr[key]:.2f}x vllm-router's req/s" if vr else ""
+                added = k1["c1_p50_ms"] - d["c1_p50_ms"]
+                lines.append(f"{kind} {k1['mean_prompt_tokens']:.0f} tokens: +{added:.2f} ms p50{ratio}")
     mixed_k = out["mixed"].get("kvroute (1 worker)")
     tail = f"; small-request p99 beside cold big prompts {mixed_k['small_p99_ms']:.2f} ms" if mixed_k else ""
     print("kvroute added latency at 1 connection / throughput at "
@@ -434,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--sizes", default="", help="comma-separated prompt sizes in tokens: chat requests at real sizes")
     ap.add_argument("--tokenizer", default="", help="model folder with tokenizer.json for --sizes")
+    ap.add_argument("--kinds", default="chat,completion", help="with --sizes: chat, completion or both")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", default="", help=argparse.SUPPRESS)

@@ -107,7 +107,7 @@ def test_cached_prefixes_give_exactly_the_full_tokenization(name, prefix, follow
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_a_chat_history_reuses_its_prefix_and_stays_exact(name):
     hf = TOKENIZERS[name]
-    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1)
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1, verify_share=None)
     rng = random.Random(3)
     history = "<|system|>\nYou are a helpful assistant. " + " ".join(corpus(20, seed=1)) + "\n"
     for turn in range(6):
@@ -187,6 +187,22 @@ def test_boundaries_are_spaces_after_a_letter_or_digit_at_least_chunk_chars_apar
     ends = boundaries(text, 4)
     assert ends == [4, 15, 21]
     assert all(text[p] == " " and text[p - 1].isalnum() for p in ends)
+
+
+def test_the_checks_take_at_most_their_share_of_the_tokenizers_work():
+    """Follow-ups of a long history: each check re-tokenizes all of it, so with a check at every hit
+    the checks would cost many times the new words; the share caps them and still checks some."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1, verify_share=0.1)
+    history = " ".join(corpus(600, seed=1))
+    for turn in range(40):
+        history += " " + " ".join(corpus(6, seed=200 + turn))
+        assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
+        cache.wait_checked()
+    st = cache.stats
+    whole = len(hf.encode(history, add_special_tokens=False).ids)
+    assert st.hits == 39 and 1 <= st.verified < 10, st
+    assert st.verified_tokens <= 0.1 * st.tokenized_tokens + whole, st  # at most one check past the share
 
 
 def test_memory_is_bounded_and_a_mismatch_turns_the_cache_off():
