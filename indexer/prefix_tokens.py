@@ -69,8 +69,6 @@ class CacheStats:
     misses: int = 0          # texts long enough to use the cache that reused nothing
     reused_tokens: int = 0
     tokenized_tokens: int = 0
-    tokenized_chars: int = 0
-    deferred: int = 0        # texts whose tail was left for ``CachedTokens.complete``
     verified: int = 0
     verified_tokens: int = 0  # tokens tokenized again by the checks
     mismatches: int = 0
@@ -121,61 +119,25 @@ class CachedTokens(Sequence[int]):
     tokenized rest, ``trail`` specials. Its length and block keys need no token list; indexing or
     iterating builds the list once."""
 
-    __slots__ = ("_cache", "_chunks", "_key_args", "_known_key", "_lead", "_list", "_lock", "_n", "_pending",
-                 "_rest", "_reused", "_special", "_stored_key", "_stored_len", "_trail")
+    __slots__ = ("_cache", "_chunks", "_known_key", "_lead", "_list", "_n", "_rest", "_reused",
+                 "_special", "_stored_key", "_stored_len", "_trail")
 
     def __init__(self, cache: PrefixTokenCache, special: bool, lead: list[int], chunks: list[array[int]],
                  reused: int, rest: list[int], trail: list[int], known_key: int | None, stored_key: int | None,
-                 stored_len: int, pending: tuple[str, list[int], list[int]] | None = None, estimate: int = 0):
+                 stored_len: int):
         self._cache = cache
         self._special = special
         self._lead, self._chunks, self._reused, self._rest, self._trail = lead, chunks, reused, rest, trail
         self._known_key = known_key    # chain hash of the last reused chunk (None: nothing reused)
         self._stored_key = stored_key  # chain hash of the last chunk now cached for this text
         self._stored_len = stored_len  # tokens (lead included) through that chunk
-        # a tail not tokenized yet (deferred): its text, its chunks' chain keys and their ends in it
-        self._pending = pending
-        self._lock = threading.Lock() if pending is not None else None
-        self._key_args: tuple[Any, ...] | None = None  # block_keys' arguments while the tail was deferred
-        self._n = len(lead) + reused + (estimate if pending is not None else len(rest)) + len(trail)
+        self._n = len(lead) + reused + len(rest) + len(trail)
         self._list: list[int] | None = None
 
     def __len__(self) -> int:
-        """The number of tokens; while the tail is deferred, its estimate (``PrefixTokenCache.defer_chars``)."""
         return self._n
 
-    @property
-    def pending(self) -> bool:
-        """Whether the tail is still to be tokenized (``complete``)."""
-        return self._pending is not None
-
-    def complete(self) -> None:
-        """Tokenize a deferred tail and remember its chunks for the next follow-up; the length becomes
-        exact. Idempotent and thread-safe (a tokenize thread runs it once the request is routed)."""
-        if self._lock is None:
-            return
-        with self._lock:
-            if self._pending is None:
-                return
-            tail, keys, ends = self._pending
-            cache = self._cache
-            enc = cache._hf.encode_batch([tail], add_special_tokens=False)[0]
-            rest: list[int] = enc.ids
-            cache.stats.tokenized_tokens += len(rest)
-            cache.stats.tokenized_chars += len(tail)
-            stored, stored_tokens = cache._remember(keys, ends, rest, enc)
-            if stored:
-                self._stored_key = keys[stored - 1]
-                self._stored_len += stored_tokens
-            self._rest = rest
-            self._n = len(self._lead) + self._reused + len(rest) + len(self._trail)
-            self._pending = None
-            if self._key_args is not None:  # key the whole text now, so the next follow-up finds its keys
-                self.block_keys(*self._key_args)
-
     def tolist(self) -> list[int]:
-        if self._pending is not None:
-            self.complete()
         if self._list is None:
             joined: array[int] = array("I")
             for c in self._chunks:
@@ -213,10 +175,8 @@ class CachedTokens(Sequence[int]):
         """The tokens from position ``start`` on, taking only the reused chunks that reach past it
         (``block_keys`` asks for the last partial block of the reused prefix and what follows)."""
         lead = len(self._lead)
-        if self._list is not None or (start < lead and self._pending is None):
+        if self._list is not None or start < lead:
             return self.tolist()[start:]
-        if start < lead:  # a deferred tail and keys from the start: the specials, then the prefix
-            return self._lead[start:] + self._from(lead)
         skip = start - lead  # into the reused part
         out: list[int] = []
         if skip < self._reused:
@@ -232,19 +192,15 @@ class CachedTokens(Sequence[int]):
             skip = 0
         else:
             skip -= self._reused
-        if self._pending is None:  # while the tail is deferred, only the reused prefix is known
-            out.extend((self._rest + self._trail)[skip:])
+        out.extend((self._rest + self._trail)[skip:])
         return out
 
     def block_keys(self, block_size: int, seed: int, tag: Any = None, extra_for: ExtraFor | None = None) -> list[int]:
         """``indexer.keys.block_keys`` of these tokens from ``seed``, with the keys of the reused prefix
         taken from the cache when this prefix was keyed before. ``tag`` names whatever else shapes the
         keys (adapter, salt); ``extra_for(blocks, first)`` gives the extra keys of blocks
-        ``first .. first + blocks - 1`` (None for none). While the tail is deferred, only the blocks
-        the reused prefix fills are keyed: the tail's are new to every pod anyway."""
+        ``first .. first + blocks - 1`` (None for none)."""
         cache = self._cache
-        if self._pending is not None:
-            self._key_args = (block_size, seed, tag, extra_for)
         memo = (block_size, seed, tag, self._special)
         base: list[int] = []
         if self._known_key is not None:
@@ -269,14 +225,13 @@ class PrefixTokenCache:
 
     def __init__(self, hf: Any, chunk_chars: int = 256, max_tokens: int = 4_000_000, verify_every: int = 64,
                  min_chars: int = MIN_CHARS, on_mismatch: Callable[[], None] | None = None,
-                 verify_share: float | None = 0.1, defer_chars: int = 0):
+                 verify_share: float | None = 0.1):
         self._hf = hf  # a tokenizers.Tokenizer
         self._encode = fast_encoder(hf)
         self.chunk_chars = chunk_chars
         self.max_tokens = max_tokens
         self.verify_every = verify_every
         self.verify_share = verify_share  # None: every ``verify_every``-th hit, whatever it costs
-        self.defer_chars = defer_chars  # ``encode_cached`` may leave a known prefix's tail up to this long
         self.min_chars = min_chars
         self.on_mismatch = on_mismatch
         self._chunks: OrderedDict[int, array[int]] = OrderedDict()
@@ -317,16 +272,14 @@ class PrefixTokenCache:
 
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> CachedTokens | list[int]:
         """The tokens of ``text``: ``CachedTokens`` when the cache took part (no list built until one is
-        asked for), else the tokenizer's list. With ``defer_chars``, a text whose known prefix leaves a
-        tail at most that long comes back with the tail untokenized (``CachedTokens.pending``, its
-        length estimated): the router routes on the prefix and tokenizes the tail after (``complete``)."""
+        asked for), else the tokenizer's list."""
         if self.disabled or len(text) < self.min_chars:
             return self._encode(text, add_special_tokens)
         around = self._around(add_special_tokens)
         if around is None:
             return self._encode(text, add_special_tokens)
         lead, trail = around
-        tokens = self._assemble(text, add_special_tokens, lead, trail, defer=self.defer_chars > 0)
+        tokens = self._assemble(text, add_special_tokens, lead, trail)
         if self._should_verify():
             if self._checker is None:
                 self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-check")
@@ -365,8 +318,7 @@ class PrefixTokenCache:
         """The tokens of ``text`` without special tokens."""
         return self._assemble(text, False, [], []).tolist()
 
-    def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int],
-                  defer: bool = False) -> CachedTokens:
+    def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int]) -> CachedTokens:
         ends = boundaries(text, self.chunk_chars)
         keys = []
         h = 0
@@ -388,22 +340,14 @@ class PrefixTokenCache:
                 reused += len(chunk)
                 known += 1
         offset = ends[known - 1] if known else 0
-        st = self.stats
-        if known:
-            st.hits += 1
-        else:
-            st.misses += 1
-        st.reused_tokens += reused
-        if known and defer and len(text) - offset <= self.defer_chars:
-            st.deferred += 1  # its length from the tokens per character seen so far
-            per_char = st.tokenized_tokens / st.tokenized_chars if st.tokenized_chars else 0.25
-            return CachedTokens(self, special, lead, chunks, reused, [], trail, keys[known - 1], keys[known - 1],
-                                len(lead) + reused, (text[offset:], keys[known:], [p - offset for p in ends[known:]]),
-                                round((len(text) - offset) * per_char))
         enc = self._hf.encode_batch([text[offset:]], add_special_tokens=False)[0]  # offsets kept, GIL let go
         rest: list[int] = enc.ids
-        st.tokenized_tokens += len(rest)
-        st.tokenized_chars += len(text) - offset
+        if known:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+        self.stats.reused_tokens += reused
+        self.stats.tokenized_tokens += len(rest)
         stored, stored_tokens = self._remember(keys[known:], [p - offset for p in ends[known:]], rest, enc)
         last = known + stored  # chunks of this text now in the chain
         return CachedTokens(self, special, lead, chunks, reused, rest, trail,

@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from indexer.prefix_tokens import CachedTokens
 from kvcommon.asgi import read_body
 from router.auth import Caller, Gate, install_reload
 from router.costs import estimate_prompt_tokens
@@ -228,8 +227,6 @@ def create_app(services: Services) -> FastAPI:
             r = router()
             prompt = await prompt_ids(r, kind, body, len(raw))
             plan = r.plan(kind, body, request.headers, grants=caller.grants, **prompt)
-            if isinstance(plan.tokens, CachedTokens) and plan.tokens.pending:  # routed on its known prefix
-                services.tokenize_pool.later(plan.tokens.complete)
             gate.settle(caller, charged, plan.request.prompt_tokens)
             raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
         except APIError as exc:

@@ -190,9 +190,6 @@ class RouterSettings(BaseSettings):
                                             "(LRU)")
     tokenize_cache_tokens: int = Field(4_000_000, ge=0, description="Hugging Face tokenizer: tokens of text prefixes "
                                        "kept so a follow-up tokenizes only its new part (0: off; ~4 bytes each)")
-    tokenize_defer_tail_chars: int = Field(8192, ge=0, description="Hugging Face tokenizer: a prompt whose known "
-                                           "prefix leaves at most this many characters is routed on the prefix, and "
-                                           "its new tail tokenized after (0: tokenize all before routing)")
     tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
                                         "in the tokenize threads, so they do not delay small requests")

@@ -110,35 +110,10 @@ class TokenizePool:
     def __init__(self, threads: int = 2):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
         self._slots = asyncio.Semaphore(threads * 8)
-        self._later = 0  # ``later`` jobs queued or running
-        self._later_max = threads * 8
-        self.later_dropped = 0
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         async with self._slots:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def later(self, fn: Callable[[], Any]) -> bool:
-        """Run ``fn`` in a tokenize thread without waiting for it (a routed prompt's deferred tail);
-        at most ``threads x 8`` at once, past that it is dropped (False): a follow-up then finds a
-        shorter known prefix and tokenizes more itself."""
-        if self._later >= self._later_max:
-            self.later_dropped += 1
-            return False
-        self._later += 1
-        loop = asyncio.get_running_loop()
-
-        def done(fut: Any) -> None:
-            self._later -= 1
-            if not fut.cancelled():
-                fut.exception()  # retrieved: a failed tail only means a shorter known prefix next time
-
-        try:
-            loop.run_in_executor(self._pool, fn).add_done_callback(done)
-        except RuntimeError:  # shutting down
-            self._later -= 1
-            return False
-        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

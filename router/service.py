@@ -45,8 +45,7 @@ class Services:
         # prompts need no tokenizer, so the local one is never asked
         self.tokenizer = ByteTokenizer() if remote else load_tokenizer(settings.tokenizer)
         # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
-        self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens,
-                                                           defer_chars=settings.tokenize_defer_tail_chars) \
+        self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
         units = [u for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)]
@@ -178,8 +177,6 @@ class Services:
                            "tokenize_cache_reused_tokens": float(cache.stats.reused_tokens),
                            "tokenize_cache_held_tokens": float(cache.held_tokens),
                            "tokenize_cache_key_hit_rate": cache.key_hit_rate(),
-                           "tokenize_cache_deferred_tails": float(cache.stats.deferred),
-                           "tokenize_deferred_tails_dropped": float(self.tokenize_pool.later_dropped),
                            "tokenize_cache_enabled": 0.0 if cache.disabled else 1.0})
         return totals
 

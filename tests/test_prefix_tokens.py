@@ -161,67 +161,6 @@ def test_block_keys_from_cached_tokens_are_the_full_tokenizations_keys(name, pre
         assert cache.stats.key_hits >= 1  # a next turn took its prefix's keys from the cache
 
 
-@pytest.mark.parametrize("name", list(TOKENIZERS))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prefix=words, follow_ups=st.lists(st.tuples(st.floats(0.3, 1.0), words, text_piece), min_size=1, max_size=5),
-       special=st.booleans(), block_size=st.sampled_from([1, 3, 16]),
-       tag=st.sampled_from([(None, None), ("lora-1", "salt-a")]), defer=st.sampled_from([8, 64, 10_000]))
-def test_a_deferred_tail_keys_only_its_prefix_and_completes_exactly(name, prefix, follow_ups, special, block_size,
-                                                                     tag, defer):
-    """With ``defer_chars``, a follow-up whose known prefix leaves a short tail is keyed on that
-    prefix alone: its keys are the leading keys of the whole tokenization's, as many as the prefix
-    fills. Completed (in whatever order follow-ups come), it is the whole tokenization, and its
-    chunks serve the next follow-up."""
-    hf = TOKENIZERS[name]
-    cache = PrefixTokenCache(hf, chunk_chars=24, min_chars=0, verify_every=0, defer_chars=defer)
-    extra_for = _extra_for(*tag)
-    text = " ".join(prefix)
-    for keep, more, noise in [(1.0, [], "")] + follow_ups:
-        text = text[:int(len(text) * keep)] + " " + " ".join(more) + noise
-        full = hf.encode(text, add_special_tokens=special).ids
-        want = block_keys(full, block_size, 12345, extra_for(len(full) // block_size, 0))
-        got = cache.encode_cached(text, special)
-        if not isinstance(got, CachedTokens):
-            continue
-        if got.pending:
-            known = (len(got._lead) + got._reused) // block_size
-            assert got.block_keys(block_size, 12345, tag, extra_for) == want[:known], (name, block_size, tag)
-            got.complete()
-            assert not got.pending
-        assert len(got) == len(full) and got == full
-        assert got.block_keys(block_size, 12345, tag, extra_for) == want
-
-
-def test_a_deferred_tail_is_estimated_then_completed_and_remembered():
-    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
-    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=0, defer_chars=600)
-    history = " ".join(corpus(60, seed=1))
-    assert not isinstance(cache.encode_cached(history, True), CachedTokens) or not cache.stats.deferred
-    for turn in range(5):
-        history += " " + " ".join(corpus(2, seed=300 + turn))
-        full = hf.encode(history, add_special_tokens=True).ids
-        got = cache.encode_cached(history, True)
-        assert isinstance(got, CachedTokens) and got.pending, len(history)
-        assert abs(len(got) - len(full)) <= 0.3 * (len(full) - got._reused) + 2  # the tail's estimate
-        assert got.block_keys(16, 7) == block_keys(full, 16, 7)[:(len(got._lead) + got._reused) // 16]
-        reused_before = got._reused
-        got.complete()
-        got.complete()  # idempotent
-        assert got.tolist() == full and len(got) == len(full)
-        again = cache.encode_cached(history + " next", True)  # the completed tail is remembered
-        assert isinstance(again, CachedTokens) and again._reused > reused_before
-        again.complete()
-    assert cache.stats.deferred >= 10
-    history += " " + " ".join(corpus(20, seed=9))  # a tail longer than defer_chars is tokenized at once
-    got = cache.encode_cached(history, True)
-    assert isinstance(got, CachedTokens) and not got.pending and got == hf.encode(history).ids
-    # a list asked of a deferred tail completes it first
-    history += " a few more words"
-    got = cache.encode_cached(history, True)
-    assert isinstance(got, CachedTokens) and got.pending
-    assert list(got) == hf.encode(history).ids and not got.pending
-
-
 def test_a_follow_up_takes_its_prefixs_keys_and_keys_memory_is_bounded():
     hf = TOKENIZERS["byte-level BPE (GPT-2)"]
     cache = PrefixTokenCache(hf, chunk_chars=32, min_chars=0, verify_every=0, max_tokens=3000)
@@ -336,8 +275,7 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
     messages = [{"role": "system", "content": " ".join(corpus(60, seed=9))}]
     async with pods_running(1) as pods:
         for offload in (0, 10**9):  # every body in the threads; none
-            settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload,
-                                    tokenize_defer_tail_chars=0)
+            settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload)
             async with running_router(settings) as (base, services):
                 async with httpx.AsyncClient(base_url=base, timeout=10) as c:
                     history = list(messages)
@@ -360,48 +298,3 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                 assert "kvroute_tokenize_cache_enabled 1.0" in metrics
                 rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
                 assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
-
-
-async def test_the_router_routes_a_follow_up_on_its_known_prefix_and_remembers_its_tail_after(tmp_path):
-    """With the default ``tokenize_defer_tail_chars``: a chat follow-up is routed before its new turn is
-    tokenized (counted in ``kvroute_tokenize_cache_deferred_tails``), a tokenize thread completes the
-    tail after, so the next turn finds all of it known, and the tokens are the whole tokenization's."""
-    import asyncio
-
-    import httpx
-
-    from indexer.tokens import HFTokenizer, chat_request_ids
-    from tests.test_router_api import pods_running, running_router, settings_for
-
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(folder / "tokenizer.json"))
-    plain = HFTokenizer(folder / "tokenizer.json")
-    history = [{"role": "system", "content": " ".join(corpus(60, seed=9))}]
-    async with pods_running(1) as pods:
-        settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"))
-        async with running_router(settings) as (base, services):
-            cache = services.prefix_tokens
-            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
-                before = 0
-                for turn in range(4):
-                    history.append({"role": "user", "content": " ".join(corpus(12, seed=turn))})
-                    body = {"model": "m", "messages": history, "max_tokens": 2}
-                    deferred = cache.stats.deferred
-                    assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
-                    assert cache.stats.deferred == deferred + (turn > 0)  # the first is all new
-                    for _ in range(200):  # the tail is completed in a tokenize thread
-                        if services.tokenize_pool._later == 0:
-                            break
-                        await asyncio.sleep(0.01)
-                    full = chat_request_ids(body, plain)
-                    again, _ = services.router.prompt("chat", body)
-                    assert isinstance(again, CachedTokens)
-                    if turn:  # all but the last partial chunk is known: far less than the new turn
-                        assert len(full) - again._reused < (len(full) - before) / 2
-                    assert again.tolist() == full
-                    before = len(full)
-                    history.append({"role": "assistant", "content": " ".join(corpus(2, seed=50 + turn))})
-                metrics = (await c.get("/metrics")).text
-    got = float(re.search(r"^kvroute_tokenize_cache_deferred_tails (\S+)$", metrics, re.M).group(1))
-    assert got >= 3 and "kvroute_tokenize_deferred_tails_dropped 0.0" in metrics
