@@ -98,6 +98,7 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.forgotten = False  # its pool slot freed (``UpstreamClient._forget``)
         self.uses = 0
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
@@ -363,9 +364,9 @@ class UpstreamClient:
 
     def _forget(self, conn: _Connection) -> None:
         """A connection closed: free its slot (once)."""
-        if getattr(conn, "_forgotten", False):
+        if conn.forgotten:
             return
-        conn._forgotten = True  # type: ignore[attr-defined]
+        conn.forgotten = True
         self._total -= 1
         left = self._count.get(conn.key, 1) - 1
         if left > 0:
