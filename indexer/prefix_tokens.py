@@ -41,6 +41,11 @@ chunk for the next turn. On a warm 9k-token follow-up this removes building a 9,
 hashing 570 blocks (``bench/prompt_stages.py``). The keys are what ``indexer.keys.block_keys``
 gives for the full token list (a test checks it on branches, salts and adapters).
 
+**Shared between processes.** A chunk's key chains xxh3 hashes (``chain_key``), the same in every
+process, so workers and replicas can hand each other what they tokenized: ``on_stored`` is called
+with each text's newly stored chunks, and ``adopt`` takes another process's (the booking bus
+carries them, checked against this tokenizer's ``fingerprint``: ``router/bookbus.py``).
+
 Memory is bounded by ``max_tokens`` (tokens held, as 4-byte arrays) and the keys by
 ``max_tokens // 4`` (8-byte arrays), each with least-recently-used eviction; a missing link ends
 the reusable prefix there.
@@ -53,10 +58,12 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, overload
+
+import xxhash
 
 from indexer.keys import block_keys
 
@@ -74,6 +81,7 @@ class CacheStats:
     mismatches: int = 0
     key_hits: int = 0        # cached texts whose prefix's block keys were remembered
     key_misses: int = 0
+    adopted: int = 0         # chunks taken from other processes (``adopt``)
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -97,6 +105,19 @@ def boundaries(text: str, chunk_chars: int) -> list[int]:
         out.append(p)
         pos = p + chunk_chars
     return out
+
+
+def chain_key(prev: int, chunk: str) -> int:
+    """The key of a prefix: its last chunk hashed with the key of the prefix before it as seed (0 for
+    the first). xxh3, not ``hash()``: Python's string hash differs per process, and workers and
+    replicas share their chunks by these keys (``PrefixTokenCache.share``)."""
+    return xxhash.xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), prev)
+
+
+def fingerprint(hf: Any) -> str:
+    """What a tokenizer is, for telling whether another process's chunks were cut by the same one:
+    a hash of its whole serialized form."""
+    return xxhash.xxh3_64_hexdigest(hf.to_str().encode())
 
 
 def fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:
@@ -244,6 +265,9 @@ class PrefixTokenCache:
         self._specials: dict[bool, tuple[list[int], list[int]]] = {}
         self._checker: ThreadPoolExecutor | None = None
         self._checking = False  # one check at a time; hits meanwhile are not checked
+        # called (from the tokenizing thread) with the chunks this process newly stored, to share them
+        self.on_stored: Callable[[list[tuple[int, array[int]]]], None] | None = None
+        self._fingerprint: str | None = None
 
     # ---- the special tokens a post-processor puts around the body ----------------------------
     def _around(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
@@ -324,7 +348,7 @@ class PrefixTokenCache:
         h = 0
         start = 0
         for p in ends:
-            h = hash((h, text[start:p]))
+            h = chain_key(h, text[start:p])
             keys.append(h)
             start = p
         chunks: list[array[int]] = []
@@ -379,16 +403,40 @@ class PrefixTokenCache:
             i = j
         if not new:
             return 0, 0
+        added = self._store(new)
+        if added and self.on_stored is not None:
+            self.on_stored(added)
+        return len(new), i
+
+    def _store(self, chunks: Iterable[tuple[int, array[int]]]) -> list[tuple[int, array[int]]]:
+        """Put chunks in (least recently used out past ``max_tokens``); those that were not there."""
+        added = []
         with self._lock:
-            for key, chunk in new:
+            for key, chunk in chunks:
                 if key in self._chunks:
                     continue
                 self._chunks[key] = chunk
                 self._held += len(chunk)
+                added.append((key, chunk))
             while self._held > self.max_tokens and self._chunks:
                 _, old = self._chunks.popitem(last=False)
                 self._held -= len(old)
-        return len(new), i
+        return added
+
+    # ---- chunks from other processes -------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """``fingerprint`` of the wrapped tokenizer (computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self._hf)
+        return self._fingerprint
+
+    def adopt(self, chunks: Iterable[tuple[int, array[int]]]) -> int:
+        """Take chunks another process of the same tokenizer stored (the booking bus carries them:
+        ``router/bookbus.py``); returns how many were new here. They are not passed on again."""
+        added = self._store(chunks)
+        self.stats.adopted += len(added)
+        return len(added)
 
     def _keys_of(self, memo: tuple[Any, ...]) -> list[int] | None:
         with self._lock:

@@ -12,6 +12,11 @@ the origin's messages from 1.
 - ``"b"`` book:     body ``[pod, ticket, tokens, resource]`` (resource ``"p"`` prefill, ``"k"`` KV room)
 - ``"r"`` release:  body ``[pod, ticket, resource]``
 - ``"s"`` snapshot: body ``[[pod, ticket, tokens, resource], ...]``, the origin's open bookings
+- ``"t"`` tokens:   body ``[fingerprint, [[key, ids], ...]]``: chunks of text this origin tokenized
+  (``indexer/prefix_tokens.py``: a prefix's chain key and its chunk's token ids as little-endian
+  uint32 bytes), so a follow-up that lands on another worker or replica reuses them rather than
+  tokenizing the whole conversation again; taken only where ``fingerprint`` (the tokenizer's) is
+  the receiver's own; at most ``TOKENS_PER_MESSAGE`` tokens per message (a big prompt's go as several)
 - ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
   applied in order: the books and releases of one event-loop turn go out as one message (a lone
   one goes as ``"b"``/``"r"``), so a busy worker sends and its peers decode one frame per turn
@@ -58,8 +63,10 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -81,6 +88,8 @@ _RES = {PREFILL: "p", KV: "k"}
 _RES_BACK = {"p": PREFILL, "k": KV}
 MAX_FORGOTTEN = 1024
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
+TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less than a full "m" message)
+_BIG_ENDIAN = sys.byteorder == "big"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -186,6 +195,8 @@ def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
         if not isinstance(body, list):
             raise BadFrame("snapshot is not a list")
         return kind, origin, seq, [_booking(b) for b in body]
+    if kind == "t":
+        return kind, origin, seq, _tokens(body)
     if kind == "m":
         if not (isinstance(body, list) and 0 < len(body) <= MAX_OPS):
             raise BadFrame(f"several is not a list of 1 to {MAX_OPS} changes")
@@ -200,6 +211,29 @@ def _release(body: Any) -> tuple[str, int, str]:
     return body[0], body[1], _RES_BACK[body[2]]
 
 
+def _tokens(body: Any) -> tuple[str, list[tuple[int, array[int]]]]:
+    """A "t" message's (fingerprint, [(chain key, token ids)])."""
+    if not (isinstance(body, list) and len(body) == 2 and isinstance(body[0], str) and 0 < len(body[0]) <= 64
+            and isinstance(body[1], list) and 0 < len(body[1]) <= TOKENS_PER_MESSAGE):
+        raise BadFrame("tokens is not [fingerprint, [[key, ids], ...]]")
+    chunks = []
+    total = 0
+    for item in body[1]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                and not isinstance(item[0], bool) and item[0] >= 0 and isinstance(item[1], bytes)
+                and item[1] and len(item[1]) % 4 == 0):
+            raise BadFrame("a chunk is not [key, uint32 ids]")
+        ids = array("I")
+        ids.frombytes(item[1])
+        if _BIG_ENDIAN:
+            ids.byteswap()
+        total += len(ids)
+        chunks.append((item[0], ids))
+    if total > TOKENS_PER_MESSAGE:
+        raise BadFrame(f"more than {TOKENS_PER_MESSAGE} tokens in one message")
+    return body[0], chunks
+
+
 def _change(op: Any) -> tuple[str, tuple]:
     """One change of an "m" message: ("b", booking) or ("r", release)."""
     if isinstance(op, list) and op and op[0] == "b":
@@ -209,7 +243,7 @@ def _change(op: Any) -> tuple[str, tuple]:
     raise BadFrame("a change is neither ['b', ...] nor ['r', ...]")
 
 
-KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch"}
+KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens"}
 
 
 @dataclass
@@ -270,6 +304,9 @@ class BookingBus:
         self._seq = 0
         self._pending: list[list[Any]] = []   # this loop turn's books and releases, not yet sent
         self._flush_handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # another origin's tokenized chunks: (fingerprint, chunks) -> taken (False: another tokenizer)
+        self.on_tokens: Callable[[str, list[tuple[int, array[int]]]], bool] | None = None
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._sub: Any = None
@@ -316,6 +353,34 @@ class BookingBus:
             for op in ops:
                 self.stats.count(KINDS[op[0]], "sent")
 
+    def share_tokens(self, fingerprint: str, chunks: list[tuple[int, array[int]]]) -> None:
+        """Publish chunks this process tokenized (``PrefixTokenCache.on_stored``); callable from any
+        thread: the messages are sent from the event loop."""
+        loop = self._loop
+        if loop is None or self._pub is None:
+            return
+        batch: list[list[Any]] = []
+        n = 0
+        for key, ids in chunks:
+            if len(ids) > TOKENS_PER_MESSAGE:
+                continue  # a chunk is a few hundred characters: never this long
+            if n + len(ids) > TOKENS_PER_MESSAGE:
+                self._send_soon(loop, [fingerprint, batch])
+                batch, n = [], 0
+            if _BIG_ENDIAN:
+                ids = array("I", ids)
+                ids.byteswap()
+            batch.append([key, ids.tobytes()])
+            n += len(ids)
+        if batch:
+            self._send_soon(loop, [fingerprint, batch])
+
+    def _send_soon(self, loop: asyncio.AbstractEventLoop, body: list[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(self._send, "t", body)
+        except RuntimeError:  # the loop has closed: we are stopping
+            pass
+
     def publish_snapshot(self) -> None:
         self.flush()  # the changes before it go first, so it never runs ahead of them
         self._send("s", [[p, t, tok, _RES[r]] for p, t, tok, r in self.ledger.local_bookings()])
@@ -360,6 +425,11 @@ class BookingBus:
             for op, change in body:
                 if self._apply(origin, op, change):
                     self.stats.count(KINDS[op], "received")
+        elif kind == "t":
+            fingerprint, chunks = body
+            if self.on_tokens is None or not self.on_tokens(fingerprint, chunks):
+                self.stats.count("tokens", "dropped")  # not sharing, or another tokenizer
+                return
         elif kind == "s":
             added, released = led.replace_origin(origin, body, self.max_bookings_per_origin)
             self.stats.repaired += added + released
@@ -440,6 +510,7 @@ class BookingBus:
         if self.key is not None:
             self.key.dial(sub)
         self._pub, self._sub = pub, sub
+        self._loop = asyncio.get_running_loop()
         self.set_peers([])
         if self.resolve_peers is not None:
             await self._resolve_once()
@@ -507,6 +578,7 @@ class BookingBus:
             if s is not None:
                 s.close(linger=0)
         self._pub = self._sub = None
+        self._loop = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -527,8 +599,8 @@ class BusCollector(Collector):
     def collect(self):
         bus = self.bus
         c = CounterMetricFamily("kvroute_booking_bus_messages", "Booking-bus messages by kind (book, release, "
-                                "snapshot; dropped: bad, stale, lost, full) and direction (sent, received, "
-                                "dropped)", labels=["kind", "direction"])
+                                "snapshot, batch, tokens; dropped: bad, stale, lost, full) and direction "
+                                "(sent, received, dropped)", labels=["kind", "direction"])
         for (kind, direction), n in sorted(bus.stats.messages.items()):
             c.add_metric([kind, direction], float(n))
         yield c

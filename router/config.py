@@ -190,6 +190,9 @@ class RouterSettings(BaseSettings):
                                             "(LRU)")
     tokenize_cache_tokens: int = Field(4_000_000, ge=0, description="Hugging Face tokenizer: tokens of text prefixes "
                                        "kept so a follow-up tokenizes only its new part (0: off; ~4 bytes each)")
+    tokenize_cache_share: bool = Field(True, description="workers and replicas on the booking bus send each other "
+                                       "the chunks they tokenize, so a follow-up that lands on another process "
+                                       "does not tokenize the whole conversation again")
     tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
                                         "in the tokenize threads, so they do not delay small requests")

@@ -47,6 +47,8 @@ class Services:
         # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
         self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
+        if self.bus is not None and self.prefix_tokens is not None and settings.tokenize_cache_share:
+            share_tokens(self.bus, self.prefix_tokens)
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
         units = [u for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)]
         self.registry = PodRegistry(units, scrape_interval_s=settings.scrape_interval_s,
@@ -177,6 +179,7 @@ class Services:
                            "tokenize_cache_reused_tokens": float(cache.stats.reused_tokens),
                            "tokenize_cache_held_tokens": float(cache.held_tokens),
                            "tokenize_cache_key_hit_rate": cache.key_hit_rate(),
+                           "tokenize_cache_adopted_chunks": float(cache.stats.adopted),
                            "tokenize_cache_enabled": 0.0 if cache.disabled else 1.0})
         return totals
 
@@ -205,6 +208,15 @@ class Services:
             except Exception:
                 log.exception("stopping the event subscriber failed")
         await self.registry.stop()
+
+
+def share_tokens(bus: Any, cache: Any) -> None:
+    """Workers and replicas share the chunks they tokenize over the booking bus (its "t" messages):
+    what one process stored is published, and another's is taken if it was cut by the same
+    tokenizer (``PrefixTokenCache.fingerprint``, read once here)."""
+    fingerprint = cache.fingerprint
+    cache.on_stored = lambda chunks: bus.share_tokens(fingerprint, chunks)
+    bus.on_tokens = lambda fp, chunks: fp == fingerprint and (cache.adopt(chunks) >= 0)
 
 
 def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, str] | None = None) -> Any:

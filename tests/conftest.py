@@ -72,6 +72,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_bookings_and_releases_propagate_and_a_lost_message_is_repaired_by_the_next_snapshot",
         "test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_order",
         "test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working",
+        "test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages",
         "test_a_killed_peer_loses_its_bookings_and_a_restarted_one_does_not_bring_them_back",
         "test_workers_share_bookings_through_the_forwarder",
         "test_serve_with_two_workers_shares_bookings_between_them",
@@ -121,7 +122,9 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     }),
     "test_fuzz_events.py": frozenset({"test_live_subscriber_counts_and_drops_bad_frames_and_keeps_applying_good_ones"}),
     "test_keys.py": frozenset({"test_keys_are_stable_across_processes"}),
-    "test_prefix_tokens.py": frozenset({"test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the_loop"}),
+    "test_prefix_tokens.py": frozenset({"test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the_loop",
+                                        "test_chain_keys_are_the_same_in_every_process",
+                                        "test_replicas_share_the_chunks_they_tokenize"}),
     "test_replay_cli.py": frozenset({
         "test_mooncake_replay_writes_table_json_and_plots",
         "test_bad_trace_line_is_a_clear_error_not_a_traceback",

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from array import array
 
 import httpx
 import msgspec
@@ -21,7 +22,7 @@ import pytest
 import yaml
 import zmq
 
-from router.bookbus import TOPIC, BookingBus, BusKey, Forwarder, encode
+from router.bookbus import TOKENS_PER_MESSAGE, TOPIC, BookingBus, BusKey, Forwarder, encode
 from router.booking import KV, PREFILL, Ledger
 from simulator.testing import running_sims
 from tests.helpers import ROOT, free_ports, kvroute_process, until
@@ -124,6 +125,27 @@ def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
     assert led.foreign_count("other") == 1 and led.inflight("p0") == 1 and set(bus.peers) == {"big", "other"}
 
 
+def test_tokens_messages_reach_the_cache_only_when_well_formed_and_of_the_same_tokenizer():
+    bus = BookingBus(Ledger(), origin="me")
+    got: list = []
+    chunks = [(7, array("I", [1, 2, 3])), ((1 << 64) - 1, array("I", [70000, 5]))]
+    body = ["fp", [[k, ids.tobytes()] for k, ids in chunks]]
+    bus.handle(encode("t", "other", 1, body))
+    assert bus.stats.get("tokens", "dropped") == 1  # nobody takes them: not sharing
+    bus.on_tokens = lambda fp, c: fp == "fp" and not got.append(c)
+    bus.handle(encode("t", "other", 2, body))
+    assert got == [chunks] and bus.stats.get("tokens", "received") == 1
+    bus.handle(encode("t", "other", 3, ["another tokenizer", body[1]]))
+    assert len(got) == 1 and bus.stats.get("tokens", "dropped") == 2
+    bad = [["fp"], ["fp", []], ["", body[1]], ["x" * 65, body[1]], ["fp", [[-1, b"\0" * 4]]],
+           ["fp", [[1.5, b"\0" * 4]]], ["fp", [[1, b"\0" * 5]]], ["fp", [[1, b""]]], ["fp", [[True, b"\0" * 4]]],
+           ["fp", [[1, "text"]]], ["fp", [[1, b"\0" * 4, 2]]], ["fp", [[1, b"\0" * 4 * (TOKENS_PER_MESSAGE + 1)]]],
+           ["fp", [[i, b"\0" * 4] for i in range(TOKENS_PER_MESSAGE + 1)]]]
+    for i, b in enumerate(bad):
+        bus.handle(encode("t", "other", 4 + i, b))
+    assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 1
+
+
 # ---- e2e: buses on loopback --------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def two_buses(**kw):
@@ -187,6 +209,17 @@ async def test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_ord
     assert bus.stats.get("bad", "dropped") == 4 and led.inflight("p0") == 0
     bus.handle(encode("m", "o", 1, [["b", "p0", 1, 1.0, "p"], ["b", "p0", 2, 1.0, "p"], ["r", "p0", 1, "p"]]))
     assert led.inflight("p0") == 1
+
+
+async def test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages():
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
+        got: list = []
+        b.on_tokens = lambda fp, c: fp == "fp" and not got.extend(c)
+        chunks = [(k, array("I", range(k, k + 100))) for k in range(200)]  # 20,000 tokens: 3 messages
+        await asyncio.to_thread(a.share_tokens, "fp", chunks)  # as a tokenize thread does
+        await until(lambda: len(got) == len(chunks), 5, "the chunks")
+        assert got == chunks
+        assert a.stats.get("tokens", "sent") == 3 and b.stats.get("tokens", "received") == 3
 
 
 async def test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working():

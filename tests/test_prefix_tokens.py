@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from indexer.keys import block_keys
 from indexer.prefix_tokens import CachedTokens, PrefixTokenCache, boundaries
+from tests.helpers import ROOT
 
 WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
          "naïve café 東京 数据 ok? yes: no; (a) [b] {c} \"q\" 'r' a-b a_b 3.14 1e10 -- ... ")
@@ -182,6 +183,49 @@ def test_a_follow_up_takes_its_prefixs_keys_and_keys_memory_is_bounded():
     assert got.block_keys(16, 8) == block_keys(full, 16, 8) and cache.stats.key_hits == hits
 
 
+def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
+    """What one process stores (``on_stored``) another adopts, and a follow-up there reuses it,
+    exactly; a chunk it already holds is not taken twice, and adopting keeps the memory bound."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    a = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=0)
+    b = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=0, max_tokens=2000)
+    sent: list = []
+    a.on_stored = sent.append
+    text = " ".join(corpus(40, seed=3))
+    a.encode(text, True)
+    assert sent and sum(len(ids) for batch in sent for _, ids in batch) == a.held_tokens
+    assert a.fingerprint == b.fingerprint and a.fingerprint != PrefixTokenCache(TOKENIZERS["WordPiece"]).fingerprint
+    taken = sum(b.adopt(batch) for batch in sent)
+    assert taken == len(a._chunks) and b.stats.adopted == taken
+    assert sum(b.adopt(batch) for batch in sent) == 0  # already held
+    follow_up = text + " " + " ".join(corpus(3, seed=30))
+    got = b.encode_cached(follow_up, True)
+    assert got == hf.encode(follow_up, add_special_tokens=True).ids
+    assert b.stats.hits == 1 and b.stats.misses == 0 and b.stats.reused_tokens > 0.7 * len(got)
+    assert b.held_tokens <= 2000
+    a.on_stored = None
+
+
+def test_chain_keys_are_the_same_in_every_process():
+    """Workers and replicas share chunks by their keys: another interpreter (another string-hash seed)
+    gives the same keys."""
+    import subprocess
+    import sys
+
+    from indexer.prefix_tokens import chain_key
+
+    text = "naïve café 東京 \ud800 " * 20  # a lone surrogate too: JSON can carry one
+    here = [chain_key(0, text[:40]), chain_key(chain_key(0, text[:40]), text[40:])]
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", "import sys; from indexer.prefix_tokens import chain_key; "
+                              "t = sys.argv[1].encode('utf-8', 'surrogatepass').decode('unicode_escape'); "
+                              "k = chain_key(0, t[:40]); print(k, chain_key(k, t[40:]))",
+                              text.encode("unicode_escape").decode()],
+                             capture_output=True, text=True, env={"PYTHONHASHSEED": seed}, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert [int(x) for x in out.stdout.split()] == here
+
+
 def test_boundaries_are_spaces_after_a_letter_or_digit_at_least_chunk_chars_apart():
     text = "aaaa bbbb. cccc  dddd 12 e"
     ends = boundaries(text, 4)
@@ -298,3 +342,68 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                 assert "kvroute_tokenize_cache_enabled 1.0" in metrics
                 rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
                 assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
+
+
+async def test_replicas_share_the_chunks_they_tokenize(tmp_path):
+    """Two `kvroute serve` replicas on the booking bus: a conversation's first turn goes through A, its
+    follow-up through B, and B tokenizes only the new part, from the chunks A sent it (exactly)."""
+    import asyncio
+    import contextlib
+
+    import httpx
+    import yaml
+
+    from indexer.tokens import HFTokenizer, chat_request_ids
+    from simulator.testing import running_sims
+    from tests.helpers import free_ports, kvroute_process
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(folder / "tokenizer.json"))
+    plain = HFTokenizer(folder / "tokenizer.json")
+    port_a, port_b, bus_a, bus_b = free_ports(4)
+
+    def gauge(text: str, name: str) -> float:
+        found = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    with running_sims(1, ["--timing", "seed"]) as urls, contextlib.ExitStack() as stack:
+        bases = []
+        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
+            cfg = tmp_path / f"router-{name}.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "port": port, "pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}],
+                "tokenizer": str(folder / "tokenizer.json"), "booking_bus_bind": f"tcp://127.0.0.1:{mine}",
+                "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.2}))
+            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
+                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
+            bases.append(f"http://127.0.0.1:{port}")
+        a, b = bases
+        async with httpx.AsyncClient(timeout=30) as c:
+            for _ in range(100):
+                heard = [("kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text) for base in bases]
+                if all(heard):
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the replicas never heard each other")
+            history = [{"role": "system", "content": " ".join(corpus(80, seed=11))},
+                       {"role": "user", "content": " ".join(corpus(3, seed=12))}]
+            first = {"model": "sim-model", "messages": history, "max_tokens": 2}
+            assert (await c.post(a + "/v1/chat/completions", json=first)).status_code == 200
+            for _ in range(100):
+                metrics = (await c.get(b + "/metrics")).text
+                if gauge(metrics, "kvroute_tokenize_cache_adopted_chunks") > 0:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("B never took A's chunks")
+            assert gauge(metrics, "kvroute_tokenize_cache_reused_tokens") == 0  # B has tokenized nothing itself
+            follow_up = {"model": "sim-model", "max_tokens": 2, "messages": history + [
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": " ".join(corpus(3, seed=13))}]}
+            explained = (await c.post(b + "/debug/route", json=follow_up)).json()
+            assert explained["prompt_tokens"] == len(chat_request_ids(follow_up, plain))
+            assert (await c.post(b + "/v1/chat/completions", json=follow_up)).status_code == 200
+            metrics = (await c.get(b + "/metrics")).text
+            assert gauge(metrics, "kvroute_tokenize_cache_hit_rate") > 0.8, metrics
+            assert gauge(metrics, "kvroute_tokenize_cache_enabled") == 1.0
