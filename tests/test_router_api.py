@@ -497,3 +497,31 @@ async def test_each_first_token_is_checked_against_the_predicted_interval():
         counts = {o: float(re.search(rf'kvroute_ttft_interval_total{{outcome="{o}"}} (\S+)', text).group(1))
                   for o in ("inside", "below", "above") if f'outcome="{o}"' in text}
         assert sum(counts.values()) == 5, counts  # every streamed first token, and only those
+
+
+async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns():
+    """Crediting a cold 32k-token prompt's 2,000 blocks in one piece held the event loop for 2-5 ms:
+    on the loop the first CREDIT_NOW_BLOCKS go at once and the rest in the turns that follow; off
+    it (``kvroute simulate``) all at once."""
+    import asyncio
+
+    from router.routing import CREDIT_NOW_BLOCKS
+
+    async with pods_running(1) as pods:
+        async with running_router(settings_for(pods)) as (_, services):
+            r = services.router
+            n = 2 * CREDIT_NOW_BLOCKS + 40
+
+            def held(keys: list[int]) -> int:
+                got = r.index.match(keys, ["pod-0"]).get("pod-0")
+                return got.blocks if got else 0
+
+            keys = [7_000_000 + i for i in range(n)]
+            r.speculate("pod-0", keys)
+            assert held(keys) == CREDIT_NOW_BLOCKS
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert held(keys) == n
+            other = [9_000_000 + i for i in range(n)]
+            await asyncio.to_thread(r.speculate, "pod-0", other)  # no running loop there
+            assert held(other) == n
