@@ -6,8 +6,9 @@ with a timer around each synchronous step the event loop runs for a request: par
 ``Router.plan`` (for a small request this includes tokenizing it on the spot; a big one is
 tokenized in a tokenize thread first) and ``Router.book`` (the ledger and the speculative credit of
 the prompt's blocks), and the garbage collector's pauses. A step that runs long holds up every
-request that arrives meanwhile. Run twice: as shipped, and with a prompt's whole credit given in one piece (``CREDIT_NOW_BLOCKS``
-raised past any prompt), which is how ``Router.speculate`` worked before it split the credit.
+request that arrives meanwhile. Run twice: as shipped, and with a prompt's whole credit given in
+one piece (``CREDIT_NOW_BLOCKS`` raised past any prompt), which is how ``Router.speculate`` worked
+before it split the credit.
 
     python bench/loop_stalls.py [--size 32000] [--seconds 5] [--json bench/results/loop_stalls.json]
 
