@@ -216,7 +216,14 @@ def share_tokens(bus: Any, cache: Any) -> None:
     tokenizer (``PrefixTokenCache.fingerprint``, read once here)."""
     fingerprint = cache.fingerprint
     cache.on_stored = lambda chunks: bus.share_tokens(fingerprint, chunks)
-    bus.on_tokens = lambda fp, chunks: fp == fingerprint and (cache.adopt(chunks) >= 0)
+
+    def take(fp: str, chunks: Any) -> bool:
+        if fp != fingerprint:
+            return False
+        cache.adopt(chunks)
+        return True
+
+    bus.on_tokens = take
 
 
 def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, str] | None = None) -> Any:
