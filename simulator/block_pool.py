@@ -13,7 +13,7 @@ to ``on_event`` as ``("stored", hashes, parent, token_ids)``, ``("removed", [has
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 
@@ -51,6 +51,18 @@ class BlockPool:
     def free_after_touch(self, block_ids: Sequence[int]) -> int:
         """How many blocks stay allocatable once ``block_ids`` are referenced."""
         return len(self.free) - sum(1 for b in block_ids if self.ref[b] == 0)
+
+    def copy(self) -> BlockPool:
+        """A copy of the pool that announces nothing, for playing ahead: changes to it leave this one
+        as it is, but this one must not change while the copy is in use (its free queue is read
+        through from this one's: ``_FreeQueueCopy``)."""
+        out = BlockPool.__new__(BlockPool)
+        out.num_blocks, out.block_size = self.num_blocks, self.block_size
+        out.ref, out.block_hash = list(self.ref), list(self.block_hash)
+        out.free, out.cached = _FreeQueueCopy(self.free), dict(self.cached)  # type: ignore[assignment]
+        out.copies = {h: list(bs) for h, bs in self.copies.items()}
+        out.on_event = lambda event: None
+        return out
 
     # --- changes ---------------------------------------------------------------------------------
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -168,3 +180,56 @@ class BlockPool:
         self.cached.clear()
         self.copies.clear()
         self.block_hash = [None] * self.num_blocks
+
+
+class _FreeQueueCopy:
+    """A copied pool's free queue: the original's, read in order as far as the copy takes from its
+    head, with the copy's own changes beside it (copying an ``OrderedDict`` of thousands of blocks
+    took most of a forward run's time). Only the operations ``BlockPool`` uses."""
+
+    def __init__(self, base: OrderedDict[int, None]):
+        self._base = base
+        self._unread = iter(base)
+        self._gone: set[int] = set()          # of the original's: taken out, or read from the head
+        self._head: deque[int] = deque()      # moved to the front since the copy
+        self._tail: OrderedDict[int, None] = OrderedDict()  # freed since the copy
+        self._n = len(base)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __setitem__(self, b: int, _: None) -> None:  # a block freed: the queue's tail
+        if b not in self._tail:
+            self._tail[b] = None
+            self._n += 1
+
+    def move_to_end(self, b: int, last: bool = True) -> None:
+        assert not last and b in self._tail  # BlockPool moves a block it has just freed to the front
+        del self._tail[b]
+        self._head.appendleft(b)
+
+    def pop(self, b: int, default: None = None) -> None:
+        if b in self._tail:
+            del self._tail[b]
+        elif b in self._head:
+            self._head.remove(b)
+        elif b in self._base and b not in self._gone:
+            self._gone.add(b)
+        else:
+            return default
+        self._n -= 1
+        return None
+
+    def popitem(self, last: bool = True) -> tuple[int, None]:
+        assert not last  # BlockPool takes from the head
+        if self._head:
+            b = self._head.popleft()
+        else:
+            for b in self._unread:
+                if b not in self._gone:
+                    self._gone.add(b)
+                    break
+            else:
+                b, _ = self._tail.popitem(last=False)
+        self._n -= 1
+        return b, None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from simulator.block_pool import BlockPool
 from simulator.events import (
@@ -160,6 +162,49 @@ def test_a_freed_block_without_a_hash_is_reused_before_any_cached_block():
         pool.release(partial)
     assert events == [("stored", [101, 102], None, [1, 2, 3, 4])]   # vLLM: nothing cached was evicted
     assert pool.match_prefix([101, 102]) == cached
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "cache", "touch", "release"]), st.integers(0, 9),
+                          st.integers(0, 5)), max_size=60),
+       st.lists(st.tuples(st.sampled_from(["allocate", "cache", "touch", "release"]), st.integers(0, 9),
+                          st.integers(0, 5)), max_size=60))
+def test_a_copied_pool_behaves_as_a_deep_copy_and_leaves_the_original_alone(before: list, after: list) -> None:
+    """``BlockPool.copy`` (the oracle's forward runs) against a deep copy: the same operations give
+    the same blocks, hashes, ref counts and free-queue order, and the original does not change."""
+    import copy
+
+    def apply(pool: BlockPool, ops: list, held: list[list[int]]) -> list:
+        seen: list = []
+        for op, a, b in ops:
+            if op == "allocate":
+                got = pool.allocate(a % 4)
+                if got:
+                    held.append(got)
+                seen.append(got)
+            elif op == "cache" and held:
+                ids = held[a % len(held)]
+                pool.cache(ids, [1000 * b + i for i in range(len(ids))], None, [0] * (2 * len(ids)))
+            elif op == "touch":
+                hit = pool.match_prefix([1000 * b + i for i in range(a % 4)])
+                pool.touch(hit)
+                held.append(hit)
+                seen.append(hit)
+            elif op == "release" and held:
+                pool.release(held.pop(a % len(held)))
+            seen.append((len(pool.free), pool.usage()))
+        return seen
+
+    pool = BlockPool(12, 2)
+    held: list[list[int]] = []
+    apply(pool, before, held)
+    state = (list(pool.ref), list(pool.block_hash), list(pool.free), dict(pool.cached))
+    deep, cheap = copy.deepcopy(pool), pool.copy()
+    deep_held, cheap_held = copy.deepcopy(held), copy.deepcopy(held)
+    assert apply(cheap, after, cheap_held) == apply(deep, after, deep_held)
+    assert (cheap.ref, cheap.block_hash, cheap.cached) == (deep.ref, deep.block_hash, deep.cached)
+    assert cheap.allocate(len(cheap.free)) == deep.allocate(len(deep.free))  # the same queue, in order
+    assert (list(pool.ref), list(pool.block_hash), list(pool.free), dict(pool.cached)) == state
 
 
 def test_kv_events_config_parsing_and_offsets():
