@@ -20,9 +20,10 @@ Rows: kvroute (predicted-ttft + early rejection) and the peers live; then, on th
 simulated time (``kvroute simulate``, the router's own decision code), kvroute without and with
 admission, kvroute without and with admission under the experimental relative calibration fit
 (``calibration_fit: relative``, not the default), and the perfect-knowledge oracle without and with
-rejection. The oracle knows every pod's true queue and cache; its TTFT is exact in seed timing and
-an estimate in cost timing (``whatif.podmodel.PodModel.true_ttft``: there it rejects more than it
-needs to), and it is greedy, so not an upper bound.
+rejection. The oracle knows every pod's true queue and cache; its TTFT is exact in seed timing, and
+in cost timing exact for the state at the decision (``whatif.podmodel.PodModel.true_ttft`` steps a
+copy of the pod forward) but blind to later arrivals, which lengthen the step that gives the first
+token. It is greedy, so not an upper bound.
 
 The multi-turn worlds replay the seed workload (400 chat sessions on 20 shared 2,048-token system
 prompts, 300 new tokens a turn) at 70 requests/s. Tunables are fixed here, before any run, and the

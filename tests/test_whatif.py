@@ -23,7 +23,7 @@ from simulator.metrics import PodMetrics
 from simulator.request import SimRequest
 from simulator.settings import SimSettings
 from whatif.cli import main as simulate_main
-from whatif.podmodel import PodSpec
+from whatif.podmodel import PodModel, PodSpec
 from whatif.simulate import SimConfig, simulate
 
 
@@ -124,6 +124,42 @@ def test_pod_model_gives_the_simulator_engines_ttfts(timing: str) -> None:
     assert len(live) == len(model) == len(specs)
     assert model == pytest.approx(live, abs=1e-9)
     assert len({round(x, 6) for x in model}) > 10  # the script exercises the model (not all equal)
+
+
+@pytest.mark.parametrize("blocks", [4000, 150])
+def test_the_oracles_cost_ttft_is_what_the_request_gets_when_nothing_arrives_after(
+        blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In ``cost`` timing ``PodModel.true_ttft`` plays the pod's steps forward (queued prefills,
+    chunks, running decodes, ``max_num_seqs``, admissions waiting for blocks, prefixes evicted for the
+    work ahead). With no later arrival that is the TTFT the request then gets: each prefix of the
+    scripted run, checked on its last request, with blocks to spare and with a pool that runs short."""
+    knobs: dict[str, Any] = {"block_size": 16, "num_gpu_blocks": blocks, "max_num_batched_tokens": 512,
+                             "max_num_seqs": 8, "step_overhead_s": 0.003, "compute_s_per_token": 2e-4,
+                             "kv_read_s_per_token": 2e-8}
+    spec = PodSpec(timing="cost", **knobs)
+    specs, at = scripted()
+    predicted: list[float] = []
+    busy: list[int] = []  # requests ahead of it, running or waiting
+    free: list[int] = []  # blocks free when it came
+    true_ttft = PodModel.true_ttft
+
+    def recording(self: PodModel, hashes: Any, n_prompt: int, now: float) -> float:
+        assert self.cost is not None
+        busy.append(len(self.cost.running) + len(self.cost.waiting))
+        free.append(self.pool.num_free)
+        predicted.append(true_ttft(self, hashes, n_prompt, now))
+        return predicted[-1]
+
+    monkeypatch.setattr(PodModel, "true_ttft", recording)
+    ahead = []
+    for k in range(1, len(specs) + 1):
+        res = simulate(specs[:k], at[:k], SimConfig(policy="oracle", admission=False, objective_s=None, pods=1,
+                                                    spec=spec))
+        got = res.records[k - 1].ttft
+        assert got is not None and predicted[-1] == pytest.approx(got, abs=1e-9), (k, predicted[-1], got)
+        ahead.append(busy[-1])
+    assert sum(n > 0 for n in ahead) >= 30 and max(ahead) > 8  # queues to play forward, past max_num_seqs
+    assert blocks > 1000 or min(free) < 8  # the small pool runs short: admissions wait, prefixes are evicted
 
 
 # --- the simulation ----------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ no second hash is computed per block; any injective naming would give the same t
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -257,28 +259,51 @@ class PodModel:
     def true_ttft(self, hashes: Sequence[int], n_prompt: int, now: float) -> float:
         """The TTFT a request would get here if sent now, from the pod's true queue and cache.
 
-        Exact for ``seed`` (the FIFO server's schedule is fixed at admission). For ``cost`` an estimate
-        from the true state: the prefill work queued ahead plus this prompt's uncached part, in steps
-        of the token budget that also carry the running requests' decode tokens.
+        Exact for ``seed`` (the FIFO server's schedule is fixed at admission). For ``cost`` the pod's
+        own step arithmetic run forward from its true state (``_forward_ttft``).
         """
         if self.seed is not None:
             return self.seed.ttft_if_admitted(hashes, n_prompt, now)
+        return self._forward_ttft(hashes, n_prompt, now)
+
+    def _forward_ttft(self, hashes: Sequence[int], n_prompt: int, now: float) -> float:
+        """``cost``: a copy of this pod (its block pool, its running and waiting requests) stepped
+        forward by ``CostCore`` itself with this request appended, until its first token: the TTFT it
+        gets if nothing arrives after it. Later arrivals queue behind it, but the step that completes
+        its prefill gives them its unused budget, which makes that step longer."""
         assert self.cost is not None
-        p = self.spec
-        bs = self.block_size
-        own = n_prompt - self.cached_blocks(hashes, n_prompt) * bs
-        ahead = 0
-        decoding = 0
-        for r in self.cost.running:
-            left = r.n_prompt - r.num_computed
-            if left > 0:
-                ahead += left
-            else:
-                decoding += 1
-        for r in self.cost.waiting:
-            ahead += max(0, r.n_prompt - r.num_computed - (r.hit_tokens if not r.admitted else 0))
-        work = ahead + own
-        per_step = max(1, p.max_num_batched_tokens - decoding)
-        steps = max(1, math.ceil(work / per_step))
-        busy = max(0.0, self.busy_until - now) if self.stepping else 0.0
-        return busy + steps * p.step_overhead_s + (work + steps * decoding) * p.compute_s_per_token
+        pool = self.pool.copy()
+        core = _ForwardCore(pool, self.cost.cost_params)
+        twins: dict[int, ModelRequest] = {}
+
+        def twin(r: ModelRequest) -> ModelRequest:
+            c = copy.copy(r)
+            c.all_tokens, c.hashes, c.block_ids, c.tag = list(r.all_tokens), list(r.hashes), list(r.block_ids), None
+            twins[id(r)] = c
+            return c
+
+        core.running = [twin(r) for r in self.cost.running]
+        core.waiting = deque(twin(r) for r in self.cost.waiting)
+        t = now
+        if self.stepping and self.batch:  # the step in progress ends first (stepping, no batch: one starts now)
+            t = self.busy_until
+            core.commit([(twins[id(r)], n) for r, n in self.batch], t, self.step_duration)
+        target = ModelRequest(-1, [0] * n_prompt, list(hashes), 1, now)  # token ids only name output blocks
+        core.submit(target)
+        while target.first_token_at is None:
+            batch = core.schedule(t)
+            if not batch:  # nothing can run: blocks that never free up
+                return math.inf
+            duration = core.step_cost(batch)
+            t += duration
+            core.commit(batch, t, duration)
+        return target.first_token_at - now
+
+
+class _ForwardCore(CostCore):
+    """``PodModel._forward_ttft``'s scheduler: the pod's own, keeping a P/D prefill leg's blocks as
+    ``_CostPodCore`` does, and telling no one."""
+
+    def _release_finished(self, req: Any) -> None:
+        if not req.keep_blocks:
+            super()._release_finished(req)

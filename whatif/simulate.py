@@ -17,8 +17,9 @@ the prefill leg's duration, as from the sidecar's ``x-kvroute-prefill-ms``.
 
 The ``oracle`` policy bypasses the router (aggregated fleets only): it sees every pod's true queue
 and true cache and sends each request where its true TTFT is lowest, rejecting it when even that
-misses the objective (exact in ``seed`` timing; see ``PodModel.true_ttft`` for ``cost``). It is
-greedy, not an upper bound: the pod best for one request can be the one a later request needed.
+misses the objective (exact in ``seed`` timing; in ``cost`` timing exact if nothing arrives after
+it: see ``PodModel.true_ttft``). It is greedy, not an upper bound: the pod best for one request can
+be the one a later request needed.
 
 The result is a ``replay.runner.RunResult``: per-request records and the replay report's summary
 (attainment over ALL requests sent, a rejection is a miss; hit rate from the pods' prefix-cache
