@@ -216,7 +216,7 @@ class _FreeQueueCopy:
         elif b in self._base and b not in self._gone:
             self._gone.add(b)
         else:
-            return default
+            return default  # not in the queue
         self._n -= 1
         return None
 

@@ -259,8 +259,8 @@ class PodModel:
     def true_ttft(self, hashes: Sequence[int], n_prompt: int, now: float) -> float:
         """The TTFT a request would get here if sent now, from the pod's true queue and cache.
 
-        Exact for ``seed`` (the FIFO server's schedule is fixed at admission). For ``cost`` the pod's
-        own step arithmetic run forward from its true state (``_forward_ttft``).
+        Exact for ``seed`` (the FIFO server's schedule is fixed at admission). For ``cost`` a copy of
+        the pod stepped forward (``_forward_ttft``): exact if nothing arrives after the request.
         """
         if self.seed is not None:
             return self.seed.ttft_if_admitted(hashes, n_prompt, now)
