@@ -438,10 +438,12 @@ async def test_every_booking_is_released_exactly_once_whichever_way_the_request_
     from router.booking import Booking
 
     releases: dict[int, int] = {}
+    kept: list[Booking] = []  # held to the end: a freed booking's id() could be a later booking's
     original = Booking.release
 
     def counting(self, ledger):
         first = original(self, ledger)
+        kept.append(self)
         releases[id(self)] = releases.get(id(self), 0) + (1 if first else 0)
         return first
 
