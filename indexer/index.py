@@ -28,8 +28,8 @@ import time
 import types
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import accumulate, islice, repeat, takewhile
-from operator import and_, neg, or_
+from itertools import accumulate, compress, islice, repeat, takewhile
+from operator import and_, lt, neg, or_
 from typing import Any, cast
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -554,6 +554,10 @@ class PrefixIndex:
         bit = src.bit
         pred = self._pred
         mine = src.pred
+        if mine:
+            # keys credited in the last ttl/16 keep their place and expiry: a follow-up credits its
+            # whole prefix again every turn; moving its ~500 keys to the back took 0.15 ms at 8k tokens (0.05 now)
+            keys = list(compress(keys, map(lt, map(mine.get, keys, repeat(0.0)), repeat(expiry - ttl / 16))))
         for k in keys:
             if mine.pop(k, None) is None:   # new: set the bit; known: just move it to the back
                 pred[k] = pred.get(k, 0) | bit

@@ -335,6 +335,31 @@ def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
     assert ix.match(k)["n"].blocks == 0 and ix.stats()["predicted_keys"] == 0
 
 
+def test_a_credit_repeated_within_a_sixteenth_of_the_ttl_keeps_the_first_expiry():
+    """A follow-up credits its whole prefix again: keys credited less than TTL/16 ago stay where they
+    are (expiring with the first credit), older ones move to the back with a new expiry, and new
+    keys are added in order after them."""
+    clock = Clock()
+    clock.t = 0.0
+    ix = PrefixIndex(block_size=BS, approximate_ttl_s=160.0, clock=clock)
+    ix.add_pod("n", MODEL, approximate=True)
+    t = toks(6)
+    k = keys_of(t)
+    ix.record_route("n", k[:2])       # expire at 160
+    clock.t += 5.0
+    ix.record_route("n", k[:4])       # 5 s < 160/16: the first two keep 160; two new ones expire at 165
+    clock.t += 15.0
+    ix.record_route("n", k[2:6])      # 15 s >= 10: the middle two move to 180; two new ones at 180
+    assert ix.stats()["predicted_keys"] == 6
+    clock.t = 161.0
+    assert ix.match(k)["n"].blocks == 0  # the first two went at 160, so nothing leads
+    assert ix.stats()["predicted_keys"] == 4
+    clock.t = 170.0
+    assert ix.match(k[2:])["n"].blocks == 4  # none of the rest expired at 165: all moved to 180
+    clock.t = 181.0
+    assert ix.match(k[2:])["n"].blocks == 0 and ix.stats()["predicted_keys"] == 0
+
+
 def test_match_restricted_to_some_pods_includes_unknown_ones_as_zero():
     ix = new_index()
     t = toks(2)
