@@ -28,7 +28,7 @@ token. It is greedy, so not an upper bound.
 The multi-turn worlds replay the seed workload (400 chat sessions on 20 shared 2,048-token system
 prompts, 300 new tokens a turn) at 70 requests/s. Tunables are fixed here, before any run, and the
 same in every world: kvroute's defaults (policy predicted-ttft, calibration on, admission by miss
-probability 0.5), rates and durations as above, 120 s of load per row (with 60 s, kvroute's
+probability 0.1), rates and durations as above, 120 s of load per row (with 60 s, kvroute's
 simulated twin met every multi-turn world in full: the caches had not yet filled). Peers run from their own venv,
 pinned and printed:
 
