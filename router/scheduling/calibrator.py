@@ -23,8 +23,8 @@ docs/router.md.
 **Error model.** Each pod also learns how its predictions err: ``ln(observed / predicted)``, as an
 exponentially weighted mean and variance with the same memory. It is shrunk towards no bias and
 ``prior_sd`` as if the prior were ``prior_weight`` observations, averaging standard deviations
-(``_blend_sd``), not variances: with variances a wide prior kept a tenth of an interval's width
-after a thousand observations. Admission uses it to ask how likely a
+(``_blend_sd``), not variances: with variances ten prior observations at 0.25 outweighed a
+thousand at 0.02. Admission uses it to ask how likely a
 miss is rather than whether the point estimate crosses the objective, and ``/debug/route`` shows
 the interval it gives. With ``by_size`` (the setting ``ttft_error_by_size``, on by default) it is
 also learnt per size of prediction (``snapshot.size_bucket``: one bucket per doubling), a bucket
