@@ -4,7 +4,7 @@ With ``miss_tolerance`` (the router's ``admission_miss_probability``) a request 
 on every pod, the probability of missing the objective (``objective x slack``) is above it: the
 prediction's error model (``Prediction.miss_probability``) says how far to trust the point
 estimate. With a tolerance of 0.5 and an unbiased model this is the point rule; the default,
-0.25, also rejects within the prediction's own error of the line (docs/router.md says why). A pod
+0.1, also rejects within the prediction's own error of the line (docs/router.md says why). A pod
 whose predictions have run late moves the line earlier. ``None`` keeps the point rule.
 
 The ranking asks the same question of each pod (``likely_to_meet``): a pod counts as meeting the
