@@ -238,6 +238,38 @@ def test_cost_timing_and_event_delay_run() -> None:
         assert s["ttft_p50"] is not None and s["median_tpot_ms"] is not None
 
 
+
+def _logged(policy: str, tmp_path: Any) -> list[dict[str, Any]]:
+    import json
+
+    specs, arrivals = cache_heavy(300, rate=60.0)
+    log = tmp_path / f"{policy}.jsonl"
+    cfg = SimConfig(policy=policy, admission=True, objective_s=1.0, pods=4, spec=SEED,
+                    router={"prediction_log_path": str(log)})
+    s = simulate(specs, arrivals, cfg).summary
+    assert s["completed"] + (s["errors_by_status"] or {}).get("429", 0) == len(specs)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_true_state_predicts_each_pods_true_ttft(tmp_path: Any) -> None:
+    """``true-state`` runs kvroute's decision code on the pods' true TTFTs: in seed timing (exact)
+    every admitted request's predicted TTFT is the TTFT it then gets, where kvroute's own model errs."""
+    rows = _logged("true-state", tmp_path)
+    assert len(rows) > 200
+    for r in rows:
+        assert r["model_s"] == pytest.approx(r["observed_s"], rel=1e-3, abs=1e-4), r
+    # queues formed (the work booked ahead of a request plus its own, past any single 2.3k-token prompt)
+    assert sum(r["work_tokens"] > 3000 for r in rows) >= 5
+    own = _logged("predicted-ttft", tmp_path)
+    assert sum(abs(r["model_s"] - r["observed_s"]) > 0.01 * r["observed_s"] + 1e-4 for r in own) > 20
+
+
+def test_true_state_is_for_aggregated_fleets() -> None:
+    specs, arrivals = cache_heavy(20)
+    with pytest.raises(ValueError, match="true-state policy is for aggregated fleets"):
+        simulate(specs, arrivals, SimConfig(policy="true-state", pods=4, prefill=1, spec=SEED))
+
+
 # --- the command -------------------------------------------------------------------------------------
 def test_cli_help_lists_the_policies(capsys: Any) -> None:
     from router.cli import main as kvroute_main

@@ -25,7 +25,8 @@ DESCRIPTION = ("Replay a trace (mooncake:PATH, azure:PATH) or a synthetic worklo
                "against simulated pods in simulated time (seed or cost timing, the simulator's own models); "
                "print attainment, rejections, hit rate and TTFT per policy. Policies: random, round-robin, "
                "least-load, cache-only, predicted-ttft, oracle (perfect knowledge of every pod's queue and "
-               "cache); append +admission for early rejection.")
+               "cache), true-state (predicted-ttft's decision code on every pod's true TTFT); append +admission "
+               "for early rejection.")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,13 @@ misses the objective (exact in ``seed`` timing; in ``cost`` timing exact if noth
 it: see ``PodModel.true_ttft``). It is greedy, not an upper bound: the pod best for one request can
 be the one a later request needed.
 
+The ``true-state`` policy (aggregated fleets only) is kvroute's own decision code (the
+``predicted-ttft`` scorers, the learnt error model, admission) with each pod's point prediction
+replaced by that pod's true TTFT for the state at the decision (``PodModel.true_ttft``): what
+kvroute would do with a perfect model of the present, its error model left to learn only what
+comes after (later arrivals). Where it beats kvroute, better prediction would pay; where it does
+not, the misses are the fleet's, not the predictor's.
+
 The result is a ``replay.runner.RunResult``: per-request records and the replay report's summary
 (attainment over ALL requests sent, a rejection is a miss; hit rate from the pods' prefix-cache
 counters; TTFT percentiles), so ``replay.report`` prints and saves it unchanged.
@@ -40,7 +47,7 @@ from replay.metrics import RequestRecord, summarize
 from replay.runner import RunResult
 from whatif.podmodel import ModelRequest, PodModel, PodSpec
 
-POLICIES = ("random", "round-robin", "least-load", "cache-only", "predicted-ttft", "oracle")
+POLICIES = ("random", "round-robin", "least-load", "cache-only", "predicted-ttft", "oracle", "true-state")
 MODEL = "sim-model"
 
 # event kinds, in the order they run at equal times: an idle cost pod starts its step after every
@@ -100,7 +107,8 @@ def _build_router(cfg: SimConfig, clock: _Clock) -> Any:
     pods = [PodConfig(id=pid, url=f"http://{pid}.simulated:8000", role=role, model=cfg.model,
                       kv_events=[f"tcp://{pid}.simulated:5557"]) for pid, role in cfg.pod_ids()]
     values: dict[str, Any] = {
-        "pods": pods, "policy": cfg.policy, "admission": cfg.admission,
+        "pods": pods, "policy": "predicted-ttft" if cfg.policy == "true-state" else cfg.policy,
+        "admission": cfg.admission,
         "ttft_objective_ms": cfg.objective_s * 1000.0 if cfg.admission and cfg.objective_s else None,
         "block_size": bs, "prefill_tokens_per_s": cfg.spec.prefill_rate, "scrape_interval_s": cfg.scrape_interval_s,
         "kv_bytes_per_token": float(cfg.spec.kv_bytes_per_token),
@@ -131,8 +139,8 @@ def simulate(specs: Sequence[Any], arrivals: Sequence[float], cfg: SimConfig,
         raise ValueError("fewer arrival times than requests")
     if cfg.prefill and not 0 < cfg.prefill < cfg.pods:
         raise ValueError(f"a P/D fleet of {cfg.pods} pods needs 1..{cfg.pods - 1} prefill pods, got {cfg.prefill}")
-    if cfg.prefill and cfg.policy == "oracle":
-        raise ValueError("the oracle policy is for aggregated fleets")
+    if cfg.prefill and cfg.policy in ("oracle", "true-state"):
+        raise ValueError(f"the {cfg.policy} policy is for aggregated fleets")
     return _Run(specs, arrivals, cfg, progress).run()
 
 
@@ -169,6 +177,9 @@ class _Run:
         self.modes: dict[str, int] = {}
         self._key_seed: int | None = None
         self._segments: dict[tuple[Any, int], list[int]] = {}
+        self._arriving: tuple[list[int], int] | None = None  # true-state: (block keys, prompt tokens) being planned
+        if self.router is not None and cfg.policy == "true-state":
+            self.router.planner.predictor = self.true_prediction
 
     # --- plumbing -------------------------------------------------------------------------------
     def push(self, at: float, kind: int, payload: Any) -> None:
@@ -290,6 +301,8 @@ class _Run:
             pod_id = self.oracle_pick(keys, len(tokens), now)
         else:
             body = {"model": self.cfg.model, "max_tokens": spec.output_len, "stream": True}
+            if self.cfg.policy == "true-state":
+                self._arriving = (self.keys(tokens), len(tokens))
             plan = self.router.plan("completion", body, {}, tokens=tokens)
             decision = plan.decision
             keys = plan.keys
@@ -336,6 +349,22 @@ class _Run:
             if not pod.stepping:
                 pod.stepping = True  # a step starts at this instant, after the other arrivals
                 self.push(now, _KICK, pod)
+
+    def true_prediction(self, candidate: Any, request: Any) -> Any:
+        """``true-state``: the pod's true TTFT for the request being planned, as a prediction whose
+        parts keep the router's split (its own prefill at the pod's calibrated rate, the rest as
+        queue) and whose error model is the pod's learnt one."""
+        from router.scheduling.snapshot import Prediction
+
+        assert self._arriving is not None
+        keys, n_prompt = self._arriving
+        pod = self.pods[candidate.pod_id]
+        ttft = pod.true_ttft(keys, n_prompt, self.clock.now)
+        own = max(n_prompt - pod.cached_blocks(keys, n_prompt) * pod.block_size, 1)
+        prefill_s = min(own / max(candidate.prefill_tokens_per_s, 1.0), ttft)
+        log_mean, log_sd = candidate.error_model(ttft)
+        return Prediction(queue_s=ttft - prefill_s, prefill_s=prefill_s, overhead_s=0.0, uncached_tokens=own,
+                          log_mean=log_mean, log_sd=log_sd)
 
     def oracle_pick(self, keys: list[int], n_prompt: int, now: float) -> str | None:
         anchor = keys[-1] if keys else n_prompt

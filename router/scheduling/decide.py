@@ -8,7 +8,7 @@ and ``/debug/route`` both call the planners; only the live router then books and
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .admission import Verdict, admit
@@ -57,11 +57,13 @@ class Decision:
 
 def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scoring, state: PolicyState,
            admission: bool = True, slack: float = 1.0, dry_run: bool = False,
-           miss_tolerance: float | None = None) -> Decision:
-    """Rank ``candidates`` for ``request`` by ``scoring``; ``dry_run`` leaves ``state`` untouched."""
+           miss_tolerance: float | None = None,
+           predictor: Callable[[Candidate, RequestView], Prediction] = predict) -> Decision:
+    """Rank ``candidates`` for ``request`` by ``scoring``; ``dry_run`` leaves ``state`` untouched.
+    ``predictor`` is ``predictor.predict`` except in ``kvroute simulate``'s ``true-state`` policy."""
     if dry_run and scoring.stateful:
         state = copy.deepcopy(state)
-    predictions = {c.pod_id: predict(c, request) for c in candidates}
+    predictions = {c.pod_id: predictor(c, request) for c in candidates}
     ranked = rank(candidates, request, predictions, scoring, state, slack, miss_tolerance)
     verdict = admit(predictions.values(), request, admission, slack, miss_tolerance)
     routes = {c.pod_id: Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=predictions[c.pod_id],

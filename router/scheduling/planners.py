@@ -8,13 +8,15 @@ run the same code. ``Router.plan`` picks the P/D planner when the snapshot has d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .decide import Decision, Route, decide
 from .pd import DecodeView, Option, PDParams, decide_pd
+from .predictor import predict
 from .scorers import PolicyState, Scoring
-from .snapshot import FleetSnapshot, Prediction, RequestView
+from .snapshot import Candidate, FleetSnapshot, Prediction, RequestView
 
 AGGREGATED_ROLES = ("both",)
 
@@ -25,18 +27,21 @@ class Planner(Protocol):
 
 @dataclass
 class AggregatedPlanner:
-    """Pods of role ``both`` (or, if none is up, every pod of the model) ranked by the scorers."""
+    """Pods of role ``both`` (or, if none is up, every pod of the model) ranked by the scorers.
+    ``predictor`` gives each pod's prediction: the router's model (``predictor.predict``), or, in
+    ``kvroute simulate``'s ``true-state`` policy, the pod model's true TTFT."""
 
     scoring: Scoring
     state: PolicyState = field(default_factory=PolicyState)
     admission: bool = True
     slack: float = 1.0
     miss_tolerance: float | None = None
+    predictor: Callable[[Candidate, RequestView], Prediction] = predict
 
     def decide(self, snapshot: FleetSnapshot, request: RequestView, dry_run: bool = False) -> Decision:
         cands = [c for c in snapshot.candidates if c.role in AGGREGATED_ROLES] or list(snapshot.candidates)
         return decide(cands, request, self.scoring, self.state, admission=self.admission, slack=self.slack,
-                      dry_run=dry_run, miss_tolerance=self.miss_tolerance)
+                      dry_run=dry_run, miss_tolerance=self.miss_tolerance, predictor=self.predictor)
 
 
 @dataclass
