@@ -276,6 +276,7 @@ class CostCore:
                 break
             if need > 0:
                 req.block_ids.extend(pool.allocate(need))
+            self._cache_full_blocks(req, req.num_computed + n)
             batch.append((req, n))
             in_batch.add(id(req))
             budget -= n
@@ -302,9 +303,8 @@ class CostCore:
             req.block_ids = hit + (new or [])
             req.num_cached_blocks = len(hit)
             req.num_computed = start
-            if remote:
-                # KV received from the prefill pod: its full blocks are cached now (BlockStored here)
-                self._cache_full_blocks(req)
+            # cached as they are scheduled, the KV received from a prefill pod (``remote``) included
+            self._cache_full_blocks(req, start + n)
             if first_time:
                 req.admitted = True
                 req.scheduled_at = now
@@ -316,9 +316,14 @@ class CostCore:
             budget -= n
         return batch
 
-    def _cache_full_blocks(self, req: Any) -> None:
+    def _cache_full_blocks(self, req: Any, upto: int) -> None:
+        """Register the full blocks of ``req``'s first ``upto`` tokens in the prefix cache. Called when a
+        step is scheduled, for the tokens it will compute, as vLLM's ``KVCacheManager.allocate_slots``
+        does (``cache_blocks`` up to the computed plus the newly scheduled tokens): a request scheduled
+        after it in the same step, or in the next one, finds those blocks cached, and the events that
+        announce them go out when the step ends (``update_from_output`` publishes them)."""
         bs = self.cost_params.block_size
-        full = min(req.num_computed, len(req.all_tokens)) // bs
+        full = min(upto, len(req.all_tokens)) // bs
         full = min(full, len(req.block_ids))
         have = req.num_cached_blocks
         if full <= have:
@@ -341,7 +346,6 @@ class CostCore:
             if prefill:
                 self._on_prefill_tokens(req, n)
                 req.prefill_compute_s += duration * n / step_tokens
-            self._cache_full_blocks(req)
             if req.num_computed < len(req.all_tokens):
                 continue  # still prefilling (chunked)
             first = req.first_token_at is None

@@ -214,8 +214,8 @@ class CostEngine(EngineBase, CostCore):
         while True:
             try:
                 batch = self.schedule(self.now())
-                self.flush_events()
-                if not batch:
+                if not batch:  # otherwise the step's events go out when it ends, as vLLM publishes them
+                    self.flush_events()
                     self._wake.clear()
                     await self._wake.wait()
                     continue

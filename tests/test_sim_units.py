@@ -240,3 +240,39 @@ def test_every_setting_is_a_documented_flag_and_env_and_yaml_work(tmp_path, monk
     assert (s.block_size, s.num_gpu_blocks, s.timing) == (64, 100, "cost")  # yaml < env < flags
     with pytest.raises(SystemExit):
         load_settings(SimSettings, ["--kv-events-port", "5557", "--kv-events-config", "{}"], prog="x", description="")
+
+
+def test_blocks_are_cached_when_scheduled_so_a_request_later_in_the_step_reuses_them():
+    """vLLM 0.32 caches a request's blocks when it schedules them (``allocate_slots`` calls
+    ``cache_blocks`` up to the computed plus the new tokens), before the step computes them: B, waiting
+    behind A with the same prompt, finds A's last chunk cached in the step that computes it. Caching
+    at the step's end instead made B compute that chunk again and take one more step."""
+    from indexer.keys import block_keys
+    from simulator.core import CostCore, CostParams
+    from whatif.podmodel import ModelRequest
+
+    events: list[tuple] = []
+    pool = BlockPool(64, 16, events.append)
+    hits: dict[int, int] = {}
+
+    class Core(CostCore):
+        def _on_admitted(self, req, hit_tokens, now):
+            hits[req.index] = hit_tokens
+
+    core = Core(pool, CostParams(block_size=16, max_num_batched_tokens=64))
+    prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks, the last 4 tokens in a partial one
+    a, b = (ModelRequest(i, prompt, block_keys(prompt, 16, 7), 1, 0.0) for i in (0, 1))
+    core.submit(a)
+    core.submit(b)
+    first = core.schedule(0.0)
+    assert [(r.index, n) for r, n in first] == [(0, 64)]  # A's first chunk takes the whole budget
+    assert [h for _, hashes, *_ in events for h in hashes] == a.hashes[:4]  # cached as it is scheduled
+    core.commit(first, 1.0, 1.0)
+    second = core.schedule(1.0)
+    # A's last 36 tokens, and B reuses all 6 of A's full blocks, the 2 just scheduled included
+    assert [(r.index, n) for r, n in second] == [(0, 36), (1, 4)]
+    assert hits == {0: 0, 1: 96}
+    stored = [h for kind, hashes, *_ in events if kind == "stored" for h in hashes]
+    assert stored == a.hashes[:6]  # announced once each, by the request that computes them
+    core.commit(second, 2.0, 1.0)
+    assert a.first_token_at == b.first_token_at == 2.0

@@ -224,8 +224,8 @@ class PodModel:
         """Schedule the next step at ``now``; its end time, or None when there is nothing to run."""
         assert self.cost is not None
         batch = self.cost.schedule(now)
-        self.flush_events()
-        if not batch:
+        if not batch:  # otherwise the step's events go out when it ends, as vLLM publishes them
+            self.flush_events()
             self.stepping = False
             return None
         self.batch = batch

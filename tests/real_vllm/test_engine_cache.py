@@ -1,0 +1,36 @@
+"""How a real engine's prefix cache behaves where the simulator must behave the same.
+
+vLLM registers a request's blocks in its prefix cache when it schedules them, for the tokens the step
+will compute (``KVCacheManager.allocate_slots`` calls ``cache_blocks``), not when the step has
+computed them. The simulator's ``CostCore`` copies that (``_cache_full_blocks``); these tests hold
+the claim against the real engine, whose figures are ``vllm:prefix_cache_hits_total``.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from realvllm.engines import BLOCK_SIZE, MODEL_NAME
+from tests.real_vllm.conftest import engine_metric
+
+CPU_STEP_TOKENS = 2048  # vLLM's default max_num_batched_tokens for an API server on CPU (0.32)
+
+
+def test_a_request_behind_a_chunked_prefill_reuses_the_chunk_scheduled_in_the_same_step(agg_engines):
+    """Two copies of one 3,000-token prompt in one call: A's first step takes the whole budget (2,048
+    tokens); in the second, A's last 952 tokens are scheduled and B, behind it, finds all of A's full
+    blocks cached, the ones that step is computing included. Blocks cached only once computed would
+    have left B the 2,048 of the first step."""
+    engine = agg_engines[0]
+    n = 3000
+    ids = [2 + (i * 7919 + 104729) % 2800 for i in range(n)]  # a prompt no other test sends
+    reusable = (n - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
+    assert CPU_STEP_TOKENS < n and reusable - CPU_STEP_TOKENS >= BLOCK_SIZE
+    before = engine_metric(engine.url, "vllm:prefix_cache_hits_total")
+    r = httpx.post(engine.url + "/v1/completions", timeout=120,
+                   json={"model": MODEL_NAME, "prompt": [ids, ids], "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    hits = engine_metric(engine.url, "vllm:prefix_cache_hits_total") - before
+    print(f"prefix-cache hits {hits:.0f}: reusable {reusable}, first step {CPU_STEP_TOKENS}")
+    assert hits == reusable
