@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.keys import block_keys
-from indexer.prefix_tokens import CachedTokens, PrefixTokenCache, boundaries
+from indexer.prefix_tokens import CachedTokens, PrefixTokenCache, boundaries, first_at_or_after
 from tests.helpers import ROOT
 
 WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
@@ -407,3 +407,36 @@ async def test_replicas_share_the_chunks_they_tokenize(tmp_path):
             metrics = (await c.get(b + "/metrics")).text
             assert gauge(metrics, "kvroute_tokenize_cache_hit_rate") > 0.8, metrics
             assert gauge(metrics, "kvroute_tokenize_cache_enabled") == 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=60), st.integers(-5, 80), st.integers(0, 70), st.integers(-10, 90))
+def test_the_chunk_end_search_finds_the_first_token_at_or_after_a_position(gaps, pos, lo, guess):
+    """``first_at_or_after`` against a plain scan, for any guess (too low, too high, past the end)."""
+    starts, at = [], 0
+    for g in gaps:  # non-decreasing token starts, repeats allowed (several tokens of one character)
+        at += g % 4
+        starts.append(at)
+    n = len(starts)
+    lo = min(lo, n)
+    calls = []
+
+    def start(j: int) -> int:
+        calls.append(j)
+        return starts[j]
+
+    want = next((j for j in range(lo, n) if starts[j] >= pos), n)
+    assert first_at_or_after(start, n, pos, lo, guess) == want
+    assert all(0 <= j < n for j in calls)  # never looks outside the tokens
+
+
+def test_the_chunk_end_search_takes_few_lookups_from_a_close_guess():
+    starts = [3 * j for j in range(60_000)]
+    calls = []
+
+    def start(j: int) -> int:
+        calls.append(j)
+        return starts[j]
+
+    assert first_at_or_after(start, len(starts), 90_000, 0, 29_997) == 30_000
+    assert len(calls) <= 8
