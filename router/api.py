@@ -37,7 +37,7 @@ from router.errors import APIError, error_response, from_exc
 from router.explain import explain
 from router.lifecycle import POD_HEADER, Lifecycle
 from router.openapi import openapi_body
-from router.routing import Router
+from router.routing import Router, cache_salt
 from router.service import Services
 
 __all__ = ["POD_HEADER", "create_app"]
@@ -120,12 +120,20 @@ def create_app(services: Services) -> FastAPI:
         return r
 
     async def prompt_ids(r: Router, kind: str, body: dict[str, Any], size: int) -> dict[str, Any]:
-        """tokenizer remote: the pod-tokenized prompt for plan; a large body: tokenized in a tokenize
-        thread (router/prompts.py TokenizePool); otherwise plan tokenizes it on the spot."""
+        """tokenizer remote: the pod-tokenized prompt for plan; a large body: tokenized in the tokenize
+        process (router/tokenize_proc.py), or a tokenize thread (router/prompts.py TokenizePool) when
+        that cannot answer; otherwise plan tokenizes it on the spot."""
         if services.remote_prompts is None:
             if size < settings.tokenize_offload_bytes:
                 return {}
-            tokens, rest, keys = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
+            got = None
+            if services.tokenize_process is not None:
+                model = r.resolve_model(body)
+                got = await services.tokenize_process.run(kind, body, r.block_size, r.key_seed(model),
+                                                          r.target(model)[1], cache_salt(body), r.chars_per_token)
+            if got is None:
+                got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
+            tokens, rest, keys = got
             return {"tokens": tokens, "rest": rest, "keys": keys}
         got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))
         return {"tokens": got.tokens, "exact": got.exact}

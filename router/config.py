@@ -193,7 +193,13 @@ class RouterSettings(BaseSettings):
     tokenize_cache_share: bool = Field(True, description="workers and replicas on the booking bus send each other "
                                        "the chunks they tokenize, so a follow-up that lands on another process "
                                        "does not tokenize the whole conversation again")
-    tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop")
+    tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop "
+                                  "when the tokenize process cannot")
+    tokenize_process: bool = Field(True, description="Hugging Face tokenizer: large prompts are tokenized in a "
+                                   "child process, whose Python work then never holds the router's GIL "
+                                   "(router/tokenize_proc.py); off: in the tokenize threads")
+    tokenize_process_timeout_s: float = Field(10.0, gt=0, description="a prompt the tokenize process has not "
+                                              "answered by then goes to the threads, and the process is restarted")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
                                         "in the tokenize threads, so they do not delay small requests")
     gil_switch_interval_ms: float = Field(0.5, gt=0, description="how long a Python thread (a tokenize thread "

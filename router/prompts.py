@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from indexer.keys import block_keys
+from indexer.prefix_tokens import CachedTokens
 from indexer.tokens import (
     ChatRequest,
     ChatTemplateError,
@@ -97,6 +99,27 @@ def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> Sequ
     """``kind`` is "chat" or "completion". With a prefix token cache the answer may be a
     ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap."""
     return chat_tokens(body, tokenizer) if kind == "chat" else completion_tokens(body, tokenizer)
+
+
+def prompt_block_keys(tokens: Sequence[int], block_size: int, seed: int, adapter: str | None,
+                      salt: str | None) -> list[int]:
+    """The prompt's block keys, with the extra keys vLLM hashes into each block and announces in its
+    BlockStored ``extra_keys``: a LoRA adapter's name in every block (the chain's ``seed`` names it
+    too, as the index keys the events' ``lora_name``), a ``cache_salt`` in the first block after it;
+    so a prompt meets only blocks of the same adapter and salt. Tokens from the prefix token cache
+    (``CachedTokens``) key only what their remembered prefix does not cover."""
+
+    def extra_for(blocks: int, first: int) -> list[Any] | None:  # blocks first .. first + blocks - 1
+        if adapter is not None:
+            extra: list[Any] = [[adapter]] * blocks
+            if salt is not None and first == 0 and extra:
+                extra[0] = [adapter, salt]
+            return extra
+        return [[salt]] if salt is not None and first == 0 else None
+
+    if isinstance(tokens, CachedTokens):
+        return tokens.block_keys(block_size, seed, (adapter, salt), extra_for)
+    return block_keys(tokens, block_size, seed, extra_for(len(tokens) // block_size, 0))
 
 
 T = TypeVar("T")

@@ -20,8 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.keys import block_keys, key_seed
-from indexer.prefix_tokens import CachedTokens
+from indexer.keys import key_seed
 from indexer.tokens import Tokenizer
 from router.booking import Booking, Ledger
 from router.config import PodConfig, RouterSettings
@@ -31,7 +30,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.predlog import PredictionLog
-from router.prompts import prompt_tokens
+from router.prompts import prompt_block_keys, prompt_tokens
 from router.scheduling import (
     AggregatedPlanner,
     Calibrator,
@@ -64,7 +63,7 @@ class Plan:
 
     kind: str
     model: str
-    tokens: Sequence[int]  # a list, or the prefix token cache's CachedTokens
+    tokens: Sequence[int]  # a list, the prefix token cache's CachedTokens, or the tokenize process's PromptLength
     keys: list[int]
     request: RequestView
     decision: Decision
@@ -228,27 +227,15 @@ class Router:
         return self.settings.pd_expected_output_tokens
 
     def keys_for(self, model: str, tokens: Sequence[int], salt: str | None = None) -> list[int]:
-        """The prompt's block keys, with the extra keys vLLM hashes into each block and announces in
-        its BlockStored ``extra_keys``: a LoRA adapter's name in every block (and its name in the chain's
-        seed, as the index keys the events' ``lora_name``), a ``cache_salt`` in the first block after
-        it; so a prompt meets only blocks of the same adapter and salt. Tokens from the prefix token
-        cache (``CachedTokens``) key only what their remembered prefix does not cover."""
+        """The prompt's block keys for ``model`` (``router.prompts.prompt_block_keys``)."""
+        return prompt_block_keys(tokens, self.block_size, self.key_seed(model), self.target(model)[1], salt)
+
+    def key_seed(self, model: str) -> int:
+        """The block-key chain's seed for ``model`` (its base model and adapter), computed once."""
         seed = self._seeds.get(model)
-        base, adapter = self.target(model)
         if seed is None:
-            seed = self._seeds[model] = key_seed(base, adapter)
-
-        def extra_for(blocks: int, first: int) -> list[Any] | None:  # blocks first .. first + blocks - 1
-            if adapter is not None:
-                extra: list[Any] = [[adapter]] * blocks
-                if salt is not None and first == 0 and extra:
-                    extra[0] = [adapter, salt]
-                return extra
-            return [[salt]] if salt is not None and first == 0 else None
-
-        if isinstance(tokens, CachedTokens):
-            return tokens.block_keys(self.block_size, seed, (adapter, salt), extra_for)
-        return block_keys(tokens, self.block_size, seed, extra_for(len(tokens) // self.block_size, 0))
+            seed = self._seeds[model] = key_seed(*self.target(model))
+        return seed
 
     def snapshot(self, model: str, keys: list[int], tokens: Sequence[int]) -> FleetSnapshot:
         pods = self.registry.serving(*self.target(model))

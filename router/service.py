@@ -22,6 +22,7 @@ from router.metrics import FleetCollector, IndexCollector, RouterMetrics
 from router.pods import PodRegistry
 from router.prompts import TokenizePool
 from router.routing import Router
+from router.tokenize_proc import CacheCounts, TokenizeProcess, TokenizeProcessCollector
 from router.watchdog import start_for as start_watchdog
 
 log = logging.getLogger("kvroute")
@@ -47,8 +48,13 @@ class Services:
         # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
         self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
+        # large prompts: tokenized in a child process (router/tokenize_proc.py), else in threads
+        self.tokenize_process: TokenizeProcess | None = None
+        if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_process:
+            self.tokenize_process = TokenizeProcess(settings.tokenizer, settings.tokenize_cache_tokens,
+                                                    settings.tokenize_process_timeout_s)
         if self.bus is not None and self.prefix_tokens is not None and settings.tokenize_cache_share:
-            share_tokens(self.bus, self.prefix_tokens)
+            share_tokens(self.bus, self.prefix_tokens, self.tokenize_process)
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
         units = [u for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)]
         self.registry = PodRegistry(units, scrape_interval_s=settings.scrape_interval_s,
@@ -162,6 +168,9 @@ class Services:
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))
         self.metrics.add_collector(ListenerCollector("kvroute"))
         self.metrics.add_collector(IndexCollector(self.index.stats, tuple(self.index.counters)))
+        if self.tokenize_process is not None:
+            self.tokenize_process.start()  # it loads its tokenizer meanwhile; until then, the threads
+            self.metrics.add_collector(TokenizeProcessCollector(self.tokenize_process))
         if self.discovery is not None:
             self.metrics.add_collector(DiscoveryCollector(self.fleet_sync, self._pod_states))
         await self.dispatcher.start()
@@ -175,16 +184,24 @@ class Services:
                   "healthy_pods": float(len(self.registry.healthy()))}
         cache = self.prefix_tokens
         if cache is not None:  # tokens of long prompts taken from known prefixes rather than tokenized
-            totals.update({"tokenize_cache_hit_rate": cache.hit_rate(),
-                           "tokenize_cache_reused_tokens": float(cache.stats.reused_tokens),
-                           "tokenize_cache_held_tokens": float(cache.held_tokens),
-                           "tokenize_cache_key_hit_rate": cache.key_hit_rate(),
-                           "tokenize_cache_adopted_chunks": float(cache.stats.adopted),
-                           "tokenize_cache_enabled": 0.0 if cache.disabled else 1.0})
+            # the router's own cache (prompts tokenized here) and the tokenize process's, together
+            st = cache.stats
+            child = (self.tokenize_process.cache if self.tokenize_process is not None else None) or CacheCounts()
+            reused = st.reused_tokens + child.reused
+            seen = reused + st.tokenized_tokens + child.tokenized
+            keyed = st.key_hits + st.key_misses + child.key_hits + child.key_misses
+            totals.update({"tokenize_cache_hit_rate": reused / seen if seen else 0.0,
+                           "tokenize_cache_reused_tokens": float(reused),
+                           "tokenize_cache_held_tokens": float(cache.held_tokens + child.held),
+                           "tokenize_cache_key_hit_rate": (st.key_hits + child.key_hits) / keyed if keyed else 0.0,
+                           "tokenize_cache_adopted_chunks": float(st.adopted + child.adopted),
+                           "tokenize_cache_enabled": 0.0 if cache.disabled or child.disabled else 1.0})
         return totals
 
     async def stop(self) -> None:
         self.started = False
+        if self.tokenize_process is not None:
+            self.tokenize_process.stop()
         if self.discovery is not None:
             try:
                 await self.discovery.stop()
@@ -210,17 +227,23 @@ class Services:
         await self.registry.stop()
 
 
-def share_tokens(bus: Any, cache: Any) -> None:
+def share_tokens(bus: Any, cache: Any, process: TokenizeProcess | None = None) -> None:
     """Workers and replicas share the chunks they tokenize over the booking bus (its "t" messages):
-    what one process stored is published, and another's is taken if it was cut by the same
-    tokenizer (``PrefixTokenCache.fingerprint``, read once here)."""
+    what one process stored (here or in its tokenize process, which loads the same tokenizer) is
+    published, and another's is taken (by both) if it was cut by the same tokenizer
+    (``PrefixTokenCache.fingerprint``, read once here)."""
     fingerprint = cache.fingerprint
     cache.on_stored = lambda chunks: bus.share_tokens(fingerprint, chunks)
+    if process is not None:
+        process.share = True
+        process.on_stored = cache.on_stored
 
     def take(fp: str, chunks: Any) -> bool:
         if fp != fingerprint:
             return False
         cache.adopt(chunks)
+        if process is not None:
+            process.adopt(chunks)
         return True
 
     bus.on_tokens = take

@@ -58,6 +58,7 @@ E2E_MODULES = frozenset({
     "test_sim_events.py",
     "test_sim_faults.py",
     "test_sim_http.py",
+    "test_tokenize_process.py",
     "test_upstream.py",
     "test_sim_nixl.py",
     "test_sim_timing.py",

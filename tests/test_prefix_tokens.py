@@ -321,6 +321,10 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
         for offload in (0, 10**9):  # every body in the threads; none
             settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload)
             async with running_router(settings) as (base, services):
+                if offload == 0:  # bodies go to the tokenize process once it is up (before: the threads)
+                    from tests.test_tokenize_process import until_ready
+
+                    await until_ready(services.tokenize_process)
                 async with httpx.AsyncClient(base_url=base, timeout=10) as c:
                     history = list(messages)
                     for turn in range(4):
@@ -337,16 +341,26 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                         assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
                         history.append({"role": "assistant", "content": " ".join(corpus(2, seed=50 + turn))})
                     metrics = (await c.get("/metrics")).text
-                cache = services.prefix_tokens
-                assert cache is not None and not cache.disabled and cache.stats.hits >= 6
                 assert "kvroute_tokenize_cache_enabled 1.0" in metrics
                 rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
-                assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
+                if offload == 0:  # all eight went to the tokenize process, and its cache's counts are in the gauges
+                    assert services.tokenize_process.jobs["done"] == 8
+                    assert 'kvroute_tokenize_process_jobs_total{outcome="done"} 8.0' in metrics
+                    child, mine = services.tokenize_process.cache, services.prefix_tokens.stats  # (this test's own calls)
+                    assert child.reused > 0
+                    reused = child.reused + mine.reused_tokens
+                    assert rate == pytest.approx(reused / (reused + child.tokenized + mine.tokenized_tokens)) and rate > 0.5
+                else:
+                    cache = services.prefix_tokens
+                    assert cache is not None and not cache.disabled and cache.stats.hits >= 6
+                    assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
 
 
-async def test_replicas_share_the_chunks_they_tokenize(tmp_path):
+@pytest.mark.parametrize("offload", [None, 0])
+async def test_replicas_share_the_chunks_they_tokenize(tmp_path, offload):
     """Two `kvroute serve` replicas on the booking bus: a conversation's first turn goes through A, its
-    follow-up through B, and B tokenizes only the new part, from the chunks A sent it (exactly)."""
+    follow-up through B, and B tokenizes only the new part, from the chunks A sent it (exactly). With
+    ``tokenize_offload_bytes: 0`` both are tokenized in the replicas' tokenize processes."""
     import asyncio
     import contextlib
 
@@ -374,14 +388,17 @@ async def test_replicas_share_the_chunks_they_tokenize(tmp_path):
             cfg.write_text(yaml.safe_dump({
                 "port": port, "pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}],
                 "tokenizer": str(folder / "tokenizer.json"), "booking_bus_bind": f"tcp://127.0.0.1:{mine}",
-                "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.2}))
+                "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.2,
+                **({} if offload is None else {"tokenize_offload_bytes": offload})}))
             stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
                                                 ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
             bases.append(f"http://127.0.0.1:{port}")
         a, b = bases
         async with httpx.AsyncClient(timeout=30) as c:
             for _ in range(100):
-                heard = [("kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text) for base in bases]
+                texts = [(await c.get(base + "/metrics")).text for base in bases]
+                heard = [("kvroute_booking_peers 1.0" in t and (offload is None or "kvroute_tokenize_process_up 1.0" in t))
+                         for t in texts]
                 if all(heard):
                     break
                 await asyncio.sleep(0.2)
@@ -407,6 +424,8 @@ async def test_replicas_share_the_chunks_they_tokenize(tmp_path):
             metrics = (await c.get(b + "/metrics")).text
             assert gauge(metrics, "kvroute_tokenize_cache_hit_rate") > 0.8, metrics
             assert gauge(metrics, "kvroute_tokenize_cache_enabled") == 1.0
+            if offload == 0:
+                assert 'kvroute_tokenize_process_jobs_total{outcome="done"} 2.0' in metrics
 
 
 @settings(max_examples=300, deadline=None)
