@@ -119,17 +119,17 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(503, "router is starting")
         return r
 
-    async def prompt_ids(r: Router, kind: str, body: dict[str, Any], size: int) -> dict[str, Any]:
+    async def prompt_ids(r: Router, kind: str, body: dict[str, Any], raw: bytes) -> dict[str, Any]:
         """tokenizer remote: the pod-tokenized prompt for plan; a large body: tokenized in the tokenize
         process (router/tokenize_proc.py), or a tokenize thread (router/prompts.py TokenizePool) when
         that cannot answer; otherwise plan tokenizes it on the spot."""
         if services.remote_prompts is None:
-            if size < settings.tokenize_offload_bytes:
+            if len(raw) < settings.tokenize_offload_bytes:
                 return {}
             got = None
             if services.tokenize_process is not None:
                 model = r.resolve_model(body)
-                got = await services.tokenize_process.run(kind, body, r.block_size, r.key_seed(model),
+                got = await services.tokenize_process.run(kind, raw, r.block_size, r.key_seed(model),
                                                           r.target(model)[1], cache_salt(body), r.chars_per_token)
             if got is None:
                 got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
@@ -215,7 +215,7 @@ def create_app(services: Services) -> FastAPI:
         raw, body, kind, charged = await admitted_body(request, caller, None)
         r = router()
         plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
-                      **await prompt_ids(r, kind, body, len(raw)))
+                      **await prompt_ids(r, kind, body, raw))
         gate.settle(caller, charged, plan.request.prompt_tokens)
         answer = explain(plan, r.block_size, lifecycle.policy, settings.ttft_interval_level)
         return Response(orjson.dumps(answer), media_type="application/json")
@@ -233,7 +233,7 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            prompt = await prompt_ids(r, kind, body, len(raw))
+            prompt = await prompt_ids(r, kind, body, raw)
             plan = r.plan(kind, body, request.headers, grants=caller.grants, **prompt)
             gate.settle(caller, charged, plan.request.prompt_tokens)
             raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)

@@ -169,7 +169,7 @@ class Services:
         self.metrics.add_collector(ListenerCollector("kvroute"))
         self.metrics.add_collector(IndexCollector(self.index.stats, tuple(self.index.counters)))
         if self.tokenize_process is not None:
-            self.tokenize_process.start()  # it loads its tokenizer meanwhile; until then, the threads
+            await self.tokenize_process.start()  # it loads its tokenizer meanwhile; until then, the threads
             self.metrics.add_collector(TokenizeProcessCollector(self.tokenize_process))
         if self.discovery is not None:
             self.metrics.add_collector(DiscoveryCollector(self.fleet_sync, self._pod_states))

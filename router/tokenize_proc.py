@@ -10,19 +10,25 @@ connection of small chat requests beside one of cold 32k-token prompts, six alte
 3.5) with the same work in a child process; a thread that only slept as long gave 3.2-4.3 ms, so
 the process removes what the GIL cost (docs/router.md, "Overhead at real prompt sizes").
 
-**The child.** One process (``multiprocessing`` spawn), started with the router and owning a
-tokenizer loaded from the same ``tokenizer`` setting and its own prefix token cache; jobs run one
-at a time in it, at most ``MAX_JOBS`` admitted at once. A job sends the parsed body and what keys
-the blocks (block size, the model's key seed, adapter, salt) and gets back the prompt's length, the
-other prompts' tokens of a completion batch, the block keys packed as 64-bit ints, the tokens
-themselves only when the prompt has no full block (the decision needs them then), and the cache's
-counters. A prompt the child cannot tokenize (a bad chat request) comes back as the same 400 the
-thread would raise.
+**The child.** One process, ``python -m router.tokenize_proc``, started with the router and owning
+a tokenizer loaded from the same ``tokenizer`` setting and its own prefix token cache. It talks to
+the router's event loop over a socket pair (length-prefixed msgpack frames), one job at a time, at
+most ``MAX_JOBS`` admitted at once. A job sends the raw request body (the child parses it again)
+and what keys the blocks (block size, the model's key seed, adapter, salt) and gets back the
+prompt's length, the other prompts' tokens of a completion batch, the block keys packed as 64-bit
+ints, the tokens themselves only when the prompt has no full block (the decision needs them then),
+and the cache's counters. A prompt the child cannot tokenize (a bad chat request) comes back as the
+same 400 the thread would raise. A first version used ``concurrent.futures.ProcessPoolExecutor``:
+its hand-offs through two helper threads added about 1.5 ms to an 8k-token follow-up (7.1-7.3
+against 5.3-5.9 ms in threads, ``bench/overhead.py --sizes 8000 --kinds chat``, two runs each),
+and its ``spawn`` start re-imports the parent's main script, which breaks any script without a
+``__main__`` guard.
 
 **When it cannot answer** the request is tokenized in a tokenize thread, as without the process:
 while the child starts (the first second or two), after it died (it is started again, at most
 once every ``RESTART_AFTER_S``, 5 s) and when a job runs past ``timeout_s`` (the child is killed and
-started again, since a job cannot be taken back from it). ``kvroute_tokenize_process_jobs`` counts
+started again, since a job cannot be taken back from it); the child exits when the router's end of
+the socket closes. ``kvroute_tokenize_process_jobs`` counts
 the outcomes.
 
 **Chunk sharing.** With workers or replicas on the booking bus, the chunks the child stores come
@@ -32,18 +38,23 @@ child as well as to the router's cache (which keeps serving the prompts tokenize
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import logging
-import multiprocessing
+import os
+import socket
+import struct
+import subprocess
+import sys
 import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -53,6 +64,11 @@ log = logging.getLogger("kvroute")
 
 MAX_JOBS = 16  # admitted at once; the rest wait their turn (each waits at most ``timeout_s`` in all)
 RESTART_AFTER_S = 5.0  # the least time between two starts of the child
+MAX_FRAME = 1 << 30  # the stream reader's limit
+MAX_ADOPT_BUFFER = 64 << 20  # chunks from the bus are dropped while this much waits to reach the child
+_LEN = struct.Struct(">I")
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
 
 
 @dataclass(frozen=True)
@@ -66,17 +82,6 @@ class CacheCounts:
     key_misses: int = 0
     adopted: int = 0
     disabled: bool = False
-
-
-@dataclass(frozen=True)
-class Answer:
-    count: int = 0
-    rest: int = 0
-    keys: bytes = b""
-    tokens: list[int] | None = None  # only for a prompt without a full block
-    cache: CacheCounts | None = None
-    stored: list[tuple[int, array]] | None = None
-    error: tuple[int, str, str | None, Any] | None = None  # an APIError's status, message, param, code
 
 
 class PromptLength(Sequence[int]):
@@ -95,75 +100,125 @@ class PromptLength(Sequence[int]):
         raise TypeError("a prompt tokenized in the tokenize process has only its length and block keys")
 
 
-# ---- the child's side ----------------------------------------------------------------------------
-_tokenizer: Any = None
-_stored: list[tuple[int, array]] = []
+def _chunks_out(chunks: Sequence[tuple[int, array]]) -> list[list[Any]]:
+    return [[key, ids.tobytes()] for key, ids in chunks]
 
 
-def _child_start(spec: str, cache_tokens: int, share: bool) -> None:
-    global _tokenizer
-    from indexer.tokens import HFTokenizer, load_tokenizer
-
-    _tokenizer = load_tokenizer(spec)
-    if isinstance(_tokenizer, HFTokenizer) and cache_tokens > 0:
-        cache = _tokenizer.cache_prefixes(max_tokens=cache_tokens)
-        if share:
-            cache.on_stored = _stored.extend
+def _chunks_in(items: list[list[Any]]) -> list[tuple[int, array]]:
+    out = []
+    for key, raw in items:
+        ids = array("I")
+        ids.frombytes(raw)
+        out.append((key, ids))
+    return out
 
 
-def _child_counts() -> CacheCounts | None:
-    cache = getattr(_tokenizer, "prefix_cache", None)
-    if cache is None:
-        return None
-    s = cache.stats
-    return CacheCounts(s.reused_tokens, s.tokenized_tokens, cache.held_tokens, s.key_hits, s.key_misses,
-                       s.adopted, cache.disabled)
+# ---- the child ------------------------------------------------------------------------------------
+class _Child:
+    def __init__(self, spec: str, cache_tokens: int, share: bool):
+        from indexer.tokens import HFTokenizer, load_tokenizer
+
+        self.tokenizer: Any = load_tokenizer(spec)
+        self.cache: Any = None
+        self.stored: list[tuple[int, array]] = []
+        if isinstance(self.tokenizer, HFTokenizer) and cache_tokens > 0:
+            self.cache = self.tokenizer.cache_prefixes(max_tokens=cache_tokens)
+            if share:
+                self.cache.on_stored = self.stored.extend
+
+    def counts(self) -> list[Any] | None:
+        c = self.cache
+        if c is None:
+            return None
+        s = c.stats
+        return [s.reused_tokens, s.tokenized_tokens, c.held_tokens, s.key_hits, s.key_misses, s.adopted, c.disabled]
+
+    def tokenize(self, job_id: int, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
+                 salt: str | None, chars_per_token: float) -> list[Any]:
+        import orjson
+
+        from router.costs import batch_rest_tokens
+        from router.prompts import prompt_block_keys, prompt_tokens
+
+        try:
+            body = orjson.loads(raw)
+            tokens = prompt_tokens(kind, body, self.tokenizer)
+            rest = batch_rest_tokens(body, self.tokenizer.encode, chars_per_token) if kind == "completion" else 0
+        except APIError as exc:
+            return ["r", job_id, 0, 0, b"", None, self.counts(), None, [exc.status, exc.message, exc.param, exc.code]]
+        keys = prompt_block_keys(tokens, block_size, seed, adapter, salt)
+        stored = _chunks_out(self.stored) if self.stored else None
+        self.stored.clear()
+        return ["r", job_id, len(tokens), rest, array("Q", keys).tobytes(), None if keys else list(tokens),
+                self.counts(), stored, None]
 
 
-def _child_ping() -> CacheCounts | None:
-    return _child_counts()
+def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            return None
+        buf += got
+    return bytes(buf)
 
 
-def _child_tokenize(kind: str, body: dict[str, Any], block_size: int, seed: int, adapter: str | None,
-                    salt: str | None, chars_per_token: float) -> Answer:
-    from router.costs import batch_rest_tokens
-    from router.prompts import prompt_block_keys, prompt_tokens
+def child_main(argv: list[str] | None = None) -> int:
+    """``python -m router.tokenize_proc --fd N --tokenizer SPEC``: serve jobs on socket ``N`` until it closes."""
+    ap = argparse.ArgumentParser(description="kvroute's tokenize process (started by the router)")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--cache-tokens", type=int, default=0)
+    ap.add_argument("--share", action="store_true")
+    args = ap.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    child = _Child(args.tokenizer, args.cache_tokens, args.share)
 
-    try:
-        tokens = prompt_tokens(kind, body, _tokenizer)
-        rest = batch_rest_tokens(body, _tokenizer.encode, chars_per_token) if kind == "completion" else 0
-    except APIError as exc:
-        return Answer(error=(exc.status, exc.message, exc.param, exc.code))
-    keys = prompt_block_keys(tokens, block_size, seed, adapter, salt)
-    stored = _stored[:]
-    _stored.clear()
-    return Answer(count=len(tokens), rest=rest, keys=array("Q", keys).tobytes(),
-                  tokens=None if keys else list(tokens), cache=_child_counts(), stored=stored or None)
+    def send(msg: list[Any]) -> None:
+        payload = _encode(msg)
+        sock.sendall(_LEN.pack(len(payload)) + payload)
 
-
-def _child_adopt(chunks: list[tuple[int, array]]) -> int:
-    cache = getattr(_tokenizer, "prefix_cache", None)
-    return cache.adopt(chunks) if cache is not None else 0
+    send(["ready", child.counts()])
+    while True:
+        head = _read_exactly(sock, _LEN.size)
+        if head is None:
+            return 0  # the router closed its end (or exited)
+        payload = _read_exactly(sock, _LEN.unpack(head)[0])
+        if payload is None:
+            return 0
+        msg = _decode(payload)
+        if msg[0] == "t":
+            try:
+                send(child.tokenize(*msg[1:]))
+            except Exception as exc:  # a bug, not a bad request: the router uses a thread for this one
+                send(["r", msg[1], 0, 0, b"", None, child.counts(), None, [500, f"{type(exc).__name__}: {exc}",
+                                                                            None, "tokenize-process"]])
+        elif msg[0] == "a" and child.cache is not None:
+            child.cache.adopt(_chunks_in(msg[1]))
 
 
 # ---- the router's side ---------------------------------------------------------------------------
 class TokenizeProcess:
     """The router's handle on the child. ``run`` answers ``(tokens, rest, keys)``, or None when the
-    child cannot answer now (the caller tokenizes in a thread instead)."""
+    child cannot answer now (the caller tokenizes in a thread instead). Used from one event loop."""
 
     def __init__(self, spec: str, cache_tokens: int, timeout_s: float, share: bool = False,
                  on_stored: Callable[[list[tuple[int, array]]], None] | None = None,
                  restart_after_s: float = RESTART_AFTER_S):
         self.spec = spec
-        self.restart_after_s = restart_after_s
         self.cache_tokens = cache_tokens
         self.timeout_s = timeout_s
         self.share = share
         self.on_stored = on_stored
+        self.restart_after_s = restart_after_s
         self.jobs: Counter[str] = Counter()  # done, bad-request, unavailable, busy, failed, timeout
         self.starts = 0
         self.cache: CacheCounts | None = None
-        self._pool: ProcessPoolExecutor | None = None
+        self._proc: subprocess.Popen | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next_id = 0
         self._ready = False
         self._started_at = -restart_after_s
         self._slots: asyncio.Semaphore | None = None
@@ -172,40 +227,80 @@ class TokenizeProcess:
     def ready(self) -> bool:
         return self._ready
 
-    def start(self) -> None:
-        """Start the child (it loads its tokenizer meanwhile; ``run`` answers None until it is up)."""
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        """Start the child (it loads its tokenizer meanwhile; ``run`` answers None until it says ready)."""
         self._started_at = time.monotonic()
         self.starts += 1
-        self._ready = False
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_start,
-                                   initargs=(self.spec, self.cache_tokens, self.share))
-        self._pool = pool
-
-        def up(fut: Any) -> None:
-            if self._pool is pool and not fut.cancelled() and fut.exception() is None:
-                self._ready = True
-                self.cache = fut.result()
-
-        pool.submit(_child_ping).add_done_callback(up)
-
-    def stop(self) -> None:
-        pool, self._pool, self._ready = self._pool, None, False
-        if pool is None:
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "router.tokenize_proc", "--fd", str(theirs.fileno()),
+               "--tokenizer", self.spec, "--cache-tokens", str(self.cache_tokens)] + (["--share"] if self.share else [])
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so ``router`` imports as here
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        try:
+            self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            ours.close()
+            log.warning("tokenize process could not start (%s): large prompts go to the tokenize threads", exc)
             return
-        for proc in list(getattr(pool, "_processes", {}).values()):  # a job may be running: do not wait
-            proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            theirs.close()
+        reader, self._writer = await asyncio.open_connection(sock=ours, limit=MAX_FRAME)
+        self._reader_task = asyncio.create_task(self._read(reader, self._proc))
 
-    def _restart_later(self, why: str) -> None:
-        log.warning("tokenize process %s: prompts go to the tokenize threads until it is started again", why)
+    async def _read(self, reader: asyncio.StreamReader, proc: subprocess.Popen) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(_LEN.size)
+                msg = _decode(await reader.readexactly(_LEN.unpack(head)[0]))
+                if msg[0] == "ready":
+                    self._ready = True
+                    self._counts(msg[1])
+                elif msg[0] == "r":
+                    fut = self._pending.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError, IndexError, TypeError):
+            pass
+        finally:
+            if self._proc is proc:  # the child went away (or sent garbage) on its own
+                self._gone("exited" if proc.poll() is not None else "broke its stream")
+
+    def _counts(self, raw: list[Any] | None) -> None:
+        if raw is not None:
+            self.cache = CacheCounts(*raw)
+
+    def _gone(self, why: str) -> None:
+        log.warning("tokenize process %s: large prompts go to the tokenize threads until it is started again", why)
         self.stop()
 
-    async def run(self, kind: str, body: dict[str, Any], block_size: int, seed: int, adapter: str | None,
+    def stop(self) -> None:
+        proc, self._proc, self._ready = self._proc, None, False
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        task, self._reader_task = self._reader_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("the tokenize process went away"))
+        self._pending.clear()
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1.0)  # killed: it is gone at once
+
+    async def run(self, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
                   salt: str | None, chars_per_token: float) -> tuple[Sequence[int], int, list[int]] | None:
-        if self._pool is None and time.monotonic() - self._started_at >= self.restart_after_s:
-            self.start()
-        pool = self._pool
-        if pool is None or not self._ready:
+        if self._proc is None and time.monotonic() - self._started_at >= self.restart_after_s:
+            await self.start()
+        writer = self._writer
+        if writer is None or not self._ready:
             self.jobs["unavailable"] += 1
             return None
         if self._slots is None:
@@ -214,43 +309,51 @@ class TokenizeProcess:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self._slots:
-                    job = pool.submit(_child_tokenize, kind, body, block_size, seed, adapter, salt, chars_per_token)
-                    submitted = True
-                    answer: Answer = await asyncio.wrap_future(job)
+                    self._next_id += 1
+                    job_id = self._next_id
+                    fut = asyncio.get_running_loop().create_future()
+                    self._pending[job_id] = fut
+                    payload = _encode(["t", job_id, kind, raw, block_size, seed, adapter, salt, chars_per_token])
+                    try:
+                        writer.write(_LEN.pack(len(payload)) + payload)
+                        submitted = True
+                        answer = await fut
+                    finally:
+                        self._pending.pop(job_id, None)
         except TimeoutError:
             if not submitted:  # waited that long for a slot: busy, not stuck
                 self.jobs["busy"] += 1
                 return None
             self.jobs["timeout"] += 1
-            if self._pool is pool:
-                self._restart_later(f"took over {self.timeout_s:g} s for a prompt")
+            if self._writer is writer:
+                self._gone(f"took over {self.timeout_s:g} s for a prompt")
             return None
-        except (BrokenProcessPool, RuntimeError, OSError) as exc:  # it died, or was stopped meanwhile
+        except (ConnectionError, RuntimeError) as exc:  # it died, or was stopped meanwhile
             self.jobs["failed"] += 1
-            if self._pool is pool:
-                self._restart_later(f"failed ({type(exc).__name__}: {exc})")
+            if self._writer is writer:
+                self._gone(f"failed ({type(exc).__name__}: {exc})")
             return None
-        if answer.cache is not None:
-            self.cache = answer.cache
-        if answer.stored and self.on_stored is not None:
-            self.on_stored(answer.stored)
-        if answer.error is not None:
+        _, _, count, rest, keys_raw, tokens, counts, stored, error = answer
+        self._counts(counts)
+        if stored and self.on_stored is not None:
+            self.on_stored(_chunks_in(stored))
+        if error is not None:
+            status, message, param, code = error
+            if status != 400:  # the child's own failure: the thread will tokenize it (or fail the same way)
+                self.jobs["failed"] += 1
+                return None
             self.jobs["bad-request"] += 1
-            status, message, param, code = answer.error
             raise APIError(status, message, param=param, code=code)
         self.jobs["done"] += 1
         keys = array("Q")
-        keys.frombytes(answer.keys)
-        tokens: Sequence[int] = answer.tokens if answer.tokens is not None else PromptLength(answer.count)
-        return tokens, answer.rest, keys.tolist()
+        keys.frombytes(keys_raw)
+        return (tokens if tokens is not None else PromptLength(count)), rest, keys.tolist()
 
     def adopt(self, chunks: list[tuple[int, array]]) -> None:
         """Chunks another router process tokenized (the booking bus): the child takes them too."""
-        if self._pool is not None:
-            try:
-                self._pool.submit(_child_adopt, chunks)
-            except (BrokenProcessPool, RuntimeError):
-                pass  # it is being restarted: the chunks are lost to it, as to a process that was down
+        if self._writer is not None and self._writer.transport.get_write_buffer_size() < MAX_ADOPT_BUFFER:
+            payload = _encode(["a", _chunks_out(chunks)])
+            self._writer.write(_LEN.pack(len(payload)) + payload)
 
 
 class TokenizeProcessCollector(Collector):
@@ -277,3 +380,7 @@ class TokenizeProcessCollector(Collector):
         up = GaugeMetricFamily("kvroute_tokenize_process_up", "1 while the tokenize process answers")
         up.add_metric([], 1.0 if p.ready else 0.0)
         yield up
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

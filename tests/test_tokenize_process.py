@@ -5,8 +5,15 @@ dead, too slow), with the child started again."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 
+import msgspec
+import orjson
 import pytest
 
 from indexer.keys import key_seed
@@ -15,6 +22,7 @@ from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.prompts import prompt_block_keys, prompt_tokens
 from router.tokenize_proc import PromptLength, TokenizeProcess
+from tests.helpers import ROOT
 from tests.test_prefix_tokens import TOKENIZERS, corpus
 
 
@@ -43,7 +51,8 @@ def conversation(turns: int) -> list[dict]:
 async def test_the_child_answers_as_the_router_would_tokenize(tokenizer_file):
     plain = HFTokenizer(tokenizer_file)
     proc = TokenizeProcess(tokenizer_file, cache_tokens=1_000_000, timeout_s=30)
-    assert await proc.run("chat", {"messages": conversation(1)}, 16, 1, None, None, 4.0) is None  # not started
+    raw = orjson.dumps({"messages": conversation(1)})
+    assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None  # not started: it starts now
     try:
         await until_ready(proc)
         seed = key_seed("m")
@@ -52,7 +61,7 @@ async def test_the_child_answers_as_the_router_would_tokenize(tokenizer_file):
                   ("completion", {"model": "m", "prompt": [" ".join(corpus(40, seed=3)), "two", "three"]}, None, None),
                   ("completion", {"model": "m", "prompt": "tiny"}, None, None)]  # no full block: the tokens come back
         for kind, body, adapter, salt in cases:
-            got = await proc.run(kind, body, 16, seed, adapter, salt, 4.0)
+            got = await proc.run(kind, orjson.dumps(body), 16, seed, adapter, salt, 4.0)
             assert got is not None
             tokens, rest, keys = got
             want = list(prompt_tokens(kind, body, plain))
@@ -75,11 +84,11 @@ async def test_a_bad_chat_request_is_the_same_400_as_in_the_router(tokenizer_fil
     with pytest.raises(APIError) as here:
         prompt_tokens("chat", body, plain)
     proc = TokenizeProcess(tokenizer_file, cache_tokens=0, timeout_s=30)
-    proc.start()
+    await proc.start()
     try:
         await until_ready(proc)
         with pytest.raises(APIError) as there:
-            await proc.run("chat", body, 16, 1, None, None, 4.0)
+            await proc.run("chat", orjson.dumps(body), 16, 1, None, None, 4.0)
         assert (there.value.status, there.value.message, there.value.param) == \
             (here.value.status, here.value.message, here.value.param) and there.value.status == 400
         assert proc.jobs["bad-request"] == 1
@@ -88,28 +97,53 @@ async def test_a_bad_chat_request_is_the_same_400_as_in_the_router(tokenizer_fil
 
 
 async def test_a_dead_or_slow_child_sends_prompts_to_the_threads_and_is_started_again(tokenizer_file):
-    body = {"model": "m", "messages": conversation(3)}
+    raw = orjson.dumps({"model": "m", "messages": conversation(3)})
     proc = TokenizeProcess(tokenizer_file, cache_tokens=0, timeout_s=30, restart_after_s=0.0)
-    proc.start()
+    await proc.start()
     try:
         await until_ready(proc)
-        for child in list(proc._pool._processes.values()):  # type: ignore[union-attr]
-            child.kill()
-            child.join(10)
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is None
-        assert proc.jobs["failed"] == 1 and not proc.ready
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is None  # started again, not up yet
-        assert proc.starts == 2 and proc.jobs["unavailable"] >= 1
+        first = proc.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while proc.ready:  # the router's end sees the socket close
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert proc.pid is None
+        assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None  # started again, not up yet
+        assert proc.starts == 2 and proc.jobs["unavailable"] == 1 and proc.pid != first
         await until_ready(proc)
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is not None
+        assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is not None
 
-        proc.timeout_s = 1e-4  # no prompt is tokenized that fast: the job is given up, the child restarted
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is None
-        assert proc.jobs["timeout"] == 1 and proc.starts == 2 and not proc.ready
+        second = proc.pid
+        proc.timeout_s = 1e-4  # no prompt is tokenized that fast: the job is given up, the child killed
+        assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None
+        assert proc.jobs["timeout"] == 1 and proc.pid is None and not proc.ready
+        with pytest.raises(ProcessLookupError):
+            os.kill(second, 0)
         proc.timeout_s = 30
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is None
+        assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None
         assert proc.starts == 3
         await until_ready(proc)
-        assert await proc.run("chat", body, 16, 1, None, None, 4.0) is not None
+        assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is not None
+        assert proc.jobs["done"] == 2
     finally:
         proc.stop()
+
+
+def test_the_child_exits_when_the_router_goes(tokenizer_file):
+    """The child serves its socket until the router's end closes (as when the router's process
+    ends, however it ends), then exits by itself."""
+    ours, theirs = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-m", "router.tokenize_proc", "--fd", str(theirs.fileno()),
+                              "--tokenizer", tokenizer_file], pass_fds=[theirs.fileno()], cwd=ROOT)
+    theirs.close()
+    try:
+        ours.settimeout(60)
+        size = int.from_bytes(ours.recv(4, socket.MSG_WAITALL), "big")
+        assert msgspec.msgpack.decode(ours.recv(size, socket.MSG_WAITALL))[0] == "ready"
+        ours.close()
+        assert child.wait(10) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
