@@ -7,8 +7,8 @@ a cold 32k-token prompt that is about 17 ms of Python, and while a tokenize *thr
 small request waits for the GIL at each of its awaits. On the build machine (2 cores, one
 connection of small chat requests beside one of cold 32k-token prompts, six alternating rounds of
 4 s) the small requests' p99 was 4.9-6.3 ms (median 5.7) with the thread and 3.1-4.5 ms (median
-3.5) with the same work in a child process; a thread that only slept as long gave 3.2-4.3 ms, so
-the process removes what the GIL cost (docs/router.md, "Overhead at real prompt sizes").
+3.5) with the same work in a child process (a prototype); a thread that only slept as long gave
+3.2-4.3 ms, so the process removes what the GIL cost (docs/router.md, "Overhead at real prompt sizes").
 
 **The child.** One process, ``python -m router.tokenize_proc``, started with the router and owning
 a tokenizer loaded from the same ``tokenizer`` setting and its own prefix token cache. It talks to
