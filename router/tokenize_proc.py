@@ -26,10 +26,10 @@ and its ``spawn`` start re-imports the parent's main script, which breaks any sc
 
 **When it cannot answer** the request is tokenized in a tokenize thread, as without the process:
 while the child starts (the first second or two), after it died (it is started again, at most
-once every ``RESTART_AFTER_S``, 5 s) and when a job runs past ``timeout_s`` (the child is killed and
-started again, since a job cannot be taken back from it); the child exits when the router's end of
-the socket closes. ``kvroute_tokenize_process_jobs`` counts
-the outcomes.
+once every ``RESTART_AFTER_S``, 5 s, and twice as long after each start that died before it was
+ready, up to 5 minutes) and when a job runs past ``timeout_s`` (the child is killed and started
+again, since a job cannot be taken back from it). The child exits when the router's end of the
+socket closes. ``kvroute_tokenize_process_jobs`` counts the outcomes.
 
 **Chunk sharing.** With workers or replicas on the booking bus, the chunks the child stores come
 back with each answer and are published as the router's own; chunks heard from the bus go to the
@@ -64,6 +64,7 @@ log = logging.getLogger("kvroute")
 
 MAX_JOBS = 16  # admitted at once; the rest wait their turn (each waits at most ``timeout_s`` in all)
 RESTART_AFTER_S = 5.0  # the least time between two starts of the child
+MAX_RESTART_AFTER_S = 300.0  # doubled up to this while the child dies before it is ever ready
 MAX_FRAME = 1 << 30  # the stream reader's limit
 MAX_ADOPT_BUFFER = 64 << 20  # chunks from the bus are dropped while this much waits to reach the child
 _LEN = struct.Struct(">I")
@@ -211,6 +212,7 @@ class TokenizeProcess:
         self.share = share
         self.on_stored = on_stored
         self.restart_after_s = restart_after_s
+        self._wait_s = restart_after_s  # before the next start: doubles while starts fail
         self.jobs: Counter[str] = Counter()  # done, bad-request, unavailable, busy, failed, timeout
         self.starts = 0
         self.cache: CacheCounts | None = None
@@ -258,6 +260,7 @@ class TokenizeProcess:
                 msg = _decode(await reader.readexactly(_LEN.unpack(head)[0]))
                 if msg[0] == "ready":
                     self._ready = True
+                    self._wait_s = self.restart_after_s
                     self._counts(msg[1])
                 elif msg[0] == "r":
                     fut = self._pending.pop(msg[1], None)
@@ -274,7 +277,11 @@ class TokenizeProcess:
             self.cache = CacheCounts(*raw)
 
     def _gone(self, why: str) -> None:
-        log.warning("tokenize process %s: large prompts go to the tokenize threads until it is started again", why)
+        if not self._ready:  # it never came up (a tokenizer it cannot load?): wait longer each time
+            self._wait_s = min(max(2 * self._wait_s, RESTART_AFTER_S), MAX_RESTART_AFTER_S)
+            why += " before it was ready"
+        log.warning("tokenize process %s: large prompts go to the tokenize threads until it is started again "
+                    "(in %.0f s at the earliest)", why, self._wait_s)
         self.stop()
 
     def stop(self) -> None:
@@ -297,7 +304,7 @@ class TokenizeProcess:
 
     async def run(self, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
                   salt: str | None, chars_per_token: float) -> tuple[Sequence[int], int, list[int]] | None:
-        if self._proc is None and time.monotonic() - self._started_at >= self.restart_after_s:
+        if self._proc is None and time.monotonic() - self._started_at >= self._wait_s:
             await self.start()
         writer = self._writer
         if writer is None or not self._ready:

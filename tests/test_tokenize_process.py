@@ -21,7 +21,7 @@ from indexer.tokens import HFTokenizer
 from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.prompts import prompt_block_keys, prompt_tokens
-from router.tokenize_proc import PromptLength, TokenizeProcess
+from router.tokenize_proc import RESTART_AFTER_S, PromptLength, TokenizeProcess
 from tests.helpers import ROOT
 from tests.test_prefix_tokens import TOKENIZERS, corpus
 
@@ -147,3 +147,25 @@ def test_the_child_exits_when_the_router_goes(tokenizer_file):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+async def test_a_child_that_never_comes_up_is_started_again_less_and_less_often(tmp_path):
+    proc = TokenizeProcess(str(tmp_path / "missing" / "tokenizer.json"), cache_tokens=0, timeout_s=30,
+                           restart_after_s=0.0)
+    await proc.start()
+    deadline = time.monotonic() + 60
+    while proc.pid is not None:  # it cannot load its tokenizer, and exits
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert not proc.ready and proc._wait_s == RESTART_AFTER_S
+    raw = orjson.dumps({"model": "m", "messages": conversation(1)})
+    assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None
+    assert proc.starts == 1 and proc.jobs["unavailable"] == 1  # not started again yet
+    proc._started_at -= RESTART_AFTER_S  # as if those seconds had passed
+    assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is None
+    assert proc.starts == 2
+    while proc.pid is not None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert proc._wait_s == 2 * RESTART_AFTER_S
+    proc.stop()
