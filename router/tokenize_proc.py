@@ -55,10 +55,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.costs import batch_rest_tokens
 from router.errors import APIError
+from router.prompts import prompt_block_keys, prompt_tokens
 
 log = logging.getLogger("kvroute")
 
@@ -136,11 +139,6 @@ class _Child:
 
     def tokenize(self, job_id: int, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
                  salt: str | None, chars_per_token: float) -> list[Any]:
-        import orjson
-
-        from router.costs import batch_rest_tokens
-        from router.prompts import prompt_block_keys, prompt_tokens
-
         try:
             body = orjson.loads(raw)
             tokens = prompt_tokens(kind, body, self.tokenizer)
