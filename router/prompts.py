@@ -126,9 +126,11 @@ T = TypeVar("T")
 
 
 class TokenizePool:
-    """Tokenizing big prompts off the event loop: a few threads (the tokenizers library releases
-    the GIL while it encodes), at most ``threads x 8`` jobs admitted at once (the rest wait their
-    turn), so a 32k-token prompt does not hold up a small request's routing."""
+    """Tokenizing big prompts off the event loop in a few threads, at most ``threads x 8`` jobs
+    admitted at once (the rest wait their turn). The tokenizers library releases the GIL while it
+    encodes, but the Python around it does not, so small requests still wait on it: the tokenize
+    process (``router/tokenize_proc.py``) does this work when it can, and these threads when it
+    cannot (starting, restarting, or ``tokenize_process`` off)."""
 
     def __init__(self, threads: int = 2):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
