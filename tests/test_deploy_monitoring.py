@@ -118,9 +118,25 @@ def stub_dns(records: dict[str, list[str]], port: int):
         loop.close()
 
 
+def tiny_tokenizer(folder: Path) -> Path:
+    """A small byte-level BPE saved as tokenizer.json: a Hugging Face tokenizer gives the router its
+    tokenize process (and its series)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["hello world, the router routes prompts"] * 10, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
 @pytest.fixture(scope="module")
-def live():
-    sim_port, events_port, replay_port, sidecar_port, router_port, dns_router_port, dns_port = free_ports(7)
+def live(tmp_path_factory):
+    sim_port, events_port, replay_port, sidecar_port, router_port, dns_router_port, dns_port, bus_port = free_ports(8)
+    tokenizer = tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
     sim_url = f"http://127.0.0.1:{sim_port}"
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
               "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv@sim-0@sim-model"}
@@ -131,7 +147,10 @@ def live():
             pods = [{"id": "sim-0", "url": sim_url, "role": "both",
                      "kv_events": [{"endpoint": f"tcp://127.0.0.1:{events_port}",
                                     "replay": f"tcp://127.0.0.1:{replay_port}"}]}]
-            with kvroute_process(["serve", "--port", str(router_port), "--pods", json.dumps(pods)],
+            # a Hugging Face tokenizer (its tokenize process) and a booking-bus port of its own (a
+            # replica whose peers are not up), so the series the alerts on those read are exported
+            with kvroute_process(["serve", "--port", str(router_port), "--pods", json.dumps(pods),
+                                  "--tokenizer", str(tokenizer), "--booking-bus-bind", f"tcp://127.0.0.1:{bus_port}"],
                                  ready_url=f"http://127.0.0.1:{router_port}/ready"):
                 router_url = f"http://127.0.0.1:{router_port}"
                 # One routed request, so labelled series have samples too.
@@ -177,7 +196,8 @@ def test_alert_rules_unit_tests_pass():
     tested = set(re.findall(r"alertname: (\w+)", (PROM / "alerts.test.yml").read_text()))
     assert tested >= {"KvrouteHighErrorRate", "KvrouteHighRejectionRate", "KvrouteKVEventLag",
                       "KvroutePodWithoutKVEvents", "KvrouteTTFTPredictionError", "KvrouteRouterDown",
-                      "KvrouteDiscoveryStale", "KvrouteDiscoveryErrors", "KvrouteDiscoveryNoReadyPods"}
+                      "KvrouteDiscoveryStale", "KvrouteDiscoveryErrors", "KvrouteDiscoveryNoReadyPods",
+                      "KvrouteTokenizeProcessDown", "KvrouteTokenizeProcessRestarts", "KvrouteBookingBusIsolated"}
 
 
 def test_alert_rule_unit_tests_catch_a_broken_threshold(tmp_path):
