@@ -1,5 +1,6 @@
-"""Routing quality with several router processes: one process against ``--workers 2`` with and
-without the booking bus (router/bookbus.py), on the seed workload of bench/routing_quality.py.
+"""Routing quality with several router processes: one process against ``--workers 2`` and against
+two replicas (two ``kvroute serve`` processes, the load sent to them in turn), each with and without
+the booking bus (router/bookbus.py), on the seed workload of bench/routing_quality.py.
 
 Same fleet (8 simulated pods, ``seed`` timing, real KV events), same workload (400 chat sessions on
 20 shared 2,048-token system prompts, 300 new tokens a turn, Poisson arrivals, token-id prompts,
@@ -24,8 +25,12 @@ from fleet.trial import FleetSpec, Target, format_rows, row, run_trial  # noqa: 
 from replay.arrivals import poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
 
-SETUPS = [("1 process", {}), ("2 workers, booking bus", {"workers": 2}),
-          ("2 workers, no bus", {"workers": 2, "booking_bus": False})]
+# (label, kvroute settings, replicas). Workers share one port (the kernel spreads connections over
+# them); replicas each have their own, bind a booking-bus port and subscribe to the other's, and the
+# load generator sends request i to replica i % 2, so a conversation's turns land on both.
+SETUPS = [("1 process", {}, 1), ("2 workers, booking bus", {"workers": 2}, 1),
+          ("2 workers, no bus", {"workers": 2, "booking_bus": False}, 1),
+          ("2 replicas, booking bus", {}, 2), ("2 replicas, no bus", {"booking_bus": False}, 2)]
 POLICIES = {"admission": ("predicted-ttft + early rejection", True), "plain": ("predicted-ttft", False)}
 
 
@@ -54,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for key in [p.strip() for p in args.policies.split(",") if p.strip()]:
         label, admission = POLICIES[key]
-        for setup, extra in SETUPS:
+        for setup, extra, replicas in SETUPS:
             if picked and not any(p in setup for p in picked):
                 continue
-            t = Target(f"kvroute {label}, {setup}", policy="predicted-ttft", admission=admission, extra=extra)
+            t = Target(f"kvroute {label}, {setup}", policy="predicted-ttft", admission=admission, extra=extra,
+                       replicas=replicas)
             started = time.monotonic()
             r = row(run_trial(t, specs, arrivals, fleet=fleet, objective_s=args.objective, duration=args.duration,
                               workdir=out / "logs", drain_timeout=args.drain))

@@ -71,11 +71,14 @@ class Target:
     admission: bool = False
     endpoint: Literal["completions", "chat"] = "completions"  # completions (token-id prompts) or chat (text)
     extra: dict[str, Any] = field(default_factory=dict)
+    # kvroute only: this many separate router processes (replicas), each bound to a booking-bus port
+    # and subscribed to the others' unless ``extra`` turns the bus off; the load goes to them in turn
+    replicas: int = 1
 
 
 def start_router(target: Target, urls: list[str], events_port: int, fleet: FleetSpec, objective_ms: float,
-                 workdir: Path, peers_venv: Path) -> tuple[subprocess.Popen, str]:
-    """Start the router under test; return (process, base URL)."""
+                 workdir: Path, peers_venv: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start the router under test (``target.replicas`` kvroute processes); return (processes, base URLs)."""
     port = free_port()
     log_path = workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
     ranks = fleet.data_parallel_size
@@ -89,12 +92,26 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
                "block_size": fleet.block_size,
                "prefill_tokens_per_s": fleet.prior if fleet.prior is not None else fleet.prefill_tokens_per_s,
                "log_level": "warning", **target.extra}
-        cfg_path = workdir / f"{target.name.replace(' ', '_')}.yaml"
-        cfg_path.write_text(yaml.safe_dump(cfg))
-        proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log_path)
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base + "/ready", proc, 60.0, log=log_path)
-        return proc, base
+        ports = [port] + [free_port() for _ in range(target.replicas - 1)]
+        buses = [f"tcp://127.0.0.1:{free_port()}" for _ in ports] if target.replicas > 1 else []
+        procs, bases = [], []
+        try:
+            for i, p in enumerate(ports):
+                name = target.name.replace(" ", "_").replace("/", "_") + (f".{i}" if target.replicas > 1 else "")
+                replica = dict(cfg, port=p)
+                if buses and cfg.get("booking_bus", True):
+                    replica.update(booking_bus_bind=buses[i], booking_bus_peers=buses[:i] + buses[i + 1:])
+                cfg_path = workdir / f"{name}.yaml"
+                cfg_path.write_text(yaml.safe_dump(replica))
+                log = workdir / f"{name}.log"
+                procs.append(spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)], log))
+                bases.append(f"http://127.0.0.1:{p}")
+                wait_ready(bases[-1] + "/ready", procs[-1], 60.0, log=log)
+        except BaseException:
+            for proc in procs:
+                stop_process(proc)
+            raise
+        return procs, bases
     exe = peers_venv / "bin" / target.kind
     if not exe.exists():
         raise FileNotFoundError(f"{exe} not found (install the peer into {peers_venv})")
@@ -125,7 +142,7 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
                    body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
     else:
         wait_ready(base + "/v1/completions", proc, 60.0, log=log_path, body=probe)
-    return proc, base
+    return [proc], [base]
 
 
 def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *, fleet: FleetSpec = FleetSpec(),
@@ -143,21 +160,24 @@ def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *
                 httpx.post(url + "/sim/faults", json={"slowdown": slowdown}, timeout=10.0,
                            trust_env=False).raise_for_status()
         try:
-            proc, base = start_router(target, urls, events, fleet, objective_s * 1000, workdir, Path(peers_venv))
+            procs, bases = start_router(target, urls, events, fleet, objective_s * 1000, workdir, Path(peers_venv))
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             return {"target": target, "summary": None, "records": [], "error": str(exc)[:300]}
         try:
-            result = asyncio.run(run(base, specs, arrivals, endpoint=target.endpoint, model=fleet.model,
+            result = asyncio.run(run(bases, specs, arrivals, endpoint=target.endpoint, model=fleet.model,
                                      duration=duration, slo_ttft=objective_s, pod_metrics=urls,
                                      drain_timeout=drain_timeout, request_timeout=120.0))
         finally:
-            if target.kind == "kvroute":  # keep the router's own view of the run for analysis
-                try:
-                    text = httpx.get(base + "/metrics", timeout=5.0, trust_env=False).text
-                    (workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.metrics").write_text(text)
-                except httpx.HTTPError:
-                    pass
-            stop_process(proc, grace=10.0)
+            if target.kind == "kvroute":  # keep the routers' own view of the run for analysis
+                for i, base in enumerate(bases):
+                    name = target.name.replace(" ", "_").replace("/", "_") + (f".{i}" if len(bases) > 1 else "")
+                    try:
+                        text = httpx.get(base + "/metrics", timeout=5.0, trust_env=False).text
+                        (workdir / f"{name}.metrics").write_text(text)
+                    except httpx.HTTPError:
+                        pass
+            for proc in procs:
+                stop_process(proc, grace=10.0)
     return {"target": target, "summary": result.summary, "records": result.records, "error": None}
 
 

@@ -176,7 +176,7 @@ async def _sleep_until(due: float) -> None:
         await asyncio.sleep(delay * 0.998 - 0.002 if delay > 0.004 else delay)
 
 
-async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[float], *,
+async def run(target: str | Sequence[str], requests: Sequence[RequestSpec], arrivals: Sequence[float], *,
               endpoint: Endpoint = "completions", model: str | None = None,
               max_concurrency: int | None = None, duration: float | None = None,
               max_requests: int | None = None,
@@ -192,7 +192,9 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
     ``duration`` stops sending at that offset (requests in flight finish, for at most
     ``drain_timeout`` seconds more, after which they are cancelled and counted as errors).
     ``slo_ttft``/``slo_tpot`` are seconds. ``pod_metrics`` are pod base or /metrics URLs whose
-    prefix-cache counters give the run's hit rate.
+    prefix-cache counters give the run's hit rate. Several targets (router replicas behind no load
+    balancer of their own) take the requests in turn: request ``i`` goes to target ``i % len``, so
+    a conversation's turns land on different replicas, as behind a Service without session affinity.
     """
     n = min(len(requests), len(arrivals))
     n = arrival_mod.cut(list(arrivals[:n]), duration=duration, max_requests=max_requests)
@@ -202,8 +204,11 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
         order = sorted(range(n), key=lambda i: offsets[i])
         specs = [specs[i] for i in order]
         offsets = [offsets[i] for i in order]
-    base = base_url(target)
-    url = base + PATHS[endpoint]
+    bases = [base_url(t) for t in ([target] if isinstance(target, str) else target)]
+    if not bases:
+        raise RunError("no target given")
+    base = bases[0]
+    urls = [b + PATHS[endpoint] for b in bases]
     chat = endpoint == "chat"
 
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
@@ -214,6 +219,8 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
             model = await discover_model(session, base)
         else:
             await _warm_up(session, base)
+        for other in bases[1:]:
+            await _warm_up(session, other)
         t_prep = time.perf_counter()
         bodies = [encode_body(s, endpoint=endpoint, model=model, ignore_eos=ignore_eos, extra_body=extra_body)
                   for s in specs]
@@ -247,7 +254,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
             counts["sent"] += 1
             counts["in_flight"] += 1
             try:
-                async with session.post(url, data=bodies[i], headers=hdrs) as resp:
+                async with session.post(urls[i % len(urls)], data=bodies[i], headers=hdrs) as resp:
                     rec.status = resp.status
                     rec.pod = resp.headers.get(POD_HEADER)
                     if resp.status != 200:
@@ -321,7 +328,7 @@ async def run(target: str, requests: Sequence[RequestSpec], arrivals: Sequence[f
         hits = hit_rate_from_metrics(before, after)
         summary.update(hits)
         summary["pod_metrics_unreachable"] = sorted(set(pod_metrics) - set(after))
-    cfg = {"target": base, "endpoint": endpoint, "model": model, "num_requests": n,
+    cfg = {"target": base if len(bases) == 1 else bases, "endpoint": endpoint, "model": model, "num_requests": n,
            "max_concurrency": max_concurrency, "duration_limit": duration, "slo_ttft": slo_ttft,
            "slo_tpot": slo_tpot, "send_slo_header": send_slo_header, "pod_metrics": list(pod_metrics),
            "encode_s": prepare_s, "body_bytes": sum(len(b) for b in bodies),

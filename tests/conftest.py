@@ -144,6 +144,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_dropped_stream_and_unreachable_target_are_errors",
         "test_other_status_and_chat_endpoint_and_model_discovery",
         "test_drain_timeout_cancels_and_counts_unfinished_requests",
+        "test_several_targets_take_the_requests_in_turn",
     }),
     "test_router_config.py": frozenset({
         "test_registry_marks_pods_unhealthy_after_n_failures_and_forgets_later",

@@ -113,6 +113,19 @@ async def test_duration_and_max_requests_limit_what_is_sent(backend):
     assert res.summary["requests"] == 3
 
 
+async def test_several_targets_take_the_requests_in_turn(backend):
+    """Router replicas without a load balancer: request i goes to target i % n, every one answered."""
+    url_a, state_a = await backend()
+    url_b, state_b = await backend()
+    specs = _specs(n=7, groups=1)
+    res = await runner.run([url_a, url_b + "/v1"], specs, arrivals.constant(7, 100.0), model="fake-model")
+    assert res.summary["completed"] == 7
+    assert (state_a.requests, state_b.requests) == (4, 3)
+    assert res.config["target"] == [url_a, url_b]
+    with pytest.raises(runner.RunError):
+        await runner.run([], specs, arrivals.constant(7, 100.0), model="fake-model")
+
+
 async def test_dropped_stream_and_unreachable_target_are_errors(backend):
     url, _ = await backend(itl=0.01)
     specs = _specs(n=2, groups=1)
