@@ -116,8 +116,10 @@ async def _run(settings: ReplaySettings) -> int:
               "max_input_len": settings.max_input_len, "max_requests": settings.max_requests,
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "settings": settings.model_dump(mode="json")}
     progress = _progress_printer(len(specs)) if settings.progress else None
+    targets = [t.strip() for t in settings.target.split(",") if t.strip()]
     result = await runner.run(
-        settings.target, specs, offsets, endpoint=settings.endpoint, model=settings.model,
+        targets if len(targets) > 1 else settings.target, specs, offsets, endpoint=settings.endpoint,
+        model=settings.model,
         max_concurrency=settings.max_concurrency, duration=settings.duration,
         slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot, send_slo_header=settings.send_slo_header,
         pod_metrics=settings.pod_metrics, headers=settings.headers, request_timeout=settings.request_timeout,

@@ -12,7 +12,8 @@ class ReplaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVROUTE_REPLAY_", env_nested_delimiter="__", extra="ignore")
 
     # Target
-    target: str = Field("http://127.0.0.1:8000", description="Base URL of the router or pod to load")
+    target: str = Field("http://127.0.0.1:8000", description="Base URL of the router or pod to load; several, "
+                        "comma-separated (router replicas without a load balancer), take the requests in turn")
     endpoint: Literal["completions", "chat"] = Field(
         "completions",
         description="completions: token-id prompts to /v1/completions; chat: text to /v1/chat/completions")

@@ -128,6 +128,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
                                         "test_replicas_share_the_chunks_they_tokenize"}),
     "test_replay_cli.py": frozenset({
         "test_mooncake_replay_writes_table_json_and_plots",
+        "test_comma_separated_targets_share_the_requests",
         "test_bad_trace_line_is_a_clear_error_not_a_traceback",
         "test_unreachable_target_and_bad_compare_input",
         "test_workload_after_pod_metrics_is_not_taken_for_a_url",

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from replay import cli
@@ -58,6 +59,32 @@ def test_mooncake_replay_writes_table_json_and_plots(backend_url, tmp_path, caps
     assert "run-a" in cmp_out and "run-b" in cmp_out and "P99 TTFT (ms)" in cmp_out
     sent_row = next(line for line in cmp_out.splitlines() if line.startswith("Requests sent"))
     assert sent_row.split()[-2:] == ["12", "8"]
+
+
+def test_comma_separated_targets_share_the_requests(backend_url, tmp_path, capsys):
+    """Router replicas without a load balancer: ``--target a,b`` sends request i to the (i mod 2)-th."""
+    port = free_port()
+    second = subprocess.Popen([sys.executable, "-m", "replay.fake_backend", "--port", str(port), "--ttft", "0.01"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        other = f"http://127.0.0.1:{port}"
+        wait_http(other + "/v1/models", proc=second)
+        rc = cli.main(["--target", f"{backend_url}, {other}", "multiturn", "--sessions", "3", "--turns", "2",
+                       "--system-prompts", "1", "--system-prompt-len", "32", "--turn-tokens", "8", "--output-len", "2",
+                       "--rate", "200", "--result-dir", str(tmp_path), "--result-file", "r.json", "--no-plots",
+                       "--no-progress", "--save-detailed"])
+        assert rc == 0
+        capsys.readouterr()
+        data = json.loads((tmp_path / "r.json").read_text())
+        assert data["summary"]["completed"] == 6
+        assert data["config"]["target"] == [backend_url, other]
+        # the second backend is fresh: it counted exactly the prompt tokens of requests 1, 3 and 5
+        page = httpx.get(other + "/metrics", timeout=10).text
+        queried = next(float(line.split()[-1]) for line in page.splitlines()
+                       if line.startswith("vllm:prefix_cache_queries_total"))
+        assert queried == sum(r["input_tokens"] for r in data["records"][1::2]) > 0
+    finally:
+        stop_process(second)
 
 
 def test_bad_trace_line_is_a_clear_error_not_a_traceback(tmp_path):
