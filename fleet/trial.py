@@ -76,11 +76,17 @@ class Target:
     replicas: int = 1
 
 
+def _file_stem(target: Target, replica: int = 0) -> str:
+    """The router's log, config and metrics files are named after the target (and the replica)."""
+    stem = target.name.replace(" ", "_").replace("/", "_")
+    return f"{stem}.{replica}" if target.replicas > 1 else stem
+
+
 def start_router(target: Target, urls: list[str], events_port: int, fleet: FleetSpec, objective_ms: float,
                  workdir: Path, peers_venv: Path) -> tuple[list[subprocess.Popen], list[str]]:
     """Start the router under test (``target.replicas`` kvroute processes); return (processes, base URLs)."""
     port = free_port()
-    log_path = workdir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
+    log_path = workdir / f"{_file_stem(target)}.log"
     ranks = fleet.data_parallel_size
     events = [(ev["endpoint"], ev["replay"])
               for ev in (sim_kv_events(events_port, i, ranks)[0] for i in range(len(urls)))]
@@ -97,7 +103,7 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
         procs, bases = [], []
         try:
             for i, p in enumerate(ports):
-                name = target.name.replace(" ", "_").replace("/", "_") + (f".{i}" if target.replicas > 1 else "")
+                name = _file_stem(target, i)
                 replica = dict(cfg, port=p)
                 if buses and cfg.get("booking_bus", True):
                     replica.update(booking_bus_bind=buses[i], booking_bus_peers=buses[:i] + buses[i + 1:])
@@ -170,10 +176,9 @@ def run_trial(target: Target, specs: Sequence[Any], arrivals: Sequence[float], *
         finally:
             if target.kind == "kvroute":  # keep the routers' own view of the run for analysis
                 for i, base in enumerate(bases):
-                    name = target.name.replace(" ", "_").replace("/", "_") + (f".{i}" if len(bases) > 1 else "")
                     try:
                         text = httpx.get(base + "/metrics", timeout=5.0, trust_env=False).text
-                        (workdir / f"{name}.metrics").write_text(text)
+                        (workdir / f"{_file_stem(target, i)}.metrics").write_text(text)
                     except httpx.HTTPError:
                         pass
             for proc in procs:
