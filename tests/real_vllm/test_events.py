@@ -151,6 +151,10 @@ def test_engine_restart_clears_the_pod_and_rebuilds_it(agg_engines, real_env, tm
         wait_for(lambda: cached_tokens(base, before, engine.name) > 0, 10, "the prompt indexed")
         engine.kill()
         restart(engine)
+        # the router marked the pod unhealthy while it was down, and /debug/route lists only healthy
+        # pods: wait for its next health check to take it back before asking about its cache
+        wait_for(lambda: httpx.get(base + "/ready", timeout=10).json().get("healthy_pods") == len(agg_engines),
+                 15, "the restarted pod healthy again")
         after = completion(text("after-restart", 400))
         send(engine.url, after)
         wait_for(lambda: cached_tokens(base, before, engine.name) == 0, 15, "the pod's old entries cleared")
