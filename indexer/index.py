@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.keys import block_keys, key_seed
+from indexer.recency import BlockRecency
 
 log = logging.getLogger("kvroute.indexer")
 
@@ -141,6 +142,9 @@ class PrefixIndex:
         self.speculative_ttl_s = speculative_ttl_s
         self.approximate_ttl_s = approximate_ttl_s
         self.clock = clock
+        # when each pod last used each block and how long idle blocks survive there (fed by the
+        # router's bookings and by this index's BlockRemoved events)
+        self.recency = BlockRecency(clock, max_blocks_per_pod)
         self._pods: dict[str, _Pod] = {}
         self._tiers: dict[str, dict[int, int]] = {}
         self._any: dict[int, int] = {}          # is the only tier's dict while there is one tier
@@ -177,6 +181,7 @@ class PrefixIndex:
         pod = self._pods.pop(pod_id, None)
         if pod is None:
             return False
+        self.recency.forget(pod_id)
         for src in pod.sources.values():
             self._alive &= ~src.bit
         for src in list(pod.sources.values()):
@@ -192,6 +197,7 @@ class PrefixIndex:
         if pod is None:
             return
         self.counters["clears"] += 1
+        self.recency.forget(pod_id)
         for rank, src in pod.sources.items():
             if dp_rank is None or rank == dp_rank:
                 self._clear_source(src, predicted=dp_rank is None or src is pod.primary)
@@ -267,6 +273,7 @@ class PrefixIndex:
             ok = self._remove(src, event)
         elif t is AllBlocksCleared:
             self.counters["clears"] += 1
+            self.recency.forget(pod_id)
             self._clear_source(src, predicted=src is pod.primary)
             ok = True
         else:
@@ -328,6 +335,8 @@ class PrefixIndex:
                     return True
         keys = block_keys(tokens, bs, seed, ev.extra_keys)
         self._add(src, hashes, keys, tier)
+        if self.recency.watching:
+            self.recency.stored(pod.pod_id, keys)
         return True
 
     @staticmethod
@@ -431,6 +440,7 @@ class PrefixIndex:
         bit = src.bit
         blocks = src.blocks
         multi = len(self._tiers) > 1
+        gone: list[int] | None = [] if tier == DEFAULT_TIER else None
         for h in cast(list[int], ev.block_hashes):  # uint64 ints once decoded, as in _store
             k = blocks.get(h)
             if k is None or d is None:
@@ -456,6 +466,8 @@ class PrefixIndex:
                 del d[k]
             src.removed += 1
             self.counters["blocks_removed"] += 1
+            if gone is not None:
+                gone.append(k)
             if multi:
                 if any(od.get(k, 0) & bit for od in self._tiers.values()):
                     continue  # still held on another tier of this pod
@@ -465,6 +477,8 @@ class PrefixIndex:
                 else:
                     self._any.pop(k, None)
             del blocks[h]
+        if gone:
+            self.recency.removed(src.pod.pod_id, gone)
         return True
 
     def _drop_key(self, src: _Source, k: int) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 PREFILL, KV = "prefill", "kv"
@@ -233,6 +233,8 @@ class Booking:
     model_ttft_s: float = 0.0  # the calibrated model's TTFT before its error correction (what it learns against)
     ttft_low_s: float = 0.0   # the predicted interval of the TTFT (ttft_interval_level)
     ttft_high_s: float = float("inf")
+    keys: Sequence[int] = ()    # the prompt's block keys, to date their last use when it ends
+    held: tuple[str, ...] = ()  # the pods that hold those blocks while it runs
     released: bool = False
 
     @property

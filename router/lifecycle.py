@@ -63,7 +63,7 @@ class Lifecycle:
     def _end(self, router: Router, booking: Booking | None, outcome: Outcome) -> None:
         """The end of an attempt: release its booking (if the first token has not) and count it."""
         if booking is not None:
-            router.finish(booking)
+            router.ended(booking)
         if outcome.disconnect:
             self.metrics.client_disconnects.inc()
         if outcome.status:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from indexer.index import DEFAULT_TIER
 from indexer.keys import key_seed
 from indexer.tokens import Tokenizer
 from router.booking import Booking, Ledger
@@ -84,27 +85,44 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: Seq
     """The fleet as one decision sees it: per pod its scraped load, the router's bookings, its
     calibrated speed and the prefix index's answer for this prompt, plus decode pods' KV room."""
     matches = index.match(keys, pods=[p.id for p in pods]) if keys and pods else {}
+    recency = getattr(index, "recency", None)
+    now = recency.clock() if recency is not None else 0.0
     anchor = keys[-1] if keys else hash(tuple(tokens))
     bs = block_size
     cands, kv = [], {}
     for p in pods:
         cal = calibrator.pod(p.id)
         error = cal.error_model()
+        queue = ledger.queued_tokens(p.id, cal.rate)
         m = matches.get(p.id)
         if m is not None:
-            cached = int(m.blocks) * bs
+            blocks = int(m.blocks)
             by_tier = {str(t): int(b) * bs for t, b in (m.by_tier or {}).items()}
             effective = float(m.weighted) * bs
+            evicting, check = 0, -1
+            if recency is not None and blocks and set(by_tier) <= {DEFAULT_TIER}:
+                # blocks the pod should evict before this request would start there are counted as
+                # work, in the share that such expectations have come true lately (indexer.recency)
+                keep = recency.surviving(p.id, keys, blocks, now + queue / max(cal.rate, 1e-9))
+                if keep < blocks:
+                    evicting, check = blocks - keep, (keep + blocks) // 2
+                    lost = round(evicting * recency.precision())
+                    if lost:
+                        effective *= (blocks - lost) / blocks
+                        blocks -= lost
+                        by_tier = {DEFAULT_TIER: blocks * bs} if blocks else {}
+            cached = blocks * bs
         else:
-            cached, by_tier, effective = 0, {}, 0.0
+            cached, by_tier, effective, evicting, check = 0, {}, 0.0, 0, -1
         cands.append(Candidate(
             pod_id=p.id, role=p.config.role, model=p.config.model,
             waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
             inflight_requests=ledger.inflight(p.id),
-            queue_tokens=ledger.queued_tokens(p.id, cal.rate),
+            queue_tokens=queue,
             prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s, per_running_s=cal.per_running_s,
             log_error_mean=error[0], log_error_sd=error[1], error_by_size=cal.error_table(),
             cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
+            evicting_tokens=evicting * bs, evicting_check=check,
             tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
         ))
         if p.config.role == "decode":
@@ -120,6 +138,10 @@ def cache_salt(body: Mapping[str, Any]) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     return salt
+
+
+# how long after twice a request's predicted TTFT its prefill may still announce the blocks it computed
+CHECK_GRACE_S = 1.0
 
 
 class Router:
@@ -341,8 +363,17 @@ class Router:
         ticket = self.ledger.book(route.prefill_pod, pred.uncached_tokens)
         kv_ticket = self.ledger.book_kv(route.pod_id, route.kv_tokens) if route.kv_tokens else None
         self.speculate(route.prefill_pod, plan.keys)
+        held: tuple[str, ...] = (route.prefill_pod,)
         if route.pod_id != route.prefill_pod:
             self.speculate(route.pod_id, plan.keys)  # the decode pod stores the blocks it reads
+            held = (route.prefill_pod, route.pod_id)
+        recency = getattr(self.index, "recency", None)
+        if recency is not None:
+            check = plan.snapshot.candidate(route.prefill_pod).evicting_check
+            if 0 <= check < len(plan.keys):
+                recency.expect_evicted(route.prefill_pod, plan.keys[check], 2.0 * route.ttft_s + CHECK_GRACE_S)
+            for pod_id in held:
+                recency.hold(pod_id, plan.keys)
         self.metrics.prompt_tokens.inc(plan.request.prompt_tokens)
         self.metrics.estimated_cached_tokens.inc(route.cached_tokens)
         self.metrics.predicted_ttft.observe(route.ttft_s)
@@ -358,7 +389,8 @@ class Router:
                        cached_tokens=route.cached_tokens, mode=route.mode, kv_ticket=kv_ticket,
                        sent_at=self._clock(), new_blocks=new_blocks, ttft_low_s=low, ttft_high_s=high,
                        model_ttft_s=pred.model_ttft_s if route.mode != "remote" else route.ttft_s,
-                       running=plan.snapshot.candidate(route.prefill_pod).running)
+                       running=plan.snapshot.candidate(route.prefill_pod).running,
+                       keys=plan.keys if recency is not None else (), held=held)
 
     def first_token(self, booking: Booking, observe: bool = True) -> None:
         """The pod produced its first token: release the booking and learn from the TTFT."""
@@ -383,6 +415,15 @@ class Router:
         """The request ended without a usable first-token time (error, non-streaming, cancelled)."""
         if booking.release(self.ledger):
             self._count_event_source(booking)
+
+    def ended(self, booking: Booking) -> None:
+        """The request is over (answered, failed or cancelled): release its booking if the first
+        token has not, and date its blocks' last use on the pods that held them."""
+        self.finish(booking)
+        if booking.keys:
+            recency = self.index.recency
+            for pod_id in booking.held:
+                recency.release(pod_id, booking.keys)
 
     def observe_answer(self, booking: Booking, headers: Mapping[str, str]) -> None:
         """A decode pod's sidecar answered: learn the prefill pod's speed from its prefill-leg report."""

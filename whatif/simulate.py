@@ -52,7 +52,7 @@ MODEL = "sim-model"
 
 # event kinds, in the order they run at equal times: an idle cost pod starts its step after every
 # request arriving at that instant has been submitted, as the async engine's loop does
-_EVENTS, _STEP, _FIRST, _READ, _SCRAPE, _DELIVER, _ARRIVE, _KICK = range(8)
+_EVENTS, _STEP, _FIRST, _READ, _SCRAPE, _DELIVER, _ARRIVE, _KICK, _END = range(9)
 
 
 @dataclass
@@ -252,6 +252,8 @@ class _Run:
             elif kind == _EVENTS:
                 pod_id, events = payload
                 self.router.index.apply_batch(pod_id, events)
+            elif kind == _END:  # a seed pod's request has streamed its last token
+                self.router.ended(payload)
             elif kind == _SCRAPE:
                 self.scrape()
                 if at < last_arrival:
@@ -424,6 +426,8 @@ class _Run:
             rec.e2e = rec.ttft + (req.max_tokens - 1) * self.cfg.spec.decode_s_per_token
             rec.status = 200
             self.end = max(self.end, rec.scheduled + rec.e2e)
+            if booking is not None:
+                self.push(rec.scheduled + rec.e2e, _END, booking)
 
     def finished(self, req: ModelRequest) -> None:
         leg: _Leg = req.tag
@@ -435,7 +439,7 @@ class _Run:
         rec.output_tokens = req.num_output
         rec.status = 200
         if leg.booking is not None:
-            self.router.finish(leg.booking)
+            self.router.ended(leg.booking)
         self.end = max(self.end, now)
 
     def read_done(self, pre: ModelRequest) -> None:

@@ -41,6 +41,11 @@ class Candidate:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     effective_cached_tokens: float = 0.0
+    # held now but expected evicted before the request would start here (indexer.recency); the share
+    # of it that such expectations have come true lately is taken off cached_tokens and counted as
+    # work. ``evicting_check`` is the prompt block whose re-computation would confirm it (-1: none)
+    evicting_tokens: int = 0
+    evicting_check: int = -1
     # a stable per-(prompt, pod) number for breaking ties without randomness
     tiebreak: int = 0
 

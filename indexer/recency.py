@@ -1,0 +1,223 @@
+"""When each pod last used each block, and how long an unused block survives there.
+
+vLLM keeps a finished request's blocks cached in an LRU free queue (the tail blocks of a sequence
+first, so a prefix shrinks from its end) and evicts from its head when it needs room. The index
+knows which blocks a pod holds *now*; a request that waits in the pod's queue is scheduled later,
+and a prefix that sat unused near the head of that queue can be gone by then: the engine computes
+it again while the router had counted it cached. This module gives the router the two facts it
+needs to see that coming:
+
+* per pod, each block's **last use**: held (``inf``) from the moment a request that contains it is
+  booked on the pod, and the time that request ended once it has (``hold`` / ``release``). A
+  block's key is chained over its whole prefix, so any request holding block *i* also holds every
+  block before it: along a prompt the last-use times never increase, and the blocks that outlive
+  a wait are a prefix of the match (found by bisection);
+* per pod, the **eviction horizon**: the idle age at which its blocks are being evicted. Each
+  BlockRemoved of a block whose last use is known gives one sample (now minus that time); in an LRU
+  queue the evicted block is the longest idle one, so the samples are the horizon itself. The
+  estimate is the median of the latest samples, plus the time since the last one (with no eviction
+  the oldest idle block only grows older). Before the first sample a pod is taken to evict nothing.
+
+``surviving(pod, keys, depth, at)`` is then the part of a ``depth``-block match whose blocks will
+still be cached at ``at`` (the request's expected start): those idle for longer than the horizon by
+then are counted as work. Memory is bounded per pod (the oldest entries go first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import islice, repeat
+
+HELD = math.inf
+RATE_WINDOW_S = 5.0  # the eviction rate is the blocks evicted per second over this window
+MAX_WATCHED = 10_000  # self-checks in progress, at most
+CHECK_DECAY = 0.99  # each outcome weighs this much less per later one (about the last 100 count)
+
+
+class _PodRecency:
+    __slots__ = ("last", "idle", "removals", "removed")
+
+    def __init__(self) -> None:
+        self.last: dict[int, float] = {}     # key -> when the request that last held it ended (HELD: in use)
+        self.idle: dict[float, int] = {}     # end time -> blocks of that request still idle, oldest first
+        self.removals: deque[tuple[float, int]] = deque()  # (when, blocks) evicted within RATE_WINDOW_S
+        self.removed = 0                     # blocks in ``removals``
+
+
+class BlockRecency:
+    """Per-pod last use of each block and eviction rate (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float], max_blocks_per_pod: int = 1_000_000):
+        self.clock = clock
+        self.max_blocks_per_pod = max(1, max_blocks_per_pod)
+        self._pods: dict[str, _PodRecency] = {}
+        # the self-check: (pod, key) of the deepest block a routed request was expected to find
+        # evicted -> until when its BlockStored (the engine computing it again) may come
+        self._watch: dict[str, dict[int, float]] = {}
+        self._deadlines: deque[tuple[float, str, int]] = deque()
+        self.confirmed = self.refuted = 0.0   # decayed counts of the checks' outcomes
+        self.checks = {"confirmed": 0, "refuted": 0, "dropped": 0}
+
+    # --- the self-check ---------------------------------------------------------------------------
+    def expect_evicted(self, pod_id: str, key: int, within_s: float) -> None:
+        """A request was routed to ``pod_id`` expecting it to compute block ``key`` again (evicted
+        before the request starts): watch for the pod's BlockStored of it for ``within_s``."""
+        now = self.clock()
+        self._expire(now)
+        if len(self._deadlines) >= MAX_WATCHED:
+            self.checks["dropped"] += 1
+            return
+        self._watch.setdefault(pod_id, {})[key] = now + within_s
+        self._deadlines.append((now + within_s, pod_id, key))
+
+    def stored(self, pod_id: str, keys: Sequence[int]) -> None:
+        """The pod stored these blocks: any watched among them was evicted and computed again."""
+        w = self._watch.get(pod_id)
+        if not w:
+            return
+        for k in w.keys() & set(keys):
+            del w[k]
+            self._outcome(True)
+
+    def _expire(self, now: float) -> None:
+        d = self._deadlines
+        while d and d[0][0] < now:
+            _, pod_id, key = d.popleft()
+            w = self._watch.get(pod_id)
+            if w is not None and w.get(key, math.inf) < now:
+                del w[key]
+                self._outcome(False)
+
+    def _outcome(self, confirmed: bool) -> None:
+        self.confirmed = self.confirmed * CHECK_DECAY + confirmed
+        self.refuted = self.refuted * CHECK_DECAY + (not confirmed)
+        self.checks["confirmed" if confirmed else "refuted"] += 1
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._deadlines)
+
+    def precision(self) -> float:
+        """How often an expected eviction has come true lately (a Beta(1, 1) prior's mean)."""
+        self._expire(self.clock())
+        return (self.confirmed + 1.0) / (self.confirmed + self.refuted + 2.0)
+
+    def _pod(self, pod_id: str) -> _PodRecency:
+        p = self._pods.get(pod_id)
+        if p is None:
+            p = self._pods[pod_id] = _PodRecency()
+        return p
+
+    def hold(self, pod_id: str, keys: Sequence[int]) -> None:
+        """A request containing ``keys`` was booked on the pod: its blocks are in use until it ends."""
+        self._set(pod_id, keys, HELD)
+
+    def release(self, pod_id: str, keys: Sequence[int]) -> None:
+        """That request ended: its blocks are idle from now (unless another request still holds them;
+        this one's end is then an early guess, and the other's end corrects it)."""
+        self._set(pod_id, keys, self.clock())
+
+    def _set(self, pod_id: str, keys: Sequence[int], t: float) -> None:
+        if not keys:
+            return
+        p = self._pod(pod_id)
+        last, idle = p.last, p.idle
+        get = last.get
+        for k in keys:
+            old = get(k)
+            if old is not None and old != HELD:
+                _unidle(idle, old)
+        last.update(zip(keys, repeat(t)))
+        if t != HELD:
+            idle[t] = idle.get(t, 0) + len(keys)
+        if len(last) > self.max_blocks_per_pod:  # drop the oldest-inserted, down to 15/16 of the cap
+            for k in list(islice(last, len(last) - self.max_blocks_per_pod + self.max_blocks_per_pod // 16)):
+                old = last.pop(k)
+                if old != HELD:
+                    _unidle(idle, old)
+
+    def removed(self, pod_id: str, keys: Sequence[int]) -> None:
+        """The pod evicted these blocks."""
+        p = self._pods.get(pod_id)
+        if p is None:
+            return
+        pop, idle = p.last.pop, p.idle
+        for k in keys:
+            t = pop(k, None)
+            if t is not None and t != HELD:
+                _unidle(idle, t)
+        now = self.clock()
+        p.removals.append((now, len(keys)))
+        p.removed += len(keys)
+        self._trim(p, now)
+
+    @staticmethod
+    def _trim(p: _PodRecency, now: float) -> None:
+        while p.removals and p.removals[0][0] < now - RATE_WINDOW_S:
+            p.removed -= p.removals.popleft()[1]
+
+    def forget(self, pod_id: str) -> None:
+        """The pod's cache was cleared or the pod left."""
+        self._pods.pop(pod_id, None)
+
+    def eviction_rate(self, pod_id: str) -> float:
+        """Blocks the pod evicted per second over the last ``RATE_WINDOW_S``."""
+        p = self._pods.get(pod_id)
+        if p is None:
+            return 0.0
+        self._trim(p, self.clock())
+        return p.removed / RATE_WINDOW_S
+
+    def surviving(self, pod_id: str, keys: Sequence[int], depth: int, at: float) -> int:
+        """How many of the first ``depth`` blocks of ``keys`` the pod should still hold at ``at``:
+        the pod goes on evicting at its recent rate until then, idle blocks in the order they were
+        freed (a request's tail blocks first)."""
+        p = self._pods.get(pod_id)
+        if p is None or depth <= 0:
+            return depth
+        evict = self.eviction_rate(pod_id) * (at - self.clock())
+        if evict < 1.0:
+            return depth
+        get = p.last.get
+        ahead = None
+        while depth > 0:
+            t = get(keys[depth - 1], HELD)
+            if t == HELD:
+                return depth
+            if ahead is None:
+                ahead = sum(c for u, c in p.idle.items() if u < t)
+            evict -= ahead
+            if evict < 1.0:
+                return depth
+            # the blocks of this prompt freed at ``t``: keys[first:depth]
+            lo, hi = 0, depth - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if get(keys[mid], HELD) > t:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            batch = p.idle.get(t, 0)
+            if evict < batch:  # the rest of the queue is reached within this batch: its tail goes
+                return max(lo, depth - int(evict))
+            evict -= batch
+            ahead = 0
+            depth = lo
+        return depth
+
+    def stats(self, pod_id: str) -> dict[str, float]:
+        p = self._pods.get(pod_id)
+        if p is None:
+            return {"blocks": 0, "idle_blocks": 0, "eviction_rate": 0.0}
+        return {"blocks": len(p.last), "idle_blocks": sum(p.idle.values()),
+                "eviction_rate": self.eviction_rate(pod_id)}
+
+
+def _unidle(idle: dict[float, int], t: float) -> None:
+    c = idle.get(t, 0) - 1
+    if c > 0:
+        idle[t] = c
+    else:
+        idle.pop(t, None)
