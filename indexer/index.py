@@ -142,9 +142,6 @@ class PrefixIndex:
         self.speculative_ttl_s = speculative_ttl_s
         self.approximate_ttl_s = approximate_ttl_s
         self.clock = clock
-        # when each pod last used each block and how long idle blocks survive there (fed by the
-        # router's bookings and by this index's BlockRemoved events)
-        self.recency = BlockRecency(clock, max_blocks_per_pod)
         self._pods: dict[str, _Pod] = {}
         self._tiers: dict[str, dict[int, int]] = {}
         self._any: dict[int, int] = {}          # is the only tier's dict while there is one tier
@@ -161,6 +158,7 @@ class PrefixIndex:
             "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
             "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
             "copies_removed", "skipped_group")}
+        self.recency = BlockRecency(clock, max_blocks_per_pod, counters=self.counters)
 
     # --- fleet ------------------------------------------------------------------------------------
     def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:

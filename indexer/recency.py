@@ -33,6 +33,7 @@ from itertools import islice, repeat
 HELD = math.inf
 RATE_WINDOW_S = 5.0  # the eviction rate is the blocks evicted per second over this window
 MAX_WATCHED = 10_000  # self-checks in progress, at most
+CHECK_KINDS = ("eviction_checks_confirmed", "eviction_checks_refuted", "eviction_checks_dropped")
 CHECK_DECAY = 0.99  # each outcome weighs this much less per later one (about the last 100 count)
 
 
@@ -49,7 +50,8 @@ class _PodRecency:
 class BlockRecency:
     """Per-pod last use of each block and eviction rate (see the module docstring)."""
 
-    def __init__(self, clock: Callable[[], float], max_blocks_per_pod: int = 1_000_000):
+    def __init__(self, clock: Callable[[], float], max_blocks_per_pod: int = 1_000_000,
+                 counters: dict[str, int] | None = None):
         self.clock = clock
         self.max_blocks_per_pod = max(1, max_blocks_per_pod)
         self._pods: dict[str, _PodRecency] = {}
@@ -58,7 +60,10 @@ class BlockRecency:
         self._watch: dict[str, dict[int, float]] = {}
         self._deadlines: deque[tuple[float, str, int]] = deque()
         self.confirmed = self.refuted = 0.0   # decayed counts of the checks' outcomes
-        self.checks = {"confirmed": 0, "refuted": 0, "dropped": 0}
+        # the checks' outcomes, counted in ``counters`` (the prefix index's: /metrics shows them)
+        self.checks = counters if counters is not None else {}
+        for kind in CHECK_KINDS:
+            self.checks.setdefault(kind, 0)
 
     # --- the self-check ---------------------------------------------------------------------------
     def expect_evicted(self, pod_id: str, key: int, within_s: float) -> None:
@@ -67,7 +72,7 @@ class BlockRecency:
         now = self.clock()
         self._expire(now)
         if len(self._deadlines) >= MAX_WATCHED:
-            self.checks["dropped"] += 1
+            self.checks["eviction_checks_dropped"] += 1
             return
         self._watch.setdefault(pod_id, {})[key] = now + within_s
         self._deadlines.append((now + within_s, pod_id, key))
@@ -93,7 +98,7 @@ class BlockRecency:
     def _outcome(self, confirmed: bool) -> None:
         self.confirmed = self.confirmed * CHECK_DECAY + confirmed
         self.refuted = self.refuted * CHECK_DECAY + (not confirmed)
-        self.checks["confirmed" if confirmed else "refuted"] += 1
+        self.checks["eviction_checks_confirmed" if confirmed else "eviction_checks_refuted"] += 1
 
     @property
     def watching(self) -> bool:

@@ -93,13 +93,13 @@ def test_the_self_check_learns_how_often_an_expected_eviction_comes_true():
         rec.expect_evicted("a", k, within_s=1.0)
         rec.stored("a", [k, 999])
     high = rec.precision()
-    assert high > 0.9 and rec.checks["confirmed"] == 20
+    assert high > 0.9 and rec.checks["eviction_checks_confirmed"] == 20
     for k in range(100, 140):              # expected evictions that never come: the blocks were hit
         rec.expect_evicted("a", k, within_s=1.0)
     assert rec.watching
     clock.t += 1.5
     low = rec.precision()
-    assert low < 0.4 and rec.checks["refuted"] == 40 and not rec.watching
+    assert low < 0.4 and rec.checks["eviction_checks_refuted"] == 40 and not rec.watching
     rec.stored("b", [5])                   # another pod's store confirms nothing
     assert rec.precision() == low
 
@@ -120,7 +120,8 @@ def test_the_index_feeds_removals_and_stores_to_recency():
     assert rec.stats("a")["idle_blocks"] == 2 and rec.eviction_rate("a") > 0
     ix.apply_event("a", BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[2 * BS:],
                                     block_size=BS, medium="GPU"))
-    assert rec.checks["confirmed"] == 1
+    assert rec.checks["eviction_checks_confirmed"] == 1
+    assert ix.stats()["eviction_checks_confirmed"] == 1   # /metrics: kvroute_index_operations_total
     ix.clear_pod("a")
     assert rec.stats("a")["blocks"] == 0
 
