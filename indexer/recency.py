@@ -105,9 +105,13 @@ class BlockRecency:
         return bool(self._deadlines)
 
     def precision(self) -> float:
-        """How often an expected eviction has come true lately (a Beta(1, 1) prior's mean)."""
+        """How often an expected eviction has come true lately, at the least: the mean of a Beta(1, 1)
+        prior updated by the decayed outcomes, less 1.28 standard deviations (about its 10th
+        percentile), so the router acts on an expectation only as far as it has been shown to hold."""
         self._expire(self.clock())
-        return (self.confirmed + 1.0) / (self.confirmed + self.refuted + 2.0)
+        n = self.confirmed + self.refuted
+        mean = (self.confirmed + 1.0) / (n + 2.0)
+        return max(0.0, mean - 1.28 * math.sqrt(mean * (1.0 - mean) / (n + 3.0)))
 
     def _pod(self, pod_id: str) -> _PodRecency:
         p = self._pods.get(pod_id)

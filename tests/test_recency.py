@@ -88,12 +88,12 @@ def test_memory_is_bounded_per_pod():
 def test_the_self_check_learns_how_often_an_expected_eviction_comes_true():
     clock = Clock()
     rec = BlockRecency(clock)
-    assert rec.precision() == 0.5          # no evidence yet
+    assert 0.1 < rec.precision() < 0.2     # no evidence yet: the prior's 10th percentile, about 0.13
     for k in range(20):                    # expected evictions that the pod then recomputes
         rec.expect_evicted("a", k, within_s=1.0)
         rec.stored("a", [k, 999])
     high = rec.precision()
-    assert high > 0.9 and rec.checks["eviction_checks_confirmed"] == 20
+    assert high > 0.85 and rec.checks["eviction_checks_confirmed"] == 20
     for k in range(100, 140):              # expected evictions that never come: the blocks were hit
         rec.expect_evicted("a", k, within_s=1.0)
     assert rec.watching
@@ -156,8 +156,8 @@ def test_the_snapshot_counts_blocks_expected_evicted_as_work():
     ledger.book("a", 500)                     # 0.5 s of work queued ahead: 5 blocks evicted meanwhile
     c = snap()
     assert c.evicting_tokens == 4 * BS and 0 <= c.evicting_check < 4
-    # no check has come back yet: half the expected loss is counted
-    assert c.cached_tokens == 2 * BS
+    # no check has come back yet: about an eighth of the expected loss is counted (one block of four)
+    assert c.cached_tokens == 3 * BS
     for k in range(30):                       # the expectation has held every time lately
         ix.recency.expect_evicted("a", -k - 1, 1.0)
         ix.recency.stored("a", [-k - 1])

@@ -103,6 +103,36 @@ def index_count(base: str, kind: str) -> float:
     return metric(base, "kvroute_index_operations_total", kind=kind)
 
 
+def test_idle_blocks_go_in_the_order_they_were_freed_and_come_back_announced(agg_engines, real_env, tmp_path):
+    """What the router's eviction model (indexer/recency.py) assumes of vLLM, checked on a real engine:
+    a finished request's blocks wait in an LRU free queue, freed tail block first, and are evicted from
+    its head; so an earlier prompt loses its blocks before a later one, from its last block backwards;
+    and a prompt computed again after its eviction is announced again (BlockStored under the same
+    keys), which is what the router's self-check of its eviction expectations watches for."""
+    engine = agg_engines[1]
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer),
+                        speculative_ttl_s=0.05) as base:
+        older, newer = completion(text("freed-first", 300)), completion(text("freed-later", 300))
+        send(engine.url, older)
+        send(engine.url, newer)
+        wait_for(lambda: cached_tokens(base, newer, engine.name) > 0, 10, "both prompts indexed")
+        full_older, full_newer = cached_tokens(base, older, engine.name), cached_tokens(base, newer, engine.name)
+        # small requests take about one block each from the head of the free queue
+        started, fillers = time.monotonic(), 0
+        while cached_tokens(base, older, engine.name) == full_older:
+            assert fillers < 600 and time.monotonic() - started < 300, "the older prompt was never evicted"
+            send(engine.url, completion(f"filler {fillers} {text('order', 6)}", max_tokens=1))
+            fillers += 1
+        left_older, left_newer = cached_tokens(base, older, engine.name), cached_tokens(base, newer, engine.name)
+        print(f"after {fillers} fillers: older {left_older} of {full_older} credited, newer {left_newer} "
+              f"of {full_newer}")
+        assert left_newer == full_newer          # freed later: still whole
+        assert 0 < left_older < full_older       # freed first, and from its tail: its head is still there
+        assert hits_for(engine.url, completion(text("freed-first", 300))) == left_older
+        # the hit just recomputed the older prompt's lost tail: the engine announces those blocks again
+        wait_for(lambda: cached_tokens(base, older, engine.name) == full_older, 10, "the tail announced again")
+
+
 def test_a_block_computed_twice_stays_credited_until_its_last_copy_is_evicted(agg_engines, real_env, tmp_path):
     """Two identical greedy requests decoding side by side fill identical output blocks: vLLM keeps both
     copies under one hash, announces each (BlockStored twice) and removes each on its own eviction. The
