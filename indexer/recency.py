@@ -1,26 +1,30 @@
-"""When each pod last used each block, and how long an unused block survives there.
+"""Which cached blocks a pod should have evicted by the time a queued request starts there.
 
-vLLM keeps a finished request's blocks cached in an LRU free queue (the tail blocks of a sequence
-first, so a prefix shrinks from its end) and evicts from its head when it needs room. The index
-knows which blocks a pod holds *now*; a request that waits in the pod's queue is scheduled later,
-and a prefix that sat unused near the head of that queue can be gone by then: the engine computes
-it again while the router had counted it cached. This module gives the router the two facts it
-needs to see that coming:
+vLLM looks a request's prefix up when it schedules it, not when it arrives. A finished request's
+blocks stay cached in an LRU free queue (freed tail block first, so a prefix shrinks from its end)
+and are evicted from the queue's head as the pod needs room. The index knows which blocks a pod
+holds *now*; a follow-up that waits behind others can find the end of its history gone by the time
+it is scheduled, and the engine computes it again while the router had counted it cached. Per pod,
+this module keeps what the router needs to see that coming:
 
-* per pod, each block's **last use**: held (``inf``) from the moment a request that contains it is
-  booked on the pod, and the time that request ended once it has (``hold`` / ``release``). A
-  block's key is chained over its whole prefix, so any request holding block *i* also holds every
-  block before it: along a prompt the last-use times never increase, and the blocks that outlive
-  a wait are a prefix of the match (found by bisection);
-* per pod, the **eviction horizon**: the idle age at which its blocks are being evicted. Each
-  BlockRemoved of a block whose last use is known gives one sample (now minus that time); in an LRU
-  queue the evicted block is the longest idle one, so the samples are the horizon itself. The
-  estimate is the median of the latest samples, plus the time since the last one (with no eviction
-  the oldest idle block only grows older). Before the first sample a pod is taken to evict nothing.
+* each block's **last use**: held (``HELD``) from the moment a request containing it is booked on
+  the pod, then the time that request ended (``hold`` / ``release``);
+* the blocks idle since each end time (``idle``: the LRU queue as the router knows it, oldest first);
+* the **eviction rate**: blocks per second in the pod's BlockRemoved events over ``RATE_WINDOW_S``.
 
-``surviving(pod, keys, depth, at)`` is then the part of a ``depth``-block match whose blocks will
-still be cached at ``at`` (the request's expected start): those idle for longer than the horizon by
-then are counted as work. Memory is bounded per pod (the oldest entries go first).
+``surviving(pod, keys, depth, at)`` spends the evictions the rate gives until ``at`` on the idle
+blocks in that order (a request's last block first) and returns how much of a ``depth``-block
+match is left. A block's key is chained over its whole prefix, so a request that used block *i*
+also used every block before it: along a prompt the last-use times fall, and what survives is a
+prefix of the match.
+
+**The self-check.** The router routes a request expecting part of its match to be evicted first
+(``expect_evicted``): if the engine then announces one of those blocks again (``stored``: it
+computed it again), the expectation held; if not within the given time, it did not. ``precision``
+is a cautious estimate of how often it holds lately, and the router counts only that share of the
+expected loss: a pod that looks prefixes up on arrival (the simulator's ``seed`` timing) refutes
+the expectations and the cut fades. Memory is bounded per pod (the oldest entries go first) and
+in the checks in flight.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import islice, repeat
+from itertools import groupby, islice, repeat
 
 HELD = math.inf
 RATE_WINDOW_S = 5.0  # the eviction rate is the blocks evicted per second over this window
@@ -55,7 +59,7 @@ class BlockRecency:
         self.clock = clock
         self.max_blocks_per_pod = max(1, max_blocks_per_pod)
         self._pods: dict[str, _PodRecency] = {}
-        # the self-check: (pod, key) of the deepest block a routed request was expected to find
+        # the self-check: (pod, key) of a block a routed request was expected to find
         # evicted -> until when its BlockStored (the engine computing it again) may come
         self._watch: dict[str, dict[int, float]] = {}
         self._deadlines: deque[tuple[float, str, int]] = deque()
@@ -133,11 +137,13 @@ class BlockRecency:
             return
         p = self._pod(pod_id)
         last, idle = p.last, p.idle
-        get = last.get
-        for k in keys:
-            old = get(k)
+        for old, n in _runs(last.get, keys):   # what these keys said before
             if old is not None and old != HELD:
-                _unidle(idle, old)
+                c = idle.get(old, 0) - n
+                if c > 0:
+                    idle[old] = c
+                else:
+                    idle.pop(old, None)
         last.update(zip(keys, repeat(t)))
         if t != HELD:
             idle[t] = idle.get(t, 0) + len(keys)
@@ -222,6 +228,13 @@ class BlockRecency:
             return {"blocks": 0, "idle_blocks": 0, "eviction_rate": 0.0}
         return {"blocks": len(p.last), "idle_blocks": sum(p.idle.values()),
                 "eviction_rate": self.eviction_rate(pod_id)}
+
+
+def _runs(get: Callable[[int], float | None], keys: Sequence[int]) -> list[tuple[float | None, int]]:
+    """The runs of equal last-use times along ``keys``, as (time, count), in C-level loops: along a
+    prompt the times come in a few runs (the shared head most recent, then each earlier turn), and
+    an 8k-token prompt has ~500 keys."""
+    return [(v, len(list(g))) for v, g in groupby(map(get, keys))]
 
 
 def _unidle(idle: dict[float, int], t: float) -> None:

@@ -3,6 +3,9 @@ and the self-check that learns how often that expectation comes true."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from indexer.events import BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import prompt_keys
@@ -162,3 +165,18 @@ def test_the_snapshot_counts_blocks_expected_evicted_as_work():
         ix.recency.expect_evicted("a", -k - 1, 1.0)
         ix.recency.stored("a", [-k - 1])
     assert snap().cached_tokens == 0
+
+
+@given(st.lists(st.sampled_from([None, 1.0, 2.0, 3.0, float("inf")]), max_size=60))
+def test_runs_of_last_use_times_count_every_key(values):
+    from collections import Counter
+
+    from indexer.recency import _runs
+
+    table = dict(enumerate(values))
+    runs = _runs(table.get, list(range(len(values))))
+    total: Counter = Counter()
+    for v, n in runs:
+        total[v] += n
+    assert total == Counter(values)
+    assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))   # runs, not single keys
