@@ -10,17 +10,7 @@ from indexer.events import BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import prompt_keys
 from indexer.recency import RATE_WINDOW_S, BlockRecency
-
-BS = 4
-MODEL = "m"
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+from tests.test_index import BS, MODEL, Clock  # the index tests' block size, model and settable clock
 
 
 def evict(rec, pod, n, clock, dt=0.0):
