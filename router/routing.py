@@ -368,6 +368,9 @@ class Router:
             self.speculate(route.pod_id, plan.keys)  # the decode pod stores the blocks it reads
             held = (route.prefill_pod, route.pod_id)
         recency = getattr(self.index, "recency", None)
+        # only a pod that publishes KV events reports its evictions: elsewhere the last-use times
+        # would never be read, so they are not kept
+        held = tuple(pod_id for pod_id in held if pod_id in self._with_events)
         if recency is not None:
             check = plan.snapshot.candidate(route.prefill_pod).evicting_check
             if 0 <= check < len(plan.keys):
