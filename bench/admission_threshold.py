@@ -68,6 +68,25 @@ def load(kind: str, rate: float, seed: int, duration: float) -> tuple[list, list
     return specs, arrivals
 
 
+def table(rows: list[dict]) -> str:
+    """Met / admitted and late over all requests sent, a world a line and a value a column, then the mean."""
+    values = list(dict.fromkeys(r["value"] for r in rows))
+    names = list(dict.fromkeys(r["world"] for r in rows))
+    at = {(r["world"], r["value"]): r for r in rows}
+    held = {r["world"]: r["held_out"] for r in rows}
+    lines = ["| world | " + " | ".join(f"{v:g}" for v in values) + " |", "|---|" + "---|" * len(values)]
+    for w in names:
+        cells = [f"{100 * at[(w, v)]['met']:.1f} % / {100 * (at[(w, v)]['admitted_late'] or 0):.1f} %" for v in values]
+        lines.append(f"| {w}{' (held out)' if held[w] else ''} | " + " | ".join(cells) + " |")
+    means = []
+    for v in values:
+        met = sum(at[(w, v)]["met"] for w in names) / len(names)
+        late = sum(at[(w, v)]["admitted_late"] or 0 for w in names) / len(names)
+        means.append(f"**{100 * met:.1f} %** / {100 * late:.2f} %")
+    lines.append(f"| **mean of the {len(names)}** | " + " | ".join(means) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--values", default="0.5,0.25,0.1,0.05",
@@ -76,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="a router setting for every row (a JSON value, else a string); repeatable")
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "admission_threshold.json"))
+    ap.add_argument("--print", action="store_true", help="run nothing: print the table of --out (for the docs)")
     args = ap.parse_args(argv)
+    if args.print:
+        print(table(json.loads(Path(args.out).read_text())["rows"]))
+        return 0
     values = [float(v) for v in args.values.split(",") if v.strip()]
     fixed: dict = {}
     for item in args.set:
