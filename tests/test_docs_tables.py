@@ -22,5 +22,6 @@ def test_the_docs_show_the_tables_of_the_committed_results(bench):
     assert tables.count("\n| ") >= 15  # rows were printed
     docs = (ROOT / "docs" / "router.md").read_text()
     missing = [line for line in tables.splitlines() if line and line not in docs]
-    assert not missing, f"docs/router.md lacks {len(missing)} lines of `python bench/{bench.__name__.split('.')[-1]}.py --print`"
+    name = bench.__name__.split(".")[-1]
+    assert not missing, f"docs/router.md lacks {len(missing)} lines of `python bench/{name}.py --print`"
     assert tables in docs, "docs/router.md has the lines but not as printed (rerun the bench's --print)"
