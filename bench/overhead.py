@@ -3,9 +3,11 @@
 Everything runs on this machine over loopback: a fast static backend (raw asyncio + httptools,
 answering every completion with the same small JSON), and in front of it, one at a time, kvroute
 (``kvroute serve``, one process and two workers), vllm-router (``cache_aware``) when it is
-installed, and three bare FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream
-client (``router/upstream.py``), to re-measure the client choice. The load generator is also raw
-asyncio + httptools with pre-built requests, so it costs little CPU.
+installed, three bare FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream
+client (``router/upstream.py``), to re-measure the client choice, and the floor of any Python
+proxy here: a raw asyncio + httptools server on uvloop forwarding with kvroute's client, no
+framework and no routing, in one and two processes. The load generator is also raw asyncio +
+httptools with pre-built requests, so it costs little CPU.
 
     python bench/overhead.py [--seconds 5] [--connections 32] [--peers-venv /tmp/peers-venv]
     python bench/overhead.py --sizes 20,1000,8000,32000 [--kinds chat,completion] --json results/overhead_sizes.json
@@ -164,6 +166,56 @@ def run_bare_proxy(port: int, upstream: str, client: str) -> None:
 
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error",
                 access_log=False)
+
+
+class _RawProxy(asyncio.Protocol):
+    """The least a Python proxy can do per request: httptools' parser in, kvroute's upstream client
+    out, the answer written back; no framework, no parsing of the body, no routing."""
+
+    def __init__(self, client, upstream: str):
+        import httptools
+
+        self.client, self.url = client, upstream + "/v1/completions"
+        self.parser = httptools.HttpRequestParser(self)
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def on_body(self, body):
+        self.body.append(body)
+
+    def on_message_complete(self):
+        body, self.body = b"".join(self.body), []
+        asyncio.get_running_loop().create_task(self._forward(body))
+
+    async def _forward(self, body: bytes):
+        resp = await self.client.post(self.url, body, {"content-type": "application/json"})
+        data = await resp.read()
+        resp.release()
+        self.t.write(_response(b"200 OK", data))
+
+    def data_received(self, data):
+        try:
+            self.parser.feed_data(data)
+        except Exception:
+            self.t.close()
+
+
+def run_raw_proxy(port: int, upstream: str) -> None:
+    """One process of the raw proxy floor; several bind the same port (SO_REUSEPORT), as workers do."""
+    import uvloop
+
+    from router.upstream import UpstreamClient
+
+    async def main():
+        client = UpstreamClient()
+        server = await asyncio.get_running_loop().create_server(lambda: _RawProxy(client, upstream), "127.0.0.1",
+                                                                port, backlog=1024, reuse_port=True)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "backend":
         run_backend(args.port)
         return 0
+    if args.role == "proxy-raw":
+        run_raw_proxy(args.port, args.upstream)
+        return 0
     if args.role in ("proxy-aiohttp", "proxy-httpx", "proxy-kvroute"):
         run_bare_proxy(args.port, args.upstream, args.role.split("-")[1])
         return 0
@@ -532,16 +587,16 @@ def main(argv: list[str] | None = None) -> int:
             pass
         elif peer.exists():
             vport = free_port()
-            vr = spawn([str(peer), "--port", str(vport), "--worker-urls", upstream, "--policy", "cache_aware",
+            vproc = spawn([str(peer), "--port", str(vport), "--worker-urls", upstream, "--policy", "cache_aware",
                         "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"])
-            procs.append(vr)
+            procs.append(vproc)
             try:
-                wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vr, 60.0, body=PROBE)
+                wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vproc, 60.0, body=PROBE)
                 rows.append(measure("vllm-router (cache_aware)", vport, args))
             except (RuntimeError, TimeoutError) as exc:
                 print(f"  vllm-router: could not run here: {exc}")
                 rows.append({"target": "vllm-router (cache_aware)", "error": str(exc)[:200]})
-            stop_process(vr)
+            stop_process(vproc)
         else:
             print(f"  vllm-router: not installed in {args.peers_venv} (see the docstring); row skipped")
             rows.append({"target": "vllm-router (cache_aware)", "error": "not installed"})
@@ -556,6 +611,21 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
             rows.append(measure(f"bare FastAPI + {'kvroute client' if client == 'kvroute' else client}", pport, args))
             stop_process(px)
+
+        # the floor of any Python proxy here: no framework and no routing, in 1 and 2 processes
+        for nprocs in (1, 2):
+            if f"proxy-raw-{nprocs}" in skip:
+                continue
+            pport = free_port()
+            floor_procs = [spawn([sys.executable, __file__, "--role", "proxy-raw", "--port", str(pport),
+                                  "--upstream", upstream]) for _ in range(nprocs)]
+            procs.extend(floor_procs)
+            for px in floor_procs:
+                wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
+            time.sleep(0.5)
+            rows.append(measure(f"raw Python proxy, {nprocs} process{'es' if nprocs > 1 else ''}", pport, args))
+            for px in floor_procs:
+                stop_process(px)
     finally:
         for p in procs:
             stop_process(p)
@@ -569,8 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     added = kvr["c1_p50_ms"] - direct["c1_p50_ms"]
     ratio = f"{kvr[key] / vr[key]:.2f}x vllm-router's {vr[key]:.0f}" if vr else "vllm-router not measured"
     two = f" (2 workers: {kv2[key]:.0f} req/s = {kv2[key] / vr[key]:.2f}x)" if kv2 and vr else ""
+    floor_row = next((r for r in rows if r["target"].startswith("raw Python proxy, 1")), None)
+    floor_text = (f"; a raw Python proxy {floor_row[key]:.0f} req/s = {floor_row[key] / vr[key]:.2f}x"
+                  if floor_row and vr else "")
     print(f"kvroute added p50 latency {added:.3f} ms at 1 connection; {kvr[key]:.0f} req/s at "
-          f"{args.connections} connections = {ratio}{two}")
+          f"{args.connections} connections = {ratio}{two}{floor_text}")
     return 0
 
 
