@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         elif peer.exists():
             vport = free_port()
             vproc = spawn([str(peer), "--port", str(vport), "--worker-urls", upstream, "--policy", "cache_aware",
-                        "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"])
+                           "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"])
             procs.append(vproc)
             try:
                 wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vproc, 60.0, body=PROBE)
