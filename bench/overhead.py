@@ -4,9 +4,10 @@ Everything runs on this machine over loopback: a fast static backend (raw asynci
 answering every completion with the same small JSON), and in front of it, one at a time, kvroute
 (``kvroute serve``, one process and two workers), vllm-router (``cache_aware``) when it is
 installed, three bare FastAPI proxies, on aiohttp, on httpx and on kvroute's own upstream
-client (``router/upstream.py``), to re-measure the client choice, and the floor of any Python
-proxy here: a raw asyncio + httptools server on uvloop forwarding with kvroute's client, no
-framework and no routing, in one and two processes. The load generator is also raw asyncio +
+client (``router/upstream.py``), to re-measure the client choice, kvroute's server stack without
+its routing (uvicorn calling a plain ASGI function, as kvroute's ``/v1/*`` fast path is called),
+and the floor of any Python proxy here: a raw asyncio + httptools server on uvloop forwarding with
+kvroute's client, no framework and no routing, in one and two processes. The load generator is also raw asyncio +
 httptools with pre-built requests, so it costs little CPU.
 
     python bench/overhead.py [--seconds 5] [--connections 32] [--peers-venv /tmp/peers-venv]
@@ -200,6 +201,39 @@ class _RawProxy(asyncio.Protocol):
             self.parser.feed_data(data)
         except Exception:
             self.t.close()
+
+
+def run_asgi_proxy(port: int, upstream: str) -> None:
+    """kvroute's server stack without its routing: uvicorn (httptools, uvloop) calling a plain ASGI
+    function that reads the body, forwards it with kvroute's client and answers with a Starlette
+    ``Response``, as kvroute's fast path for ``/v1/*`` does (``router/api.py`` KVRouteApp)."""
+    import uvicorn
+    from starlette.responses import Response
+
+    from router.upstream import UpstreamClient
+
+    clients: list = []
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                clients.append(UpstreamClient())
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        resp = await clients[0].post(upstream + "/v1/completions", body, {"content-type": "application/json"})
+        data = await resp.read()
+        resp.release()
+        await Response(data, status_code=resp.status, media_type="application/json")(scope, receive, send)
+
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error",
+                access_log=False)
 
 
 def run_raw_proxy(port: int, upstream: str) -> None:
@@ -547,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "proxy-raw":
         run_raw_proxy(args.port, args.upstream)
         return 0
+    if args.role == "proxy-asgi":
+        run_asgi_proxy(args.port, args.upstream)
+        return 0
     if args.role in ("proxy-aiohttp", "proxy-httpx", "proxy-kvroute"):
         run_bare_proxy(args.port, args.upstream, args.role.split("-")[1])
         return 0
@@ -612,6 +649,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(f"bare FastAPI + {'kvroute client' if client == 'kvroute' else client}", pport, args))
             stop_process(px)
 
+        if "proxy-asgi" not in skip:  # kvroute's server stack without its routing
+            pport = free_port()
+            px = spawn([sys.executable, __file__, "--role", "proxy-asgi", "--port", str(pport), "--upstream", upstream])
+            procs.append(px)
+            wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
+            rows.append(measure("uvicorn + plain ASGI + kvroute client", pport, args))
+            stop_process(px)
         # the floor of any Python proxy here: no framework and no routing, in 1 and 2 processes
         for nprocs in (1, 2):
             if f"proxy-raw-{nprocs}" in skip:
