@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -101,6 +102,20 @@ DEMO_POLICIES = [
 ]
 
 
+def write_summary(args: argparse.Namespace, rows: list[dict[str, Any]], objective_s: float,
+                  out: Callable[[str], None] = print) -> Path:
+    """The demo's table as JSON (``--json``, else ``summary.json`` in ``--out``): the options it ran
+    with, the date, and one row per policy as printed, so a table quoted elsewhere can name its file."""
+    path = Path(args.json) if args.json else Path(args.out) / ("real-summary.json" if args.real else "summary.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options = {k: v for k, v in vars(args).items() if k not in ("json", "out")}
+    path.write_text(json.dumps({"command": "kvroute demo", "options": options, "objective_s": objective_s,
+                                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows},
+                               indent=2, default=str) + "\n")
+    out(f"summary: {path}")
+    return path
+
+
 def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
     from replay.arrivals import poisson
@@ -142,6 +157,7 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
     plot = save_plot(results, workdir / "demo-ttft-cdf.png", args.objective,
                      f"TTFT, {args.pods} simulated pods, {args.rate:g} req/s")
     out(f"\nplot: {plot}")
+    write_summary(args, [row(r) for r in results], args.objective, out)
     return 0 if all(not r["error"] for r in results) else 1
 
 
@@ -190,6 +206,7 @@ def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> i
         out("")
         out(format_rows(results, args.real_objective))
         out("\nhit rate from the engines' own vllm:prefix_cache_* counters; TTFT measured by the client")
+        write_summary(args, results, args.real_objective, out)
     finally:
         rv.stop_all(engines, remove_scratch=True)
     return 0
@@ -211,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="*", default=None, help="only these policies")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--out", default="results/demo", help="folder for the plot and logs (default: results/demo)")
+    p.add_argument("--json", default=None,
+                   help="write the table's rows here as JSON (default: summary.json in --out; real-summary.json "
+                        "with --real)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="show one prefix-cache hit on bare simulated pods instead of the policy comparison")
     p.add_argument("--sections", type=int, default=40,
