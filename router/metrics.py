@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -48,6 +48,9 @@ class RouterMetrics:
                                          "tokenize (tokenizer: remote), routed on load alone, by reason",
                                          ["reason"], registry=r)
         self.client_disconnects = Counter("kvroute_client_disconnects", "Streams the client left early", registry=r)
+        self.gc_frozen_objects = Gauge("kvroute_gc_frozen_objects", "Objects alive at start-up that kvroute serve "
+                                       "moved out of the garbage collector's full collections (gc.freeze)",
+                                       registry=r)
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)

@@ -35,8 +35,10 @@ def worker_app():
     from kvcommon.settings import build_settings
 
     bus = os.environ.get(_BUS_ENV, "").split()
-    return build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])),
-                     bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 else None)
+    app = build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])),
+                    bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 else None)
+    app.state.freeze_gc = True  # router.api.freeze_startup_heap, once the worker has started
+    return app
 
 
 def _reloader(argv: list[str] | None):
@@ -109,5 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         app = build_app(settings)
         app.state.reload_settings = _reloader(argv)  # SIGHUP re-reads API keys and rate limits
+        app.state.freeze_gc = True  # router.api.freeze_startup_heap, once the router has started
         uvicorn.run(app, **common)
     return 0

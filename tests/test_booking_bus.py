@@ -451,14 +451,19 @@ async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path, key
                          for k in range(burst)]
                 await asyncio.sleep(1.0)  # every request routed; the first answers take ~1 s, the last ~8 s
                 views: dict[str, float] = {}
+                frozen: dict[str, float] = {}
                 for _ in range(20):
-                    origin, booked = scrape((await c.get(base + "/metrics")).text)
+                    text = (await c.get(base + "/metrics")).text
+                    origin, booked = scrape(text)
                     views[origin] = booked
+                    got = re.search(r"^kvroute_gc_frozen_objects (\S+)$", text, re.M)
+                    frozen[origin] = float(got.group(1)) if got else 0.0
                     if len(views) == 2:
                         break
                 results = await asyncio.gather(*sends)
                 assert all(r.status_code == 200 for r in results)
     assert len(views) == 2, f"/metrics reached one worker only: {views}"
+    assert all(n > 10_000 for n in frozen.values()), frozen  # each worker froze its own start-up heap
     # each worker sees the whole burst booked (less what has had its first token already), not its share
     assert all(v >= burst - 3 for v in views.values()), views
 

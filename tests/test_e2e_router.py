@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 import httpx
@@ -73,6 +74,9 @@ def test_follow_up_turn_lands_on_the_pod_holding_its_prefix(tmp_path):
                 assert all(ln["observed_s"] > 0 and ln["predicted_s"] > 0 and ln["work_tokens"] > 0 for ln in lines)
                 time.sleep(0.5)  # speculative credit (0.2 s) expires: only real events remain
                 metrics = c.get("/metrics").text
+                # kvroute serve moved its start-up heap (~78,000 objects) out of full collections
+                frozen = re.search(r"^kvroute_gc_frozen_objects (\S+)$", metrics, re.M)
+                assert frozen is not None and float(frozen.group(1)) > 10_000
                 for pod in set(first_pods.values()):
                     line = next(ln for ln in metrics.splitlines()
                                 if ln.startswith(f'kvroute_pod_index_blocks{{pod="{pod}"}}'))
