@@ -63,13 +63,35 @@ def real_env() -> rv.RealEnv:
         pytest.fail(f"{exc} (or deselect these tests with -m 'not real_vllm')", pytrace=False)
 
 
+# the session's scratch folder while it exists, for the failure report below
+_scratch: list[Path] = []
+LOG_TAIL_CHARS = 4000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed real-vLLM test reports the tail of every engine's log: the folder is removed when the
+    session ends, and CI keeps only what pytest printed (twice a NIXL decode never answered in CI and
+    the logs that could have said why were gone)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and report.when == "call" and _scratch:
+        for log in sorted(_scratch[0].glob("*.log")):
+            report.sections.append((f"engine log {log.name}, last {LOG_TAIL_CHARS} characters",
+                                    log.read_text(errors="replace")[-LOG_TAIL_CHARS:]))
+
+
 @pytest.fixture(scope="session")
 def real_scratch() -> Iterator[Path]:
     """The engines' logs and scratch files: a folder of their own, not pytest's rotating tmp folders
     (a later pytest session removes the oldest of those, under engines still running from it)."""
     path = Path(tempfile.mkdtemp(prefix="kvroute-real-vllm-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    _scratch.append(path)
+    try:
+        yield path
+    finally:
+        _scratch.remove(path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _AggPair:
