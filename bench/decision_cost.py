@@ -1,0 +1,111 @@
+"""What one routing decision costs in Python, by fleet size, in one process with no network.
+
+A ``Router`` built as ``kvroute simulate`` builds it (healthy pods that publish KV events, the
+default policy and settings, a byte tokenizer) routes the same small completion over and over:
+``plan`` (tokenize, block keys, index lookup, fleet snapshot, prediction and ranking per pod) then
+``book`` and ``finish`` (the ledger, the speculative credit, the metrics). This is the part of a
+request's time that grows with the fleet; the HTTP side is ``bench/overhead.py``'s.
+
+    python bench/decision_cost.py [--pods 1,8,32] [--requests 3000] [--repeats 7] [--json PATH]
+
+Each figure is the best of ``--repeats`` timed passes of ``--requests`` decisions (after a warm-up
+pass), in microseconds per decision, with the garbage collector off while timing. The last line
+printed is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from indexer.index import PrefixIndex  # noqa: E402
+from indexer.tokens import ByteTokenizer  # noqa: E402
+from router.config import PodConfig, RouterSettings  # noqa: E402
+from router.metrics import RouterMetrics  # noqa: E402
+from router.pods import PodRegistry  # noqa: E402
+from router.routing import Router  # noqa: E402
+
+BLOCK_SIZE = 16
+BODY = {"model": "sim-model", "max_tokens": 16,
+        "prompt": "Say hello to the router, please: one two three four five six seven eight nine"}
+
+
+def build_router(pods: int) -> Router:
+    configs = [PodConfig(id=f"pod-{i}", url=f"http://pod-{i}.invalid:8000", model="sim-model",
+                         kv_events=[f"tcp://pod-{i}.invalid:5557"]) for i in range(pods)]
+    settings = RouterSettings(pods=configs, block_size=BLOCK_SIZE)
+    registry = PodRegistry(settings.pods)
+    for state in registry.pods.values():
+        state.healthy = state.checked = True
+        state.block_size, state.num_gpu_blocks = BLOCK_SIZE, 10_000
+    index = PrefixIndex(block_size=BLOCK_SIZE, max_blocks_per_pod=settings.index_max_blocks_per_pod,
+                        tier_weights=dict(settings.tier_weights), speculative_ttl_s=settings.speculative_ttl_s)
+    for p in settings.pods:
+        index.add_pod(p.id, p.model, approximate=not p.kv_events)
+    return Router(settings, registry, index, cast(Any, ByteTokenizer()), RouterMetrics(), block_size=BLOCK_SIZE)
+
+
+def cost_us(pods: int, requests: int, repeats: int) -> float:
+    router = build_router(pods)
+    headers: dict[str, str] = {}
+
+    def one() -> None:
+        plan = router.plan("completion", BODY, headers)
+        chosen = plan.decision.chosen
+        assert chosen is not None, "the decision rejected the request"
+        router.finish(router.book(plan, chosen))
+
+    for _ in range(requests):
+        one()
+    best = float("inf")
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(requests):
+                one()
+            best = min(best, (time.perf_counter() - started) / requests * 1e6)
+    finally:
+        gc.enable()
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pods", default="1,8,32", help="fleet sizes, comma-separated")
+    ap.add_argument("--requests", type=int, default=3000, help="decisions per timed pass")
+    ap.add_argument("--repeats", type=int, default=7, help="timed passes; the best is kept")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    sizes = [int(n) for n in args.pods.split(",") if n.strip()]
+    print(f"decision cost: Python {platform.python_version()}, {os.cpu_count()} CPUs, best of {args.repeats} "
+          f"passes of {args.requests} decisions")
+    rows = []
+    for n in sizes:
+        us = cost_us(n, args.requests, args.repeats)
+        rows.append({"pods": n, "us_per_decision": round(us, 1)})
+        print(f"  {n:>3} pods: {us:7.1f} us per decision", flush=True)
+    per_pod = ((rows[-1]["us_per_decision"] - rows[0]["us_per_decision"]) / (sizes[-1] - sizes[0])
+               if len(rows) > 1 and sizes[-1] != sizes[0] else None)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": "python bench/decision_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "rows": rows,
+            "us_per_added_pod": round(per_pod, 2) if per_pod is not None else None}, indent=2) + "\n")
+    head = ", ".join(f"{r['pods']} pods {r['us_per_decision']:.1f} us" for r in rows)
+    print(f"decision cost: {head}" + (f"; {per_pod:.2f} us per added pod" if per_pod is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
