@@ -259,8 +259,11 @@ class Router:
             seed = self._seeds[model] = key_seed(*self.target(model))
         return seed
 
-    def snapshot(self, model: str, keys: list[int], tokens: Sequence[int]) -> FleetSnapshot:
-        pods = self.registry.serving(*self.target(model))
+    def snapshot(self, model: str, keys: list[int], tokens: Sequence[int],
+                 pods: list[PodState] | None = None) -> FleetSnapshot:
+        """The fleet for one decision: ``pods`` (default: those serving ``model``)."""
+        if pods is None:
+            pods = self.registry.serving(*self.target(model))
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
@@ -304,7 +307,8 @@ class Router:
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
                               unknown_request_tokens=self.settings.unknown_request_tokens,
                               output_tokens=self.output_tokens(body))
-        snap = self.snapshot(model, keys, tokens)
+        serving = self.registry.serving(*self.target(model))
+        snap = self.snapshot(model, keys, tokens, serving)
         planner: Planner = self.pd_planner if snap.disaggregated else self.planner
         decision = planner.decide(snap, request, dry_run)
         elapsed = time.perf_counter() - started
@@ -313,7 +317,7 @@ class Router:
             if decision.pd is not None:
                 chosen = decision.pd.chosen
                 self.pd_metrics.decisions.labels(decision.pd.decider, chosen.mode if chosen else "rejected").inc()
-        pods = {p.id: p.config for p in self.registry.serving(*self.target(model))}
+        pods = {p.id: p.config for p in serving}
         return Plan(kind=kind, model=model, tokens=tokens, keys=keys, request=request, decision=decision,
                     snapshot=snap, pods=pods, routing_s=elapsed)
 

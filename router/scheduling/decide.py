@@ -18,7 +18,7 @@ from .scorers import PolicyState, Scoring, rank
 from .snapshot import Candidate, Prediction, RequestView
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, for speed: see snapshot.Candidate
 class Route:
     """How the request would be served through one pod: what to book there and what to expect.
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 
-@dataclass(frozen=True, slots=True)
+# Candidate, Prediction and decide.Route are made for every pod on every request and never changed
+# after: they are not frozen only because a frozen dataclass sets each field through
+# object.__setattr__, which made a Candidate cost 2.4 us against 0.6 us, and the decision about 3 us
+# more per pod (bench/decision_cost.py; docs/router.md). Treat them as read-only.
+@dataclass(slots=True)
 class Candidate:
     """One pod as the scheduler sees it for one request."""
 
@@ -88,7 +92,7 @@ class RequestView:
     output_tokens: int = 0  # expected output (max_tokens, else a default): the KV a decode pod must hold
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see Candidate
 class Prediction:
     """Predicted time to first token on one pod, by part, with the pod's error model: the observed
     TTFT is taken to be ``model_ttft_s x exp(e)`` with ``e ~ Normal(log_mean, log_sd)``. ``ttft_s``
