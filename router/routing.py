@@ -259,11 +259,8 @@ class Router:
             seed = self._seeds[model] = key_seed(*self.target(model))
         return seed
 
-    def snapshot(self, model: str, keys: list[int], tokens: Sequence[int],
-                 pods: list[PodState] | None = None) -> FleetSnapshot:
-        """The fleet for one decision: ``pods`` (default: those serving ``model``)."""
-        if pods is None:
-            pods = self.registry.serving(*self.target(model))
+    def snapshot(self, model: str, keys: list[int], tokens: Sequence[int], pods: list[PodState]) -> FleetSnapshot:
+        """The fleet for one decision: ``pods``, those serving ``model`` (``plan`` looks them up once)."""
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
