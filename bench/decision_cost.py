@@ -1,7 +1,7 @@
 """What one routing decision costs in Python, by fleet size, in one process with no network.
 
-A ``Router`` built as ``kvroute simulate`` builds it (healthy pods that publish KV events, the
-default policy and settings, a byte tokenizer) routes the same small completion over and over:
+A ``Router`` built by ``kvroute simulate``'s own builder (healthy pods that publish KV events,
+the default policy, a byte tokenizer; the real clock) routes the same small completion over and over:
 ``plan`` (tokenize, block keys, index lookup, fleet snapshot, prediction and ranking per pod) then
 ``book`` and ``finish`` (the ledger, the speculative credit, the metrics). This is the part of a
 request's time that grows with the fleet; the HTTP side is ``bench/overhead.py``'s.
@@ -28,31 +28,17 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from indexer.index import PrefixIndex  # noqa: E402
-from indexer.tokens import ByteTokenizer  # noqa: E402
-from router.config import PodConfig, RouterSettings  # noqa: E402
-from router.metrics import RouterMetrics  # noqa: E402
-from router.pods import PodRegistry  # noqa: E402
 from router.routing import Router  # noqa: E402
+from whatif.simulate import SimConfig, _build_router  # noqa: E402
 
-BLOCK_SIZE = 16
 BODY = {"model": "sim-model", "max_tokens": 16,
         "prompt": "Say hello to the router, please: one two three four five six seven eight nine"}
 
 
 def build_router(pods: int) -> Router:
-    configs = [PodConfig(id=f"pod-{i}", url=f"http://pod-{i}.invalid:8000", model="sim-model",
-                         kv_events=[f"tcp://pod-{i}.invalid:5557"]) for i in range(pods)]
-    settings = RouterSettings(pods=configs, block_size=BLOCK_SIZE)
-    registry = PodRegistry(settings.pods)
-    for state in registry.pods.values():
-        state.healthy = state.checked = True
-        state.block_size, state.num_gpu_blocks = BLOCK_SIZE, 10_000
-    index = PrefixIndex(block_size=BLOCK_SIZE, max_blocks_per_pod=settings.index_max_blocks_per_pod,
-                        tier_weights=dict(settings.tier_weights), speculative_ttl_s=settings.speculative_ttl_s)
-    for p in settings.pods:
-        index.add_pod(p.id, p.model, approximate=not p.kv_events)
-    return Router(settings, registry, index, cast(Any, ByteTokenizer()), RouterMetrics(), block_size=BLOCK_SIZE)
+    """``kvroute simulate``'s router for ``pods`` aggregated pods, on the real clock (no objective:
+    nothing is rejected)."""
+    return _build_router(SimConfig(pods=pods, objective_s=None), cast(Any, time.monotonic))
 
 
 def cost_us(pods: int, requests: int, repeats: int) -> float:

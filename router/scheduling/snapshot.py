@@ -16,7 +16,7 @@ from statistics import NormalDist
 
 # Candidate, Prediction and decide.Route are made for every pod on every request and never changed
 # after: they are not frozen only because a frozen dataclass sets each field through
-# object.__setattr__, which made a Candidate cost 2.4 us against 0.6 us, and the decision about 3 us
+# object.__setattr__, which made a Candidate cost 2.4 us against 0.6 us, and the decision several us
 # more per pod (bench/decision_cost.py; docs/router.md). Treat them as read-only.
 @dataclass(slots=True)
 class Candidate:
