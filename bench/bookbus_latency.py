@@ -5,7 +5,10 @@ Three processes, as in production: a sender (books at ``--rate`` per second, eac
 count carrying its send time on the shared CLOCK_MONOTONIC), a receiver (this process: a
 ``BookingBus`` on an asyncio loop, noting when each booking is applied) and, for the workers
 topology, the forwarder ``kvroute serve --workers N`` runs in its parent process. ``--topology
-replicas`` connects the receiver straight to the sender's bind, as router replicas do.
+replicas`` connects the receiver straight to the sender's bind, as router replicas do. Each row
+also has the receiver's CPU per message received (``recv_cpu_us_per_message``: the whole
+process's CPU time, its ZeroMQ I/O thread included, from the go to the sender's end, over the
+books and releases it applied; each book and release goes as its own message here).
 
     python bench/bookbus_latency.py [--topology workers|replicas] [--messages 3000] [--rate 500]
 """
@@ -105,10 +108,12 @@ async def run(topology: str, messages: int, rate: float) -> dict:
         while not recv.peers and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         latencies.clear()  # snapshots before the go
+        cpu0, got0 = time.process_time(), received(recv)
         sender.stdin.write("go\n")
         sender.stdin.flush()
         while sender.poll() is None:
             await asyncio.sleep(0.1)
+        cpu_us = (time.process_time() - cpu0) / max(received(recv) - got0, 1) * 1e6
     finally:
         await recv.stop()
         for p in procs:
@@ -121,7 +126,12 @@ async def run(topology: str, messages: int, rate: float) -> dict:
     return {"topology": topology, "messages": messages, "received": len(ms), "rate_per_s": rate,
             "lost": recv.stats.get("lost", "dropped"),
             "p50_ms": round(statistics.median(ms), 3), "p99_ms": round(pct(ms, 0.99), 3),
-            "max_ms": round(max(ms), 3), "mean_ms": round(statistics.fmean(ms), 3)}
+            "max_ms": round(max(ms), 3), "mean_ms": round(statistics.fmean(ms), 3),
+            "recv_cpu_us_per_message": round(cpu_us, 2)}
+
+
+def received(bus: BookingBus) -> int:
+    return bus.stats.get("book", "received") + bus.stats.get("release", "received")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [asyncio.run(run(t.strip(), args.messages, args.rate)) for t in args.topology.split(",") if t.strip()]
     for r in rows:
         print(f"{r['topology']:<9} {r['received']}/{r['messages']} bookings  p50 {r['p50_ms']:.3f} ms  "
-              f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  lost {r['lost']}")
+              f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  lost {r['lost']}  "
+              f"receiver CPU {r['recv_cpu_us_per_message']:.1f} us per message")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -74,7 +74,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -87,6 +86,7 @@ VERSION = 1
 _RES = {PREFILL: "p", KV: "k"}
 _RES_BACK = {"p": PREFILL, "k": KV}
 MAX_FORGOTTEN = 1024
+RECV_BATCH = 256  # messages handled per event-loop turn before yielding
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less than a full "m" message)
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -285,6 +285,7 @@ class BookingBus:
         self.key = key
         self._auth: Any = None
         self.origin = origin or new_origin()
+        self._own = _encoder.encode(self.origin)  # the origin as it appears in our own messages
         self.pub_bind, self.pub_connect = list(pub_bind), list(pub_connect)
         self.static_peers = list(sub_connect)
         self.resolve_peers = resolve_peers
@@ -309,7 +310,8 @@ class BookingBus:
         self.on_tokens: Callable[[str, list[tuple[int, array[int]]]], bool] | None = None
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
-        self._sub: Any = None
+        self._sub: zmq.Socket | None = None
+        self._fd: Any = None
         self._tasks: list[asyncio.Task] = []
 
     # ---- sending ---------------------------------------------------------------------------
@@ -388,6 +390,8 @@ class BookingBus:
     # ---- receiving -------------------------------------------------------------------------
     def handle(self, frames: list[bytes]) -> None:
         """Apply one received message; never raises."""
+        if len(frames) == 2 and frames[1][4:4 + len(self._own)] == self._own:
+            return  # our own, back through the forwarder: its origin follows version and kind
         try:
             kind, origin, seq, body = decode(frames)
         except BadFrame as exc:
@@ -488,7 +492,6 @@ class BookingBus:
 
     async def start(self) -> None:
         self._ctx = zmq.Context()
-        actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         pub.setsockopt(zmq.LINGER, 0)
@@ -502,7 +505,7 @@ class BookingBus:
             self.bound.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         for ep in self.pub_connect:
             pub.connect(ep)
-        sub = actx.socket(zmq.SUB)
+        sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
@@ -516,32 +519,35 @@ class BookingBus:
             await self._resolve_once()
         self.ledger.on_change = self.on_change
         self.publish_snapshot()
-        self._tasks = [asyncio.create_task(self._receive(), name="booking-bus-receive"),
-                       asyncio.create_task(self._tick(), name="booking-bus-tick")]
+        # a plain socket read from the loop's own reader callback: zmq.asyncio's futures and flag
+        # enums cost more than the messages' handling here (docs/router.md, "The booking bus's cost")
+        self._fd = sub.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._readable)
+        self._loop.call_soon(self._readable)  # whatever arrived before the reader was added
+        self._tasks = [asyncio.create_task(self._tick(), name="booking-bus-tick")]
         if self.resolve_peers is not None:
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="booking-bus-peers"))
 
-    async def _receive(self) -> None:
-        assert self._sub is not None
-        while True:
+    def _readable(self) -> None:
+        """Drain the SUB socket. Its descriptor signals edges, not levels: it fires again only once
+        the socket has been read dry, so this reads until ``zmq.Again``; after ``RECV_BATCH``
+        messages it yields to the event loop and goes on in a later turn."""
+        sub = self._sub
+        if sub is None:
+            return
+        for _ in range(RECV_BATCH):
             try:
-                frames = await self._sub.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # try again shortly: the descriptor may not fire again by itself
                 log.warning("booking bus: receive failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+                if self._loop is not None:
+                    self._loop.call_later(0.1, self._readable)
+                return
             self.handle(frames)
-            # then whatever else has arrived, without a trip through the event loop per message
-            for _ in range(255):
-                try:
-                    frames = await self._sub.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    break
-                self.handle(frames)
+        if self._loop is not None:
+            self._loop.call_soon(self._readable)
 
     async def _tick(self) -> None:
         while True:
@@ -572,6 +578,9 @@ class BookingBus:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self._loop is not None and self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
         if self.ledger.on_change == self.on_change:
             self.ledger.on_change = None
         for s in (self._pub, self._sub):
