@@ -300,10 +300,49 @@ def http_request(path: str, body: bytes) -> bytes:
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
+def process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their descendants now (Linux ``/proc``; just ``pids`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+    except OSError:
+        return list(pids)
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` so far (their threads included; 0 for one that is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
-               requests: list[bytes] | None = None, cursor: Iterator[int] | None = None) -> dict:
+               requests: list[bytes] | None = None, cursor: Iterator[int] | None = None,
+               pids: list[int] | None = None) -> dict:
     """``connections`` connections for ``seconds`` after ``warmup``; requests are taken in order from
-    ``cursor`` (pass one cursor to several calls to go on where the last stopped)."""
+    ``cursor`` (pass one cursor to several calls to go on where the last stopped). With ``pids`` (the
+    target's processes), also the CPU time they spent per request answered (``cpu_us_per_request``:
+    user + system, every thread and child process, over the timed part only)."""
     requests = requests or [http_request("/v1/completions", BODY)]
     cursor = cursor if cursor is not None else itertools.count()
     loop = asyncio.get_running_loop()
@@ -319,6 +358,8 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
     lat: list[float] = []
     errors: list = []
     dones, transports = [], []
+    tree = process_tree(pids) if pids else []
+    cpu0 = cpu_seconds(tree)
     started = time.perf_counter()
     stop_at = started + seconds
     for _ in range(connections):
@@ -329,6 +370,7 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
         transports.append(t)
     await asyncio.gather(*dones)
     elapsed = time.perf_counter() - started
+    cpu = cpu_seconds(tree) - cpu0
     for t in transports:
         t.close()
     lat.sort()
@@ -337,7 +379,8 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
         return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
 
     return {"requests": len(lat), "errors": len(errors), "rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99),
-            "mean_ms": statistics.fmean(lat) * 1000 if lat else float("nan")}
+            "mean_ms": statistics.fmean(lat) * 1000 if lat else float("nan"),
+            "cpu_us_per_request": cpu / len(lat) * 1e6 if tree and lat else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,17 +483,23 @@ def start_backend(procs: list[subprocess.Popen]) -> tuple[int, str]:
     return port, upstream
 
 
-def measure(name: str, port: int, args, requests: list[bytes] | None = None) -> dict:
-    """1 connection, then ``args.connections``, going on through ``requests`` in order."""
+def measure(name: str, port: int, args, requests: list[bytes] | None = None,
+            procs: list[subprocess.Popen] | None = None) -> dict:
+    """1 connection, then ``args.connections``, going on through ``requests`` in order; with ``procs``
+    (the target's processes) also their CPU per request at ``args.connections``."""
     cursor = itertools.count()
     one = asyncio.run(load(port, 1, args.seconds, requests=requests, cursor=cursor))
-    many = asyncio.run(load(port, args.connections, args.seconds, requests=requests, cursor=cursor))
+    many = asyncio.run(load(port, args.connections, args.seconds, requests=requests, cursor=cursor,
+                            pids=[p.pid for p in procs] if procs else None))
+    cpu = many["cpu_us_per_request"]
     row = {"target": name, "c1_p50_ms": one["p50_ms"], "c1_p99_ms": one["p99_ms"], "c1_rps": one["rps"],
            f"c{args.connections}_rps": many["rps"], f"c{args.connections}_p99_ms": many["p99_ms"],
+           f"c{args.connections}_cpu_us_per_request": cpu,
            "errors": one["errors"] + many["errors"], "sent": next(cursor), "distinct": len(requests or [0])}
+    cpu_text = f" {cpu:.0f} us CPU/request" if cpu is not None else ""
     print(f"  {name:<28} 1 conn: p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms ({one['rps']:.0f} req/s)   "
-          f"{args.connections} conn: {many['rps']:.0f} req/s p99 {many['p99_ms']:.2f} ms   errors {row['errors']}",
-          flush=True)
+          f"{args.connections} conn: {many['rps']:.0f} req/s p99 {many['p99_ms']:.2f} ms{cpu_text}   "
+          f"errors {row['errors']}", flush=True)
     return row
 
 
@@ -525,7 +574,8 @@ def sized(args) -> int:
             for kind in kinds:
                 for size in sizes:
                     requests, mean = workload[(kind, size)]
-                    row = measure(f"{name} @ {kind} {mean:.0f} tokens", port, args, requests)
+                    row = measure(f"{name} @ {kind} {mean:.0f} tokens", port, args, requests,
+                                  procs=[proc] if proc is not None else procs[:1])
                     out["rows"].append({**row, "target": name, "kind": kind, "size": size,
                                         "mean_prompt_tokens": mean})
             if size_big := max(sizes):
@@ -600,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         bport, upstream = start_backend(procs)
         print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
               f"static backend on :{bport}")
-        rows.append(measure("direct", bport, args))
+        rows.append(measure("direct", bport, args, procs=procs[:1]))
 
         # 2 workers with the booking bus (the default) and without it, to show what sharing costs
         for workers, bus in ((1, True), (2, True), (2, False)):
@@ -616,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             if workers > 1:
                 time.sleep(2.0)  # let every worker finish starting
             name = f"kvroute ({workers} worker{'s' if workers > 1 else ''}{'' if bus else ', no booking bus'})"
-            rows.append(measure(name, kport, args))
+            rows.append(measure(name, kport, args, procs=[kv]))
             stop_process(kv)
 
         peer = Path(args.peers_venv) / "bin" / "vllm-router"
@@ -629,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(vproc)
             try:
                 wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vproc, 60.0, body=PROBE)
-                rows.append(measure("vllm-router (cache_aware)", vport, args))
+                rows.append(measure("vllm-router (cache_aware)", vport, args, procs=[vproc]))
             except (RuntimeError, TimeoutError) as exc:
                 print(f"  vllm-router: could not run here: {exc}")
                 rows.append({"target": "vllm-router (cache_aware)", "error": str(exc)[:200]})
@@ -646,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--upstream", upstream])
             procs.append(px)
             wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
-            rows.append(measure(f"bare FastAPI + {'kvroute client' if client == 'kvroute' else client}", pport, args))
+            rows.append(measure(f"bare FastAPI + {'kvroute client' if client == 'kvroute' else client}", pport, args,
+                                procs=[px]))
             stop_process(px)
 
         if "proxy-asgi" not in skip:  # kvroute's server stack without its routing
@@ -654,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             px = spawn([sys.executable, __file__, "--role", "proxy-asgi", "--port", str(pport), "--upstream", upstream])
             procs.append(px)
             wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
-            rows.append(measure("uvicorn + plain ASGI + kvroute client", pport, args))
+            rows.append(measure("uvicorn + plain ASGI + kvroute client", pport, args, procs=[px]))
             stop_process(px)
         # the floor of any Python proxy here: no framework and no routing, in 1 and 2 processes
         for nprocs in (1, 2):
@@ -667,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             for px in floor_procs:
                 wait_ready(f"http://127.0.0.1:{pport}/v1/completions", px, body=PROBE)
             time.sleep(0.5)
-            rows.append(measure(f"raw Python proxy, {nprocs} process{'es' if nprocs > 1 else ''}", pport, args))
+            rows.append(measure(f"raw Python proxy, {nprocs} process{'es' if nprocs > 1 else ''}", pport, args,
+                                procs=floor_procs))
             for px in floor_procs:
                 stop_process(px)
     finally:
