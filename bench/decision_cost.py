@@ -11,6 +11,16 @@ request's time that grows with the fleet; the HTTP side is ``bench/overhead.py``
 Each figure is the best of ``--repeats`` timed passes of ``--requests`` decisions (after a warm-up
 pass), in microseconds per decision, with the garbage collector off while timing. The last line
 printed is the headline.
+
+    python bench/decision_cost.py --instructions [--pods 1,32] [--json PATH]
+
+counts the CPU instructions of a decision instead, under valgrind's callgrind (``valgrind`` on the
+path; about a minute per fleet size): the script runs itself twice per size with
+``PYTHONHASHSEED=0``, ``SMALL`` and ``LARGE`` decisions (each a warm-up pass and one timed pass),
+and the difference of the two totals over the difference in decisions is the instructions of one
+decision, start-up excluded. The same tree gives the same count to a fraction of a percent
+whatever else the machine does, where the timings above move by up to 40 % on this machine; use
+it to compare two trees.
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ import gc
 import json
 import os
 import platform
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,14 +79,55 @@ def cost_us(pods: int, requests: int, repeats: int) -> float:
     return best
 
 
+SMALL, LARGE = 100, 600  # --instructions: decisions per pass of the two runs whose totals are subtracted
+
+
+def instructions(pods: int, requests: int) -> int:
+    """Instructions callgrind counts for this script's whole run at ``pods`` and ``requests``."""
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                          __file__, "--pods", str(pods), "--requests", str(requests), "--repeats", "1"],
+                         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=900)
+    found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"valgrind failed (rc {out.returncode}): {out.stderr[-500:]}")
+    return int(found.group(1))
+
+
+def count_main(sizes: list[int], json_path: str | None, argv: list[str]) -> int:
+    if shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (apt-get install valgrind)")
+        return 2
+    print(f"decision instructions: Python {platform.python_version()}, callgrind, runs of {SMALL} and {LARGE} "
+          "decisions per pass (a warm-up and one timed pass each)")
+    rows = []
+    for n in sizes:
+        per = (instructions(n, LARGE) - instructions(n, SMALL)) / (2 * (LARGE - SMALL))
+        rows.append({"pods": n, "instructions_per_decision": round(per)})
+        print(f"  {n:>3} pods: {per:,.0f} instructions per decision", flush=True)
+    per_pod = ((rows[-1]["instructions_per_decision"] - rows[0]["instructions_per_decision"]) / (sizes[-1] - sizes[0])
+               if len(rows) > 1 and sizes[-1] != sizes[0] else None)
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "command": "python bench/decision_cost.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
+            "python": platform.python_version(), "rows": rows,
+            "instructions_per_added_pod": round(per_pod) if per_pod is not None else None}, indent=2) + "\n")
+    head = ", ".join(f"{r['pods']} pods {r['instructions_per_decision']:,}" for r in rows)
+    print(f"decision instructions: {head}" + (f"; {per_pod:,.0f} per added pod" if per_pod is not None else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pods", default="1,8,32", help="fleet sizes, comma-separated")
     ap.add_argument("--requests", type=int, default=3000, help="decisions per timed pass")
     ap.add_argument("--repeats", type=int, default=7, help="timed passes; the best is kept")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions per decision under callgrind instead of timing (slow, repeatable)")
     args = ap.parse_args(argv)
     sizes = [int(n) for n in args.pods.split(",") if n.strip()]
+    if args.instructions:
+        return count_main(sizes, args.json, argv if argv is not None else sys.argv[1:])
     print(f"decision cost: Python {platform.python_version()}, {os.cpu_count()} CPUs, best of {args.repeats} "
           f"passes of {args.requests} decisions")
     rows = []

@@ -40,10 +40,10 @@ class PodState:
     num_gpu_blocks: int | None = None
     last_scrape: float | None = None
     scrape_errors: int = 0
+    id: str = field(init=False, repr=False)  # config.id, read several times per pod in every decision
 
-    @property
-    def id(self) -> str:
-        return self.config.id
+    def __post_init__(self) -> None:
+        self.id = self.config.id
 
 
 @dataclass
@@ -156,16 +156,21 @@ class PodRegistry:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._pages: dict[str, tuple[float, asyncio.Future[str]]] = {}  # metrics URL -> (fetched at, page)
+        self._models: list[str] | None = None  # models()' answer until the membership changes
 
     # ---- queries -------------------------------------------------------------------------
     def healthy(self) -> list[PodState]:
         return [p for p in self.pods.values() if p.healthy and p.ready]
 
     def models(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for p in self.pods.values():
-            seen.setdefault(p.config.model, None)
-        return list(seen)
+        """The base models the fleet's pods serve, in the order they joined (kept until a pod joins
+        or leaves: several lookups per request read it)."""
+        if self._models is None:
+            self._models = list(dict.fromkeys(p.config.model for p in self.pods.values()))
+        return list(self._models)
+
+    def serves_model(self, model: str) -> bool:
+        return model in (self._models if self._models is not None else self.models())
 
     def adapters(self) -> dict[str, str]:
         """LoRA adapter name -> the base model of the pods that serve it (the first pod's, if they differ)."""
@@ -313,6 +318,7 @@ class PodRegistry:
             raise ValueError(f"pod {config.id} is already in the fleet")
         pod = PodState(config, ready=ready)
         self.pods[config.id] = pod
+        self._models = None
         if self._session is not None:
             self._poll(pod)
         return pod
@@ -326,6 +332,7 @@ class PodRegistry:
     def remove(self, pod_id: str) -> PodState | None:
         """A pod leaves: it stops being a candidate at once and its polling stops."""
         pod = self.pods.pop(pod_id, None)
+        self._models = None
         for t in self._tasks.pop(pod_id, []):
             t.cancel()
         return pod

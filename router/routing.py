@@ -205,20 +205,20 @@ class Router:
         """The model the request names: a base model or a LoRA adapter some pod serves (as vLLM, which
         takes an adapter's name as the ``model``)."""
         model = body.get("model")
-        models = self.registry.models()
         if model is None:
+            models = self.registry.models()
             if not models:
                 raise APIError(503, "no pods are configured")
             return models[0]
         if not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model")
-        if model not in models and model not in self.registry.adapters():
+        if not self.registry.serves_model(model) and model not in self.registry.adapters():
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
 
     def target(self, model: str) -> tuple[str, str | None]:
         """``(base model, adapter)`` for a name ``resolve_model`` returned (adapter None for a base model)."""
-        if model in self.registry.models():
+        if self.registry.serves_model(model):
             return model, None
         base = self.registry.adapters().get(model)
         return (base, model) if base is not None else (model, None)
