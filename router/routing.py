@@ -91,19 +91,20 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: Seq
     bs = block_size
     cands, kv = [], {}
     for p in pods:
-        cal = calibrator.pod(p.id)
+        pid, config = p.id, p.config
+        cal = calibrator.pod(pid)
         error = cal.error_model()
-        queue = ledger.queued_tokens(p.id, cal.rate)
-        m = matches.get(p.id)
+        queue = ledger.queued_tokens(pid, cal.rate)
+        m = matches.get(pid)
         if m is not None:
             blocks = int(m.blocks)
-            by_tier = {str(t): int(b) * bs for t, b in (m.by_tier or {}).items()}
+            by_tier = {str(t): int(b) * bs for t, b in m.by_tier.items()} if m.by_tier else {}
             effective = float(m.weighted) * bs
             evicting, check = 0, -1
-            if recency is not None and blocks and set(by_tier) <= {DEFAULT_TIER}:
+            if recency is not None and blocks and (not by_tier or by_tier.keys() == {DEFAULT_TIER}):
                 # blocks the pod should evict before this request would start there are counted as
                 # work, in the share that such expectations have come true lately (indexer.recency)
-                keep = recency.surviving(p.id, keys, blocks, now + queue / max(cal.rate, 1e-9))
+                keep = recency.surviving(pid, keys, blocks, now + queue / max(cal.rate, 1e-9))
                 if keep < blocks:
                     evicting, check = blocks - keep, (keep + blocks) // 2
                     lost = round(evicting * recency.precision())
@@ -115,20 +116,20 @@ def take_snapshot(model: str, pods: list[PodState], keys: list[int], tokens: Seq
         else:
             cached, by_tier, effective, evicting, check = 0, {}, 0.0, 0, -1
         cands.append(Candidate(
-            pod_id=p.id, role=p.config.role, model=p.config.model,
+            pod_id=pid, role=config.role, model=config.model,
             waiting=p.waiting, running=p.running, kv_usage=p.kv_usage,
-            inflight_requests=ledger.inflight(p.id),
+            inflight_requests=ledger.inflight(pid),
             queue_tokens=queue,
             prefill_tokens_per_s=cal.rate, overhead_s=cal.overhead_s, per_running_s=cal.per_running_s,
             log_error_mean=error[0], log_error_sd=error[1], error_by_size=cal.error_table(),
             cached_tokens=cached, cached_by_tier=by_tier, effective_cached_tokens=effective,
             evicting_tokens=evicting * bs, evicting_check=check,
-            tiebreak=((anchor ^ salts.get(p.id, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
+            tiebreak=((anchor ^ salts.get(pid, 0)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
         ))
-        if p.config.role == "decode":
-            active, booked = ledger.kv_booked(p.id)
+        if config.role == "decode":
+            active, booked = ledger.kv_booked(pid)
             capacity = p.num_gpu_blocks * (p.block_size or bs) if p.num_gpu_blocks else None
-            kv[p.id] = KVRoom(capacity_tokens=capacity, booked_tokens=booked, active_requests=active)
+            kv[pid] = KVRoom(capacity_tokens=capacity, booked_tokens=booked, active_requests=active)
     return FleetSnapshot(model=model, candidates=tuple(cands), kv=kv)
 
 

@@ -66,8 +66,9 @@ def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scori
     predictions = {c.pod_id: predictor(c, request) for c in candidates}
     ranked = rank(candidates, request, predictions, scoring, state, slack, miss_tolerance)
     verdict = admit(predictions.values(), request, admission, slack, miss_tolerance)
-    routes = {c.pod_id: Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=predictions[c.pod_id],
-                              ttft_s=predictions[c.pod_id].ttft_s,
-                              cached_tokens=min(int(c.effective_cached_tokens), request.prompt_tokens))
-              for c in candidates}
+    routes = {}
+    for c in candidates:
+        p = predictions[c.pod_id]
+        routes[c.pod_id] = Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=p, ttft_s=p.ttft_s,
+                                 cached_tokens=min(int(c.effective_cached_tokens), request.prompt_tokens))
     return Decision(ranked=ranked, predictions=predictions, verdict=verdict, routes=routes)
