@@ -16,11 +16,12 @@ printed is the headline.
 
 counts the CPU instructions of a decision instead, under valgrind's callgrind (``valgrind`` on the
 path; about a minute per fleet size): the script runs itself twice per size with
-``PYTHONHASHSEED=0``, ``SMALL`` and ``LARGE`` decisions (each a warm-up pass and one timed pass),
-and the difference of the two totals over the difference in decisions is the instructions of one
-decision, start-up excluded. The same tree gives the same count to a fraction of a percent
-whatever else the machine does, where the timings above move by up to 40 % on this machine; use
-it to compare two trees.
+``PYTHONHASHSEED=0`` and the garbage collector off from the start (a full collection's cost
+depends on where in the run it falls), ``SMALL`` and ``LARGE`` decisions (each a warm-up pass and
+one timed pass), and the difference of the two totals over the difference in decisions is the
+instructions of one decision, start-up excluded. Use it to compare two trees: the same tree's
+count repeats closely whatever else the machine does, where the timings above move by up to 40 %
+on this machine.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def build_router(pods: int) -> Router:
 
 
 def cost_us(pods: int, requests: int, repeats: int) -> float:
+    if os.environ.get(NO_GC_ENV):  # --instructions: no collection anywhere, so the counts repeat
+        gc.disable()
     router = build_router(pods)
     headers: dict[str, str] = {}
 
@@ -80,13 +83,15 @@ def cost_us(pods: int, requests: int, repeats: int) -> float:
 
 
 SMALL, LARGE = 100, 600  # --instructions: decisions per pass of the two runs whose totals are subtracted
+NO_GC_ENV = "DECISION_COST_NO_GC"
 
 
 def instructions(pods: int, requests: int) -> int:
     """Instructions callgrind counts for this script's whole run at ``pods`` and ``requests``."""
     out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
                           __file__, "--pods", str(pods), "--requests", str(requests), "--repeats", "1"],
-                         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=900)
+                         env={**os.environ, "PYTHONHASHSEED": "0", NO_GC_ENV: "1"}, capture_output=True, text=True,
+                         timeout=900)
     found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
     if out.returncode != 0 or found is None:
         raise RuntimeError(f"valgrind failed (rc {out.returncode}): {out.stderr[-500:]}")

@@ -341,6 +341,28 @@ def test_a_pod_that_has_seen_few_long_predictions_borrows_their_spread_from_the_
     assert alone.pod("b").error_table()[size_bucket(1.5)][1] > 0.5 * alone_pooled > 0.2
 
 
+def test_the_error_model_and_table_kept_between_decisions_follow_every_observation():
+    """Each decision reads every pod's error model and table; both are kept between observations. A
+    read between any two observations, of this pod or another, equals a fresh calibrator's that saw
+    the same observations, with no read in between."""
+    rng = random.Random(9)
+    seen: list[tuple[str, float, float]] = []
+    live = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=50, enabled=False)
+    for step in range(120):
+        pod = "ab"[rng.randrange(2)]
+        predicted = rng.choice((0.05, 0.3, 1.5, 6.0))
+        observed = predicted * math.exp(rng.gauss(0.2 if pod == "a" else -0.1, 0.3))
+        live.observe(pod, 0.0, observed, predicted)
+        seen.append((pod, observed, predicted))
+        if step % 7 == 0 or step > 110:
+            fresh = Calibrator(prior_rate=10000, prior_overhead_s=0.01, halflife=50, enabled=False)
+            for p, o, pr in seen:
+                fresh.observe(p, 0.0, o, pr)
+            for name in "ab":
+                assert live.pod(name).error_model() == fresh.pod(name).error_model()
+                assert live.pod(name).error_table() == fresh.pod(name).error_table()
+
+
 def test_a_tight_fleet_learns_a_tight_interval_despite_a_wide_prior():
     """The prior's spread is averaged with the learnt one as standard deviations: 150 predictions
     that err by about 1 % give an sd near 0.02 after them, where averaging variances kept ~0.06

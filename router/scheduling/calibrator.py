@@ -97,9 +97,11 @@ class PodCalibration:
     _typical: float | None = None  # exponentially weighted mean observed TTFT (scales the relative fit)
     fleet: SizeErrors | None = None  # every pod's errors per size (the Calibrator's), for the spread
     _sizes: SizeErrors = field(default_factory=SizeErrors)  # this pod's errors per size
+    _error: tuple[float, float] | None = None  # error_model() until the next observe_error
     _table: tuple[tuple[float, float], ...] | None = None  # error_table(), kept up to date row by row
     _table_own: int = -1  # this pod's version it was built at (any change of its own: every row)
     _table_fleet: list[int] = field(default_factory=list)  # the fleet's bucket stamps each row was built at
+    _table_fleet_version: int = -1  # the fleet's version when the rows were last brought up to date
     _table_base: tuple[float, float] = (0.0, 0.0)  # this pod's pooled (mean, sd) the rows lean on
 
     def __post_init__(self) -> None:
@@ -111,10 +113,13 @@ class PodCalibration:
         return self.overhead_s + max(work_tokens, 0.0) / self.rate + max(running, 0.0) * self.per_running_s
 
     def error_model(self) -> tuple[float, float]:
-        """(mean, sd) of ln(observed / predicted), shrunk towards (0, prior_sd) while data is scarce."""
-        n, n0 = float(self.log_n), self.prior_weight
-        mean = self.log_mean * n / (n + n0)
-        return mean, _blend_sd(self.prior_sd, n0, self.log_var, n)
+        """(mean, sd) of ln(observed / predicted), shrunk towards (0, prior_sd) while data is scarce
+        (kept until ``observe_error`` learns: every decision reads it for every pod)."""
+        if self._error is None:
+            n, n0 = float(self.log_n), self.prior_weight
+            mean = self.log_mean * n / (n + n0)
+            self._error = (mean, _blend_sd(self.prior_sd, n0, self.log_var, n))
+        return self._error
 
     def error_table(self) -> tuple[tuple[float, float], ...]:
         """(mean, sd) per size bucket (``snapshot.size_bucket``), empty without ``by_size``. While a
@@ -131,13 +136,15 @@ class PodCalibration:
             self._table_fleet = list(fleet.stamps) if fleet is not None else []
             self._table = tuple(self._error_row(i) for i in range(SIZE_BUCKETS))
             self._table_own = self._sizes.version
-        elif fleet is not None and self._table_fleet != fleet.stamps:  # another pod learnt: its rows
+            self._table_fleet_version = fleet.version if fleet is not None else 0
+        elif fleet is not None and self._table_fleet_version != fleet.version:  # another pod learnt: its rows
             rows = list(self._table)
             for i, stamp in enumerate(fleet.stamps):
                 if self._table_fleet[i] != stamp:
                     rows[i] = self._error_row(i)
                     self._table_fleet[i] = stamp
             self._table = tuple(rows)
+            self._table_fleet_version = fleet.version
         return self._table
 
     def _error_row(self, i: int) -> tuple[float, float]:
@@ -159,6 +166,7 @@ class PodCalibration:
         self.log_mean += w * d
         self.log_var = (1.0 - w) * (self.log_var + w * d * d)
         self.log_n += 1
+        self._error = None
         if self.by_size:
             self._sizes.add(predicted_s, r, self.forget)
             if self.fleet is not None:
