@@ -49,7 +49,7 @@ from fastapi import Request
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
+from simulator.testing import cpu_seconds, free_port, process_tree, spawn, stop_process, wait_ready  # noqa: E402
 
 PROBE = {"model": "sim-model", "prompt": "Hello, my name is", "max_tokens": 8}
 BODY = json.dumps(PROBE).encode()
@@ -298,42 +298,6 @@ class _Conn(asyncio.Protocol):
 def http_request(path: str, body: bytes) -> bytes:
     return (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def process_tree(pids: list[int]) -> list[int]:
-    """``pids`` and all their descendants now (Linux ``/proc``; just ``pids`` elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-    except OSError:
-        return list(pids)
-    out, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, ()))
-    return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of ``pids`` so far (their threads included; 0 for one that is gone)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import subprocess
@@ -25,12 +24,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from simulator.testing import consecutive_free_ports  # noqa: E402
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from simulator.testing import consecutive_free_ports, cpu_seconds  # noqa: E402
 
 
 async def run(args) -> None:
@@ -54,7 +48,7 @@ async def run(args) -> None:
             rng = random.Random(1)
             prefixes = [[rng.randrange(50000) for _ in range(args.tokens - 500)] for _ in range(32)]
             overhead, ttfts, errors = [], [], 0
-            cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+            cpu0, t0 = cpu_seconds([proc.pid]), time.monotonic()
 
             async def one(i: int) -> None:
                 nonlocal errors
@@ -84,7 +78,7 @@ async def run(args) -> None:
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - t0
-            cpu = cpu_seconds(proc.pid) - cpu0
+            cpu = cpu_seconds([proc.pid]) - cpu0
         overhead.sort()
         print(f"pods={args.pods} sent={n} ok={len(overhead)} errors={errors} elapsed={elapsed:.1f}s "
               f"achieved={len(overhead) / elapsed:.1f} req/s")

@@ -149,6 +149,42 @@ def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
             pipe.close()
 
 
+def process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their descendants now (Linux ``/proc``; just ``pids`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+    except OSError:
+        return list(pids)
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` so far (their threads included; 0 for one that is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 @contextmanager
 def running_sims(count: int = 1, args: Sequence[str] = (), host: str = "127.0.0.1",
                  timeout: float = 30.0) -> Iterator[list[str]]:
