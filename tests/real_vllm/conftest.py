@@ -195,3 +195,18 @@ def cached_tokens(base: str, body: dict[str, Any], pod: str) -> int:
     row = next(p for p in debug_route(base, body)["pods"] if p["pod"] == pod)
     return int(sum(row["cached_tokens_by_tier"].values()))
 
+
+def wait_indexed(base: str, body: dict[str, Any], pod: str, stored_tokens: int, timeout: float = 15.0) -> int:
+    """Wait until the router credits ``body`` on ``pod`` with the blocks of an earlier prompt of
+    ``stored_tokens`` tokens (all its full blocks but the last, whose tokens a follow-up may split
+    differently at the join); returns the credit then.
+
+    A credit above zero is not enough: an engine prefills a prompt longer than one step's budget (2,048
+    tokens on CPU) over several steps, and announces each step's blocks when that step is scheduled, so
+    the index can be read between two steps' events. Waiting for a credit above zero once read 2,048 of
+    a 2,624-token hit."""
+    need = max(1, stored_tokens // rv.BLOCK_SIZE - 1) * rv.BLOCK_SIZE
+    wait_for(lambda: cached_tokens(base, body, pod) >= need, timeout,
+             f"{pod} credited with at least {need} of the {stored_tokens} tokens stored")
+    return cached_tokens(base, body, pod)
+

@@ -16,7 +16,15 @@ import pytest
 from realvllm import engines as rv
 from realvllm.engines import MODEL_NAME, router_pod
 from tests.helpers import http
-from tests.real_vllm.conftest import _AggPair, cached_tokens, debug_route, engine_metric, running_router, wait_for
+from tests.real_vllm.conftest import (
+    _AggPair,
+    cached_tokens,
+    debug_route,
+    engine_metric,
+    running_router,
+    wait_for,
+    wait_indexed,
+)
 
 WORDS = "river stone cloud lantern meadow harbor copper violet thunder orchard signal ember".split()
 
@@ -67,8 +75,7 @@ def test_follow_ups_go_to_the_engine_holding_them_and_hit_what_was_credited(dp_e
             assert grew == [n if e == rank else 0 for e in range(2)]
 
             follow = {**first, "prompt": first["prompt"] + " " + text(s + 10, 150)}
-            wait_for(lambda f=follow, u=unit: cached_tokens(base, f, u) > 0, 20, f"{unit}'s blocks indexed")
-            predicted = cached_tokens(base, follow, unit)
+            predicted = wait_indexed(base, follow, unit, n, 20)
             hits = per_engine(dp_engine, "vllm:prefix_cache_hits_total")
             r = http().post(base + "/v1/completions", json=follow)
             assert r.status_code == 200, r.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from realvllm.engines import MODEL_NAME, router_pod
-from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_for
+from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_indexed
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -28,8 +28,7 @@ def test_completion_prefix_credited_as_the_engine_hits_it(agg_engines, real_env,
         pod = r.headers["x-kvroute-pod"]
         url = next(e.url for e in agg_engines if e.name == pod)
         follow = {"model": MODEL_NAME, "prompt": prefix + " " + text(2, 300), "max_tokens": 2}
-        wait_for(lambda: cached_tokens(base, follow, pod) > 0, 10, "the first prompt's blocks indexed")
-        predicted = cached_tokens(base, follow, pod)
+        predicted = wait_indexed(base, follow, pod, r.json()["usage"]["prompt_tokens"])
         before = hits(url)
         r = httpx.post(base + "/v1/completions", json=follow, timeout=60)
         assert r.status_code == 200 and r.headers["x-kvroute-pod"] == pod
@@ -52,8 +51,7 @@ def test_cache_salt_keys_a_prompt_apart_as_the_engine_does(agg_engines, real_env
         pod = r.headers["x-kvroute-pod"]
         url = next(e.url for e in agg_engines if e.name == pod)
         follow = {"model": MODEL_NAME, "prompt": prefix + " " + text(6, 200), "max_tokens": 2}
-        wait_for(lambda: cached_tokens(base, {**follow, "cache_salt": "tenant-a"}, pod) > 0, 10,
-                 "the salted prompt's blocks indexed")
+        wait_indexed(base, {**follow, "cache_salt": "tenant-a"}, pod, r.json()["usage"]["prompt_tokens"])
         seen = {}
         for salt in ("tenant-b", None, "tenant-a"):   # the same salt last: the others must not be hits
             body = follow if salt is None else {**follow, "cache_salt": salt}

@@ -14,7 +14,7 @@ from realvllm import engines as rv
 from realvllm.engines import BLOCK_SIZE, MODEL_NAME, router_pod
 from simulator.hashing import BlockHasher, external
 from tests.helpers import http
-from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_for
+from tests.real_vllm.conftest import cached_tokens, engine_metric, running_router, wait_for, wait_indexed
 from tests.real_vllm.test_hashes import stored_events
 
 ADAPTER = "sql"
@@ -71,8 +71,7 @@ def test_an_adapters_follow_up_is_credited_as_the_engine_hits_it(lora_engine, ag
 
         r = http().post(base + "/v1/completions", json={"model": ADAPTER, "prompt": prefix, "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "lora", r.text
-        wait_for(lambda: cached_tokens(base, adapter_follow, "lora") > 0, 15, "the adapter's blocks indexed")
-        predicted = cached_tokens(base, adapter_follow, "lora")
+        predicted = wait_indexed(base, adapter_follow, "lora", r.json()["usage"]["prompt_tokens"])
         before = engine_metric(lora_engine.url, "vllm:prefix_cache_hits_total")
         r = http().post(base + "/v1/completions", json=adapter_follow)
         assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "lora", r.text
