@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, cast
+from typing import Any
 
 from kvcommon.errors import error_body
 
@@ -112,77 +112,6 @@ def _configure(bounds: dict[str, Any]) -> None:
     GuardedHttpToolsProtocol.max_header_bytes = bounds["max_header_bytes"]
 
 
-class OneWriteResponses:
-    """A transport that sends a response head together with what follows it in the same event-loop
-    turn (usually the whole body). uvicorn writes the head and the body of an answer separately: two
-    system calls and two TCP segments for every small answer, each waking the client. Here the head
-    is held until the next write or the end of the turn, whichever comes first (a stream's head
-    still leaves before its first token); everything else passes through.
-
-    Measured on the small-completion load of ``bench/overhead.py`` (one process, 32 connections;
-    docs/router.md, "One write per answer"): write system calls per request 3.5 -> 2.4."""
-
-    __slots__ = ("_transport", "_loop", "_held")
-
-    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            self._transport.writelines((held, data))
-        elif data[:5] == b"HTTP/":
-            self._held = data
-            self._loop.call_soon(self.flush)
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            if not self._transport.is_closing():
-                self._transport.write(held)
-
-    def writelines(self, data: Any) -> None:
-        self.flush()
-        self._transport.writelines(data)
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._held = None
-        self._transport.abort()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + len(self._held or b"")
-
-    # what uvicorn calls on every request, spelt out rather than found through __getattr__
-    def is_closing(self) -> bool:
-        return bool(self._transport.is_closing())
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 if HttpToolsProtocol is not None:
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         header_timeout_s: float = 10.0
@@ -190,8 +119,7 @@ if HttpToolsProtocol is not None:
         max_header_bytes: int = 64 * 1024
 
         def connection_made(self, transport) -> None:
-            # OneWriteResponses is not a Transport subclass, but has every method uvicorn calls
-            super().connection_made(cast(asyncio.Transport, OneWriteResponses(transport, self.loop)))
+            super().connection_made(transport)
             self._guard: asyncio.TimerHandle | None = None
             self._in_head = True
             self._head_bytes = 0

@@ -1,0 +1,112 @@
+"""CPU instructions one ``kvroute serve`` process spends per small completion, over real HTTP.
+
+The timed benches on this 2-core machine move by 20-40 % from run to run, more than most changes to
+the request path are worth, so a change there could not be told from noise. This counts instead:
+``kvroute serve`` (one process, the overhead bench's configuration: one pod, the static backend of
+``bench/overhead.py``) runs under valgrind's callgrind, a client sends it ``SMALL`` and then, in a
+second run, ``LARGE`` small completions one after another over one kept-alive connection, and the
+difference of the two runs' totals over the difference in requests is what one request costs,
+start-up and shut-down excluded. Everything in the router's process counts: uvicorn, the ASGI
+layers, kvroute's handler, the decision, the lifecycle and the upstream client, in user space
+(callgrind does not see the kernel's side of system calls, so a change that saves system calls
+shows only in the timed benches).
+
+    python bench/request_instructions.py [--json PATH]
+
+The router's background loops (pod health checks and metrics scrapes) run once an hour here
+instead of every 0.25-1 s, so that only requests are counted; ``PYTHONHASHSEED=0``. About three
+minutes (two runs, each mostly start-up under callgrind). The last line printed is the headline.
+Compare two trees by running this file from each (``git worktree add`` the other, copy this file
+into it): the router counted is the tree's that the file is in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
+
+SMALL, LARGE = 200, 1200
+BODY = json.dumps({"model": "sim-model", "prompt": "Say hello to the router, please", "max_tokens": 16}).encode()
+
+
+def send(port: int, n: int) -> None:
+    """``n`` small completions, one after another, on one kept-alive connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        for _ in range(n):
+            conn.request("POST", "/v1/completions", body=BODY, headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"the router answered {resp.status}")
+    finally:
+        conn.close()
+
+
+def instructions(upstream: str, requests: int, workdir: Path) -> int:
+    """Instructions callgrind counts in one router process's whole run that serves ``requests``."""
+    port = free_port()
+    log = workdir / f"valgrind-{requests}.log"
+    pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
+    proc = spawn(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}",
+                  sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--pods", pods,
+                  "--log-level", "error", "--health-interval-s", "3600", "--scrape-interval-s", "3600"],
+                 workdir / f"router-{requests}.out", env={"PYTHONHASHSEED": "0"})
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc, 600.0)
+        send(port, requests)
+    finally:
+        stop_process(proc, grace=120.0)  # callgrind writes its count as the process exits
+    found = re.search(r"Collected\s*:\s*(\d+)", log.read_text(errors="replace"))
+    if found is None:
+        raise RuntimeError(f"no instruction count in {log}: {log.read_text(errors='replace')[-500:]}")
+    return int(found.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("request_instructions needs valgrind (apt-get install valgrind)")
+        return 2
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    print(f"request instructions: Python {platform.python_version()}, callgrind, tree {ROOT} ({commit}), "
+          f"runs of {SMALL} and {LARGE} small completions", flush=True)
+    backend = spawn([sys.executable, str(ROOT / "bench" / "overhead.py"), "--role", "backend",
+                     "--port", str(bport := free_port())])
+    try:
+        upstream = f"http://127.0.0.1:{bport}"
+        wait_ready(f"{upstream}/health", backend)
+        with tempfile.TemporaryDirectory(prefix="kvroute-request-instructions-") as tmp:
+            counts = {n: instructions(upstream, n, Path(tmp)) for n in (SMALL, LARGE)}
+    finally:
+        stop_process(backend)
+    per = (counts[LARGE] - counts[SMALL]) / (LARGE - SMALL)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": "python bench/request_instructions.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "tree": commit,
+            "totals": {str(k): v for k, v in counts.items()},
+            "instructions_per_request": round(per)}, indent=2) + "\n")
+    print(f"request instructions: {per:,.0f} per small completion (one kvroute process, tree {commit})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
