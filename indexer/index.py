@@ -642,10 +642,7 @@ class PrefixIndex:
                     chosen[p] = pod
                     for src in pod.sources.values():
                         alive |= src.bit
-        result: dict[str, PodMatch] = {}
-        if pods is not None:
-            for p in pods:
-                result[p] = NO_MATCH
+        result: dict[str, PodMatch] = dict.fromkeys(pods, NO_MATCH) if pods is not None else {}
         if not keys or not alive:
             for p in chosen:
                 result[p] = NO_MATCH

@@ -61,13 +61,17 @@ class Ledger:
     # ---- prefill work --------------------------------------------------------------------
     def queued_tokens(self, pod_id: str, rate: float) -> float:
         """Booked prefill work not yet done, in tokens, at ``rate`` tokens/s."""
+        return self.load(pod_id, rate)[1]
+
+    def load(self, pod_id: str, rate: float) -> tuple[int, float]:
+        """(``inflight``, ``queued_tokens``) of ``pod_id`` in one look (a decision reads both per pod)."""
         led = self._pods.get(pod_id)
         if led is None or not led.bookings:
-            return 0.0
+            return 0, 0.0
         done = (self._clock() - led.service_start) * rate
         # the head request cannot be more than finished; the others have not started
         head = next(iter(led.bookings.values()))
-        return max(led.tokens - min(done, head), 0.0)
+        return len(led.bookings), max(led.tokens - min(done, head), 0.0)
 
     def inflight(self, pod_id: str) -> int:
         led = self._pods.get(pod_id)

@@ -6,6 +6,8 @@ from dataclasses import replace
 from statistics import NormalDist
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.booking import Ledger
 from router.scheduling import (
@@ -480,3 +482,115 @@ def test_the_relative_fit_is_not_led_by_a_slow_tail():
     relative_mape, relative_rate = run(True)
     assert relative_mape < 0.8 * seconds_mape, (relative_mape, seconds_mape)
     assert relative_rate == pytest.approx(5000, rel=0.25)
+
+
+def test_ledger_load_is_inflight_and_queued_tokens_in_one_look():
+    now = [0.0]
+    led = Ledger(clock=lambda: now[0])
+    assert led.load("a", 1000.0) == (0, 0.0)
+    tickets = [led.book("a", 3000), led.book("a", 2000), led.book("b", 700)]
+    led.apply_foreign("other", "book", "a", 1, 400.0)
+    for t in (0.0, 1.0, 2.5, 9.0):
+        now[0] = t
+        for pod in ("a", "b", "c"):
+            assert led.load(pod, 1000.0) == (led.inflight(pod), led.queued_tokens(pod, 1000.0))
+    led.release("a", tickets[0])
+    assert led.load("a", 1000.0) == (2, pytest.approx(2400.0))
+
+
+def test_take_snapshot_fills_every_candidate_field_from_its_source():
+    """The snapshot builds each Candidate positionally (for speed): every field must come from its
+    own source, so each source here has a value no other field has."""
+    from dataclasses import fields
+
+    from indexer.events import BlockStored
+    from indexer.index import PrefixIndex
+    from indexer.keys import prompt_keys
+    from router.config import PodConfig
+    from router.pods import PodState
+    from router.routing import take_snapshot
+
+    bs, model = 4, "m"
+    now = [100.0]
+    index = PrefixIndex(block_size=bs, clock=lambda: now[0])
+    index.add_pod("p1", model)
+    tokens = list(range(5 * bs + 1))
+    keys = prompt_keys(tokens, bs, model)
+    index.apply_event("p1", BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=tokens[:3 * bs],
+                                        block_size=bs, medium="GPU"))
+    ledger = Ledger(clock=lambda: now[0])
+    ledger.book("p1", 7000)
+    ledger.book("p1", 900)
+    cal = Calibrator(1234.0, 0.017, by_size=True)
+    cal.pod("p1").per_running_s = 0.0031
+    for i in range(5):
+        cal.observe("p1", 1000.0, 0.9 + 0.1 * i)
+    pod = PodState(config=PodConfig(id="p1", url="http://p1", model=model, role="both"), healthy=True,
+                   waiting=11, running=13, kv_usage=0.37)
+    salts = {"p1": 0x5EED}
+    c = take_snapshot(model, [pod], keys, tokens, index=index, ledger=ledger, calibrator=cal, block_size=bs,
+                      salts=salts).candidate("p1")
+    pc = cal.pod("p1")
+    inflight, queue = ledger.load("p1", pc.rate)
+    expected = {
+        "pod_id": "p1", "role": "both", "model": model, "waiting": 11, "running": 13, "kv_usage": 0.37,
+        "inflight_requests": inflight, "queue_tokens": queue, "prefill_tokens_per_s": pc.rate,
+        "overhead_s": pc.overhead_s, "per_running_s": pc.per_running_s,
+        "log_error_mean": pc.error_model()[0], "log_error_sd": pc.error_model()[1],
+        "error_by_size": pc.error_table(), "cached_tokens": 3 * bs, "cached_by_tier": {"GPU": 3 * bs},
+        "effective_cached_tokens": 3.0 * bs, "evicting_tokens": 0, "evicting_check": -1,
+        "tiebreak": ((keys[-1] ^ 0x5EED) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF,
+    }
+    assert {f.name for f in fields(Candidate)} == set(expected)
+    assert {f.name: getattr(c, f.name) for f in fields(Candidate)} == expected
+    # distinct sources, so a swap of two fields cannot pass unseen
+    # (a GPU-tier prefix weighs its full length: the effective tokens are the cached tokens)
+    numbers = [v for k, v in expected.items()
+               if isinstance(v, (int, float)) and k not in ("evicting_tokens", "effective_cached_tokens")]
+    assert len(set(numbers)) == len(numbers), expected
+    assert inflight == 2 and pc.error_table() and len(set(pc.error_table())) > 1
+
+
+def _predict_by_parts(c: Candidate, r: RequestView):
+    """``predict`` as the sum of its documented parts (the helpers it writes out for speed)."""
+    from router.scheduling.predictor import foreign_waiting, uncached_tokens
+
+    rate = max(c.prefill_tokens_per_s, 1.0)
+    queued = c.queue_tokens + foreign_waiting(c) * r.unknown_request_tokens
+    own = uncached_tokens(c, r)
+    batch = max(c.running, 0) * c.per_running_s
+    mean, sd = c.error_model(queued / rate + own / rate + c.overhead_s + batch)
+    return (queued / rate, own / rate, c.overhead_s, own, mean, sd, batch)
+
+
+@given(prompt=st.integers(0, 40_000), cached=st.floats(0, 50_000), queue=st.floats(0, 1e6),
+       waiting=st.integers(0, 50), inflight=st.integers(0, 50), running=st.integers(-2, 300),
+       rate=st.floats(0.01, 1e6), per_running=st.floats(0, 0.01), by_size=st.booleans())
+def test_predict_equals_its_parts(prompt, cached, queue, waiting, inflight, running, rate, per_running, by_size):
+    table = tuple((0.01 * i, 0.1 + 0.02 * i) for i in range(SIZE_BUCKETS)) if by_size else ()
+    c = cand("a", effective_cached_tokens=cached, queue_tokens=queue, waiting=waiting, inflight_requests=inflight,
+             running=running, prefill_tokens_per_s=rate, per_running_s=per_running, log_error_mean=-0.2,
+             log_error_sd=0.3, error_by_size=table)
+    r = RequestView(prompt_tokens=prompt, unknown_request_tokens=300)
+    p = predict(c, r)
+    assert (p.queue_s, p.prefill_s, p.overhead_s, p.uncached_tokens, p.log_mean, p.log_sd, p.batch_s) == \
+        _predict_by_parts(c, r)
+
+
+def test_a_scorer_whose_costs_are_all_zero_is_left_out_unless_alone():
+    default = build_scoring(presets()["predicted-ttft"])       # affinity_bonus_ms 0: the affinity scorer is inert
+    assert default.names == ["predicted-ttft", "prefill-work"]
+    assert build_scoring(presets(affinity_bonus_ms=20)["predicted-ttft"]).names == \
+        ["predicted-ttft", "prefill-work", "cache-affinity"]
+    assert build_scoring([{"type": "cache-affinity"}]).names == ["cache-affinity"]  # alone: kept, ranks by load
+    # and leaving it out changes no ranking: the same order as with the scorer in
+    kept = build_scoring([{"type": "predicted-ttft"}, {"type": "prefill-work", "weight": 3.0}])
+    with_inert = replace(kept, scorers=kept.scorers + ((SCORERS["cache-affinity"](), 1.0),))
+    rng = random.Random(7)
+    for _ in range(200):
+        cands = [cand(f"p{i}", queue_tokens=rng.choice([0.0, 5000.0, 20000.0]), waiting=rng.randint(0, 3),
+                      effective_cached_tokens=float(rng.choice([0, 512, 4096])), tiebreak=rng.getrandbits(32))
+                 for i in range(6)]
+        req = RequestView(prompt_tokens=rng.choice([600, 5000]), objective_s=rng.choice([None, 0.5, 2.0]))
+        assert [c.pod_id for c in decide(cands, req, default, PolicyState()).ranked] == \
+            [c.pod_id for c in decide(cands, req, with_inert, PolicyState()).ranked]

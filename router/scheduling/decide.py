@@ -67,8 +67,10 @@ def decide(candidates: Sequence[Candidate], request: RequestView, scoring: Scori
     ranked = rank(candidates, request, predictions, scoring, state, slack, miss_tolerance)
     verdict = admit(predictions.values(), request, admission, slack, miss_tolerance)
     routes = {}
+    n = request.prompt_tokens
     for c in candidates:
         p = predictions[c.pod_id]
-        routes[c.pod_id] = Route(pod_id=c.pod_id, prefill_pod=c.pod_id, prediction=p, ttft_s=p.ttft_s,
-                                 cached_tokens=min(int(c.effective_cached_tokens), request.prompt_tokens))
+        cached = int(c.effective_cached_tokens)
+        # positional (pod_id, prefill_pod, prediction, ttft_s, cached_tokens): once per pod per request
+        routes[c.pod_id] = Route(c.pod_id, c.pod_id, p, p.ttft_s, cached if cached < n else n)
     return Decision(ranked=ranked, predictions=predictions, verdict=verdict, routes=routes)

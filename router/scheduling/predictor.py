@@ -10,7 +10,7 @@ prediction of its size (``Candidate.error_model``), which admission turns into a
 
 from __future__ import annotations
 
-from .snapshot import Candidate, Prediction, RequestView
+from .snapshot import Candidate, Prediction, RequestView, size_bucket
 
 
 def uncached_tokens(candidate: Candidate, request: RequestView) -> int:
@@ -25,11 +25,25 @@ def foreign_waiting(candidate: Candidate) -> int:
 
 
 def predict(candidate: Candidate, request: RequestView) -> Prediction:
-    rate = max(candidate.prefill_tokens_per_s, 1.0)
-    queued = candidate.queue_tokens + foreign_waiting(candidate) * request.unknown_request_tokens
-    own = uncached_tokens(candidate, request)
+    # ``uncached_tokens``, ``foreign_waiting`` and ``Candidate.error_model`` written out: this runs
+    # for every pod on every request (bench/decision_cost.py)
+    c = candidate
+    rate = c.prefill_tokens_per_s if c.prefill_tokens_per_s > 1.0 else 1.0
+    queued = c.queue_tokens
+    if c.waiting > c.inflight_requests:
+        queued += (c.waiting - c.inflight_requests) * request.unknown_request_tokens
+    n = request.prompt_tokens
+    if n > 0:
+        cached = c.effective_cached_tokens
+        own = int(round(n - cached)) if cached < n else 0
+        if own < 1:
+            own = 1
+    else:
+        own = 0
     queue_s, prefill_s = queued / rate, own / rate
-    batch_s = max(candidate.running, 0) * candidate.per_running_s
-    log_mean, log_sd = candidate.error_model(queue_s + prefill_s + candidate.overhead_s + batch_s)
-    return Prediction(queue_s=queue_s, prefill_s=prefill_s, overhead_s=candidate.overhead_s,
-                      uncached_tokens=own, log_mean=log_mean, log_sd=log_sd, batch_s=batch_s)
+    batch_s = c.running * c.per_running_s if c.running > 0 else 0.0
+    if c.error_by_size:
+        log_mean, log_sd = c.error_by_size[size_bucket(queue_s + prefill_s + c.overhead_s + batch_s)]
+    else:
+        log_mean, log_sd = c.log_error_mean, c.log_error_sd
+    return Prediction(queue_s, prefill_s, c.overhead_s, own, log_mean, log_sd, batch_s)

@@ -60,6 +60,11 @@ class Scorer:
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
 
+    @property
+    def inert(self) -> bool:
+        """True when its parameters make every cost 0 (``build_scoring`` leaves it out)."""
+        return False
+
     def costs(self, x: ScoreInput) -> dict[str, float]:
         raise NotImplementedError
 
@@ -104,6 +109,10 @@ class CacheAffinity(Scorer):
 
     def __init__(self, bonus_ms: float = 0.0):
         self.bonus_s = float(bonus_ms) / 1000.0
+
+    @property
+    def inert(self) -> bool:
+        return self.bonus_s == 0.0  # the preset's default (affinity_bonus_ms 0)
 
     def costs(self, x: ScoreInput) -> dict[str, float]:
         best = max((c.effective_cached_tokens for c in x.candidates), default=0.0)
@@ -211,15 +220,13 @@ def build_scoring(specs: Iterable[ScorerSpec | Mapping[str, Any]], objective_fir
             raise ValueError(f"scorer {spec.type!r}: bad params {dict(spec.params)!r} ({exc})") from None
         if spec.weight != 0:
             built.append((scorer, float(spec.weight)))
+    # a scorer whose every cost is 0 only costs time (per pod, per request): left out unless alone
+    built = [(s, w) for s, w in built if not s.inert] or built
     if not built:
         raise ValueError("a policy needs at least one scorer with a non-zero weight")
     if objective_first is None:
         objective_first = any(s.name == PredictedTTFT.name for s, _ in built)
     return Scoring(tuple(built), objective_first)
-
-
-def _by_load(c: Candidate) -> tuple[int, float, int, int]:
-    return (c.load, c.queue_tokens, c.running, c.tiebreak)
 
 
 def rank(candidates: Sequence[Candidate], request: RequestView, predictions: Mapping[str, Prediction],
@@ -237,9 +244,14 @@ def rank(candidates: Sequence[Candidate], request: RequestView, predictions: Map
     limit = objective_limit(request, slack) if scoring.objective_first else None
 
     def key(c: Candidate) -> tuple[Any, ...]:
-        p = predictions[c.pod_id]
-        if not likely_to_meet(p, limit, miss_tolerance):
-            return (1, round(p.ttft_s, 6)) + _by_load(c)
-        return (0, round(total[c.pod_id], 6)) + _by_load(c)
+        # ties by load (Candidate.load written out), booked tokens, batch, then the stable number
+        load = c.inflight_requests + (c.waiting - c.inflight_requests if c.waiting > c.inflight_requests else 0)
+        if limit is not None:
+            p = predictions[c.pod_id]
+            if not likely_to_meet(p, limit, miss_tolerance):
+                return (1, round(p.ttft_s, 6), load, c.queue_tokens, c.running, c.tiebreak)
+        return (0, round(total[c.pod_id], 6), load, c.queue_tokens, c.running, c.tiebreak)
 
+    if len(candidates) == 1:
+        return list(candidates)
     return sorted(candidates, key=key)

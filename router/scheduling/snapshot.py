@@ -8,6 +8,7 @@ explained (``/debug/route``) and tested on hand-built snapshots.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,7 +115,9 @@ class Prediction:
 
     @property
     def ttft_s(self) -> float:
-        return self.model_ttft_s * math.exp(self.log_mean) if self.log_mean else self.model_ttft_s
+        # model_ttft_s written out: read for every pod on every request
+        t = self.queue_s + self.prefill_s + self.overhead_s + self.batch_s
+        return t * math.exp(self.log_mean) if self.log_mean else t
 
     def miss_probability(self, objective_s: float, ttft_s: float | None = None) -> float:
         """P(observed TTFT > ``objective_s``) around a median of ``ttft_s`` (default: this one's)."""
@@ -123,8 +126,14 @@ class Prediction:
     def interval(self, level: float = 0.9, ttft_s: float | None = None) -> tuple[float, float]:
         """The central ``level`` interval of the observed TTFT around a median of ``ttft_s``."""
         t = self.ttft_s if ttft_s is None else ttft_s
-        z = NormalDist().inv_cdf(0.5 + level / 2.0)
+        z = _z(level)
         return t * math.exp(-z * self.log_sd), t * math.exp(z * self.log_sd)
+
+
+@functools.lru_cache(maxsize=16)
+def _z(level: float) -> float:
+    """The standard normal quantile that bounds a central ``level`` interval (one level per router)."""
+    return NormalDist().inv_cdf(0.5 + level / 2.0)
 
 
 def miss_probability(median_s: float, objective_s: float, log_sd: float) -> float:
