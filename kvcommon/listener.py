@@ -13,6 +13,9 @@ route that does not read it, stays open for ever. Here:
   deadline, which should be a little shorter).
 - ``max_header_bytes``: request line plus headers; past it a 431 and the connection is closed.
 - HTTP/1.0 with ``Transfer-Encoding``: a 400 and close (RFC 9112 6.1: the framing is faulty).
+
+Each request's scope also carries a ``ClientWatch`` (``kvcommon.asgi``) that the connection's loss
+fires, so a handler waiting on a pod is cancelled without a task of its own polling ``receive``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import time
 from typing import Any
 
+from kvcommon.asgi import WATCH_EXTENSION, ClientWatch
 from kvcommon.errors import error_body
 
 log = logging.getLogger("kvroute.listener")
@@ -147,6 +151,11 @@ if HttpToolsProtocol is not None:
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
+            cycle = self.cycle  # the request uvicorn marks disconnected is the one whose watch fires
+            if cycle is not None and not cycle.response_complete:
+                watch = cycle.scope.get("extensions", {}).get(WATCH_EXTENSION, {}).get("watch")
+                if isinstance(watch, ClientWatch):
+                    watch.lost()
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
@@ -176,9 +185,12 @@ if HttpToolsProtocol is not None:
             elif self.parser.get_http_version() == "1.0" and any(n == b"transfer-encoding" for n, _ in self.headers):
                 problem = (400, "Transfer-Encoding is not allowed in an HTTP/1.0 request")
             if problem is None:
+                # for kvcommon.asgi.unless_disconnected
+                self.scope["extensions"] = {WATCH_EXTENSION: {"watch": ClientWatch()}}
                 super().on_headers_complete()
                 return
             _closed("header_too_large" if problem[0] == 431 else "bad_framing", problem[1])
+            self.scope["extensions"] = {WATCH_EXTENSION: {"watch": ClientWatch()}}
             real = self.app  # answer from here instead of the app, and close the connection after
             self.app = _error_app(*problem)
             try:

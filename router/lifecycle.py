@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvcommon.asgi import wait_for_disconnect
+from kvcommon.asgi import unless_disconnected
 from router.booking import Booking
 from router.config import RouterSettings
 from router.disagg import prefill_header
@@ -109,21 +109,8 @@ class Lifecycle:
                     request: Request) -> Opened | None:
         """Send the request; None if the client went away before the pod answered (cancelling the
         open closes that connection, so the pod aborts the request too)."""
-        opening = asyncio.ensure_future(self.dispatcher.open(url, raw, headers,
-                                                             on_first_byte=lambda: router.first_token(booking)))
-        watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
-        try:
-            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not opening.done():
-                opening.cancel()
-                await asyncio.gather(opening, return_exceptions=True)
-                return None
-            return opening.result()
-        except BaseException:
-            opening.cancel()
-            raise
-        finally:
-            watch.cancel()
+        return await unless_disconnected(request.scope, request.receive, self.dispatcher.open(
+            url, raw, headers, on_first_byte=lambda: router.first_token(booking)))
 
     def reject(self, router: Router, plan: Plan, rid: str) -> Response:
         verdict = plan.decision.verdict
@@ -205,32 +192,26 @@ class RelayResponse(Response):
         async def out(chunk: bytes) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
-        pump = asyncio.ensure_future(relay(opened, out))
-        watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        how = "ok"
+        async def pump() -> bool:
+            await relay(opened, out)
+            return True
+
+        how = "disconnect"  # until the relay ends one way or the other
         try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if pump in done:
-                exc = pump.exception()
-                if exc is None:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                elif isinstance(exc, OSError) and not isinstance(exc, PodIOError):
-                    how = "disconnect"  # the client's socket went away while we wrote
-                else:
-                    how = "upstream-error"
-                    msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
-                    try:
-                        await out(b"data: " + msg + b"\n\ndata: [DONE]\n\n")
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    except OSError:
-                        pass
-            else:
-                how = "disconnect"
+            if await unless_disconnected(scope, receive, pump()):
+                how = "ok"
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, PodIOError):
+                return  # the client's socket went away while we wrote: "disconnect"
+            how = "upstream-error"
+            msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
+            try:
+                await out(b"data: " + msg + b"\n\ndata: [DONE]\n\n")
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass
         finally:
-            for t in (pump, watch):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
             if how == "ok":
                 opened.resp.release()
             else:

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvcommon.asgi import read_body, wait_for_disconnect
+from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
@@ -196,7 +196,7 @@ class SidecarApp:
                     return
                 work = self._decode_leg(scope, body, tracked_send, leg="direct", rank=rank)
             try:
-                await self._until_disconnect(work, receive)
+                await self._until_disconnect(scope, work, receive)
             except Exception:  # a bug must cost one request an error answer, never the client a stack trace
                 log.exception("request to %s failed", path)
                 if not started:
@@ -204,25 +204,15 @@ class SidecarApp:
         finally:
             self.metrics.in_flight.dec()
 
-    async def _until_disconnect(self, work, receive) -> None:
+    async def _until_disconnect(self, scope, work, receive) -> None:
         """Run ``work``; if the client disconnects first, cancel it (which aborts the running leg upstream)."""
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                task.result()
-                return
+
+        async def whole() -> bool:
+            await work
+            return True
+
+        if not await unless_disconnected(scope, receive, whole()):
             self.metrics.requests.labels("client_disconnected").inc()
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, OSError):
-                pass
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
 
     # ---- the two-leg handler ---------------------------------------------------------------
     async def _generate(self, scope, body: bytes, send, rank: int | None) -> None:

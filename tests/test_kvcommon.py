@@ -1,4 +1,4 @@
-"""kvcommon's ASGI body reader, disconnect wait and error builder, on hand-made ASGI messages."""
+"""kvcommon's ASGI body reader, disconnect waits and error builder, on hand-made ASGI messages."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import orjson
 import pytest
 
-from kvcommon.asgi import header, read_body, wait_for_disconnect
+from kvcommon.asgi import WATCH_EXTENSION, ClientWatch, header, read_body, unless_disconnected, wait_for_disconnect
 from kvcommon.errors import APIError, ClientDisconnected, error_body, error_payload
 
 
@@ -85,6 +85,105 @@ async def test_wait_for_disconnect_returns_on_the_disconnect_only():
 
     await asyncio.wait_for(wait_for_disconnect(receive), 1)
     assert len(seen) == 2
+
+
+class Work:
+    """An awaitable job that records whether it finished or was cancelled."""
+
+    def __init__(self, delay: float, value: str = "done") -> None:
+        self.delay, self.value, self.outcome = delay, value, "not started"
+
+    async def run(self) -> str:
+        self.outcome = "running"
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.outcome = "cancelled"
+            raise
+        self.outcome = "finished"
+        return self.value
+
+
+def watched() -> tuple[dict, ClientWatch]:
+    watch = ClientWatch()
+    return {"type": "http", "headers": [], "extensions": {WATCH_EXTENSION: {"watch": watch}}}, watch
+
+
+async def never_called() -> dict:
+    raise AssertionError("with a watch in the scope, receive is not polled")
+
+
+async def test_unless_disconnected_returns_the_work_s_value_and_leaves_no_task_behind():
+    for sc, receive in ((watched()[0], never_called), (scope(), receiver(then_wait=True))):
+        before = len(asyncio.all_tasks())
+        work = Work(0.01, "answer")
+        assert await unless_disconnected(sc, receive, work.run()) == "answer"
+        await asyncio.sleep(0)  # a poller's cancellation completes
+        assert work.outcome == "finished" and len(asyncio.all_tasks()) == before
+
+
+async def test_the_watch_firing_cancels_the_work_and_the_handler_goes_on_uncancelled():
+    sc, watch = watched()
+    work = Work(3600)
+    asyncio.get_running_loop().call_later(0.02, watch.lost)  # as the listener does on connection loss
+    async with asyncio.timeout(2):  # no task of its own (wait_for's would hide this task's count)
+        got = await unless_disconnected(sc, never_called, work.run())
+    task = asyncio.current_task()
+    assert got is None
+    assert work.outcome == "cancelled" and task is not None and task.cancelling() == 0
+    await asyncio.sleep(0.001)  # the handler can still await: its task was not left cancelled
+
+
+async def test_whatever_the_work_does_with_the_watch_s_cancel_the_handler_goes_on_uncancelled():
+    async def fails_on_the_way_out() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionResetError("clean-up hit the closed socket") from None
+        return "unreachable"
+
+    async def absorbs_it() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "unreachable"
+
+    for job, want in ((fails_on_the_way_out, None), (absorbs_it, "finished anyway")):
+        sc, watch = watched()
+        asyncio.get_running_loop().call_later(0.01, watch.lost)
+        async with asyncio.timeout(2):
+            got = await unless_disconnected(sc, never_called, job())
+        task = asyncio.current_task()
+        assert got == want and task is not None and task.cancelling() == 0
+
+
+async def test_without_a_watch_a_disconnect_on_receive_cancels_the_work():
+    work = Work(3600)
+    got = await asyncio.wait_for(unless_disconnected(scope(), receiver(chunk(b"", False)), work.run()), 2)
+    assert got is None and work.outcome == "cancelled"
+
+
+async def test_a_client_gone_before_the_work_starts_never_starts_it():
+    sc, watch = watched()
+    watch.lost()
+    work = Work(3600)
+    assert await unless_disconnected(sc, never_called, work.run()) is None
+    assert work.outcome == "not started"
+
+
+async def test_a_cancellation_from_elsewhere_propagates_even_when_the_client_also_left():
+    for client_leaves in (False, True):
+        sc, watch = watched()
+        work = Work(3600)
+        handler = asyncio.ensure_future(unless_disconnected(sc, never_called, work.run()))
+        await asyncio.sleep(0.01)
+        handler.cancel()  # a server shutting down
+        if client_leaves:
+            watch.lost()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        assert work.outcome == "cancelled"
 
 
 def test_one_error_shape_with_a_type_per_status_unless_named():

@@ -12,6 +12,7 @@ import contextlib
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import httpx
@@ -20,6 +21,7 @@ import pytest
 import uvicorn
 from aiohttp import web
 
+from kvcommon.listener import GuardedHttpToolsProtocol
 from kvcommon.settings import build_settings
 from router.api import create_app
 from router.config import RouterSettings
@@ -135,12 +137,13 @@ def settings_for(pods, **kw) -> RouterSettings:
 
 
 @contextlib.asynccontextmanager
-async def running_router(settings: RouterSettings):
-    """The real app under uvicorn on a free port, in this event loop; yields (base_url, services)."""
+async def running_router(settings: RouterSettings, http: Any = "auto"):
+    """The real app under uvicorn on a free port, in this event loop; yields (base_url, services).
+    ``http``: uvicorn's protocol (its own by default; ``GuardedHttpToolsProtocol`` is kvroute serve's)."""
     services = Services(settings)
     app = create_app(services)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
-                                           lifespan="on", access_log=False))
+                                           lifespan="on", access_log=False, http=http))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 10
@@ -234,8 +237,9 @@ async def test_streaming_passes_chunks_through_as_they_come():
         assert arrivals[-1] - arrivals[0] > 0.3 and len(arrivals) >= 4
 
 
-async def test_client_disconnect_cancels_the_upstream_request():
-    async with pods_running(1, hang=True) as pods, running_router(settings_for(pods)) as (base, services):
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
+async def test_client_disconnect_cancels_the_upstream_request(http):
+    async with pods_running(1, hang=True) as pods, running_router(settings_for(pods), http) as (base, services):
         async with aiohttp.ClientSession() as s:
             resp = await s.post(base + "/v1/completions", json=completion(stream=True))
             assert resp.status == 200
@@ -250,8 +254,11 @@ async def test_client_disconnect_cancels_the_upstream_request():
         assert services.metrics.client_disconnects._value.get() == 1
 
 
-async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream_request():
-    async with pods_running(1, first_delay=5.0) as pods, running_router(settings_for(pods)) as (base, services):
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
+async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream_request(http):
+    # under uvicorn's own listener a task polls receive() for the disconnect; under kvroute's the
+    # connection's loss cancels the handler's wait itself (kvcommon.asgi.unless_disconnected)
+    async with pods_running(1, first_delay=5.0) as pods, running_router(settings_for(pods), http) as (base, services):
         async with aiohttp.ClientSession() as s:
             with pytest.raises(asyncio.TimeoutError):
                 await s.post(base + "/v1/completions", json=completion(stream=True),

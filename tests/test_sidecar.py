@@ -422,6 +422,7 @@ def test_client_disconnect_mid_prefill_cancels_the_prefill_request(pods, sidecar
     prefill, decode = pods
     prefill.behaviour = {"delay": 0.9}
     before = metric(sidecar, "kvroute_sidecar_legs_total", leg="prefill", outcome="cancelled")
+    left = metric(sidecar, "kvroute_sidecar_requests_total", mode="client_disconnected")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
                    headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=0.3)
@@ -429,6 +430,7 @@ def test_client_disconnect_mid_prefill_cancels_the_prefill_request(pods, sidecar
     time.sleep(0.9)  # past the prefill's own delay: no decode leg may start afterwards
     assert decode.received == []
     assert metric(sidecar, "kvroute_sidecar_legs_total", leg="prefill", outcome="cancelled") == before + 1
+    assert metric(sidecar, "kvroute_sidecar_requests_total", mode="client_disconnected") == left + 1
 
 
 def test_client_disconnect_mid_stream_cancels_the_decode_request(pods, sidecar):
