@@ -203,7 +203,8 @@ class RelayResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception as exc:
             if isinstance(exc, OSError) and not isinstance(exc, PodIOError):
-                return  # the client's socket went away while we wrote: "disconnect"
+                how = "disconnect"  # the client's socket went away while we wrote (the last write too)
+                return
             how = "upstream-error"
             msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
             try:
