@@ -124,24 +124,44 @@ if HttpToolsProtocol is not None:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            # one lazy timer per connection: arming a bound sets a deadline, and the timer, when it
+            # fires, closes the connection if that deadline has passed or waits on for the rest; so
+            # a request costs two attribute writes rather than two timers scheduled and cancelled
             self._guard: asyncio.TimerHandle | None = None
+            self._guard_at = 0.0
+            self._deadline: float | None = None
             self._in_head = True
             self._head_bytes = 0
             self._arm(self.header_timeout_s)  # the first request's headers must come within this
 
         def _arm(self, delay: float | None) -> None:
-            self._disarm()
-            if delay:
-                self._armed_at = self.loop.time()
-                self._guard = self.loop.call_later(delay, self._expire)
+            if not delay:
+                self._deadline = None
+                return
+            now = self.loop.time()
+            self._armed_at = now
+            deadline = self._deadline = now + delay
+            if self._guard is None or self._guard_at > deadline:  # no timer, or one that fires too late
+                self._schedule(deadline)
 
-        def _disarm(self) -> None:
+        def _schedule(self, when: float) -> None:
             if self._guard is not None:
                 self._guard.cancel()
-                self._guard = None
+            self._guard_at = when
+            self._guard = self.loop.call_at(when, self._check)
 
-        def _expire(self) -> None:
+        def _disarm(self) -> None:
+            self._deadline = None  # the timer finds nothing to do when it fires
+
+        def _check(self) -> None:
             self._guard = None
+            deadline = self._deadline
+            if deadline is None:
+                return
+            if self.loop.time() < deadline:  # re-armed since this timer was set: wait for the rest
+                self._schedule(deadline)
+                return
+            self._deadline = None
             if not self.transport.is_closing():
                 reason = "header_timeout" if self._in_head else "body_timeout"
                 waited = self.loop.time() - self._armed_at
@@ -150,6 +170,9 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._guard is not None:
+                self._guard.cancel()
+                self._guard = None
             super().connection_lost(exc)
             cycle = self.cycle  # the request uvicorn marks disconnected is the one whose watch fires
             if cycle is not None and not cycle.response_complete:

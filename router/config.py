@@ -325,7 +325,9 @@ class RouterSettings(BaseSettings):
     booking_bus_max_bookings: int = Field(50_000, ge=1, description="largest number of bookings held for one other "
                                           "router (beyond: dropped and counted)")
     log_level: str = Field("warning", description="log level")
-    access_log: bool = Field(False, description="log every request (costs throughput)")
+    access_log: bool = Field(False, description="log every request (costs throughput); behind a proxy in "
+                             "FORWARDED_ALLOW_IPS (127.0.0.1 by default) the address logged is "
+                             "X-Forwarded-For's")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RouterSettings:

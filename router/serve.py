@@ -86,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         body_s = settings.body_timeout_s + 2.0 if settings.body_timeout_s else None  # the app's 408 comes first
         http = guarded_protocol(settings.header_timeout_s, body_s, settings.max_header_bytes)
     # ws="none": nothing here speaks WebSocket, and the WebSocket library logs handshake headers
-    # (Authorization included) at debug level
+    # (Authorization included) at debug level. proxy_headers: uvicorn's X-Forwarded-For/-Proto
+    # middleware sets the client address that only the access log reads, so it runs only with the
+    # access log (a layer less per request otherwise: 8,628 instructions of 727,618)
     common: dict[str, Any] = dict(
         host=settings.host, port=settings.port, loop=loop, http=http, ws="none",
-        log_level=settings.log_level.lower(), access_log=settings.access_log, lifespan="on",
+        log_level=settings.log_level.lower(), access_log=settings.access_log, proxy_headers=settings.access_log,
+        lifespan="on",
         timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
