@@ -533,14 +533,18 @@ async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_pat
     booking_bus_peers: a burst sent through A is booked in B."""
     port_a, port_b, bus_a, bus_b = free_ports(4)
     burst = 8
-    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "2000"]) as urls, \
+    # 2,000-token prompts at 1,000 tokens/s: no first token (which releases a booking) before 2 s,
+    # so the scrapes at 1 s find the whole burst booked with a second to spare either side (at
+    # 2,000 tokens/s the first release was due at the scrapes' moment, and a CI run saw A release
+    # two between its scrape and B's)
+    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "1000"]) as urls, \
             contextlib.ExitStack() as stack:
         pods = [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]
         bases = []
         for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
             cfg = tmp_path / f"router-{name}.yaml"
             cfg.write_text(yaml.safe_dump({
-                "port": port, "pods": pods, "prefill_tokens_per_s": 2000.0, "calibrate": False,
+                "port": port, "pods": pods, "prefill_tokens_per_s": 1000.0, "calibrate": False,
                 "booking_bus_bind": f"tcp://127.0.0.1:{mine}", "booking_bus_peers": [f"tcp://127.0.0.1:{other}"],
                 "booking_bus_snapshot_s": 0.2}))
             stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
