@@ -17,7 +17,7 @@ import gc
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -48,10 +48,22 @@ _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
 
 
-def _request_id(request: Request) -> str:
+def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A request's headers by (lower-case) name, the first of a repeated one, as Starlette's
+    ``Headers.get`` answers: built once per proxied request, so that its few lookups are dict
+    lookups rather than scans of the list that raise ``KeyError`` for every header not sent."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
+def _request_id(headers: Mapping[str, str]) -> str:
     """The client's X-Request-Id if it is sane, else a new one (process-random prefix + counter:
     unique, and cheaper than a uuid4 per request)."""
-    rid = request.headers.get("x-request-id")
+    rid = headers.get("x-request-id")
     if rid and len(rid) <= 200 and rid.isprintable():
         return rid
     return f"{_RID_PREFIX}{next(_rid_counter):010x}"
@@ -241,18 +253,19 @@ def create_app(services: Services) -> FastAPI:
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
         """Admit, plan, then hand over to the lifecycle (router/lifecycle.py)."""
-        rid = _request_id(request)
+        headers = header_map(request.scope["headers"])
+        rid = _request_id(headers)
         raw = None
         try:
             # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
-            caller = gate.admit(request.headers)
+            caller = gate.admit(headers)
             raw, body, _, charged = await admitted_body(request, caller, kind)
             stream = body.get("stream")
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
             prompt = await prompt_ids(r, kind, body, raw)
-            plan = r.plan(kind, body, request.headers, grants=caller.grants, **prompt)
+            plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
             gate.settle(caller, charged, plan.request.prompt_tokens)
             raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
         except APIError as exc:
@@ -261,7 +274,7 @@ def create_app(services: Services) -> FastAPI:
             if raw is None:  # refused before its body was read: close rather than read and discard it
                 extra["connection"] = "close"
             return from_exc(exc, extra)
-        fwd = upstream_headers(request.headers.raw, rid, drop_authorization=not gate.open)
+        fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
         return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
 
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))

@@ -358,6 +358,11 @@ class RouterSettings(BaseSettings):
                 raise ValueError(f"booking bus endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         return self
 
+    @field_validator("slo_header", "priority_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        return value.lower()  # header names are case-insensitive; requests' arrive lower-cased
+
     @field_validator("pd_decider")
     @classmethod
     def _known_decider(cls, value: str) -> str:

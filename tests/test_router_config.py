@@ -162,6 +162,22 @@ def test_header_filter_drops_hop_by_hop_and_internal_headers():
     assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
 
 
+def test_the_request_header_map_answers_as_starlette_headers_do_and_header_settings_are_lower_cased():
+    from starlette.datastructures import Headers
+
+    from router.api import header_map
+
+    raw = [(b"authorization", b"Bearer first"), (b"x-priority", b"high"), (b"authorization", b"Bearer second"),
+           (b"x-caf\xe9", b"caf\xe9"), (b"x-slo-ttft-ms", b"")]
+    mapped, starlette = header_map(raw), Headers(raw=raw)
+    for name in ("authorization", "x-priority", "x-caf\xe9", "x-slo-ttft-ms", "x-request-id", "accept"):
+        assert mapped.get(name) == starlette.get(name), name
+    assert mapped["authorization"] == "Bearer first"  # a repeated header: the first, never the last
+    settings = build_settings(RouterSettings, {"pods": [{"id": "p", "url": "http://127.0.0.1:1"}],
+                                               "slo_header": "X-SLO-TTFT-MS", "priority_header": "X-Priority"})
+    assert (settings.slo_header, settings.priority_header) == ("x-slo-ttft-ms", "x-priority")
+
+
 def test_the_prediction_log_writes_a_line_per_timed_request_and_stops_at_its_cap(tmp_path):
     import orjson
 
