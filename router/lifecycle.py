@@ -59,6 +59,7 @@ class Lifecycle:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.policy = settings.policy if settings.scorers is None else "custom"
+        self._answered: dict[tuple[str, str], Any] = {}  # kvroute_requests_total's children, by (pod, status)
 
     def _end(self, router: Router, booking: Booking | None, outcome: Outcome) -> None:
         """The end of an attempt: release its booking (if the first token has not) and count it."""
@@ -67,7 +68,12 @@ class Lifecycle:
         if outcome.disconnect:
             self.metrics.client_disconnects.inc()
         if outcome.status:
-            self.metrics.requests.labels(outcome.pod_id, self.policy, outcome.status).inc()
+            key = (outcome.pod_id, outcome.status)
+            child = self._answered.get(key)
+            if child is None:  # labels() builds a key and takes a lock per call: once per pod and status
+                child = self._answered[key] = self.metrics.requests.labels(outcome.pod_id, self.policy,
+                                                                          outcome.status)
+            child.inc()
 
     async def serve(self, router: Router, plan: Plan, path: str, raw: bytes, headers: dict[str, str],
                     request: Request, body: Mapping[str, Any], rid: str) -> Response:
