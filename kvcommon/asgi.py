@@ -40,10 +40,11 @@ async def read_body(scope: MutableMapping[str, Any], receive: Receive, limit: in
 
     Raises ``APIError``: 413 when the declared Content-Length or the bytes actually received exceed
     ``limit``; 400 on a Content-Length that is not an integer; 408 when the whole body has not come
-    within ``timeout_s`` (None or 0: no deadline); ``ClientDisconnected`` (a 400) when the client
+    within ``timeout_s`` (None or 0: no deadline; none is set when kvroute's listener already
+    holds the whole body, which the request's ``ClientWatch`` says); ``ClientDisconnected`` (a 400) when the client
     disconnects first.
     """
-    if timeout_s:
+    if timeout_s and not _body_received(scope):
         try:
             async with asyncio.timeout(timeout_s):  # no task of its own, unlike wait_for
                 return await read_body(scope, receive, limit)
@@ -73,6 +74,17 @@ async def read_body(scope: MutableMapping[str, Any], receive: Receive, limit: in
             return b"".join(chunks)
 
 
+def _watch(scope: MutableMapping[str, Any]) -> ClientWatch | None:
+    """The request's ``ClientWatch`` when kvroute's listener serves it, else None."""
+    extensions = scope.get("extensions")
+    return extensions[WATCH_EXTENSION]["watch"] if extensions and WATCH_EXTENSION in extensions else None
+
+
+def _body_received(scope: MutableMapping[str, Any]) -> bool:
+    watch = _watch(scope)
+    return watch is not None and watch.received
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     """Returns when ``receive`` yields ``http.disconnect``; call it only once the body has been read."""
     while (await receive())["type"] != "http.disconnect":
@@ -84,14 +96,16 @@ class ClientWatch:
 
     kvroute's listener makes one per request and calls ``lost()`` when the connection drops before
     the response is complete, so a handler can wait on its work alone instead of also on a task
-    that waits for ``http.disconnect``."""
+    that waits for ``http.disconnect``. It also sets ``received`` once the whole request body is in
+    (``read_body`` then needs no deadline: nothing it reads can be late)."""
 
-    __slots__ = ("gone", "task", "fired")
+    __slots__ = ("gone", "task", "fired", "received")
 
     def __init__(self) -> None:
         self.gone = False
         self.task: asyncio.Task[Any] | None = None
         self.fired = False  # lost() cancelled the armed task
+        self.received = False  # the listener has the whole body: receive() answers without waiting
 
     def lost(self) -> None:
         if not self.gone:
@@ -113,8 +127,7 @@ async def unless_disconnected(scope: MutableMapping[str, Any], receive: Receive,
     Call it only once the request body has been read. A cancellation from anywhere else (a server
     shutting down) still propagates: only the watch's own is absorbed (``Task.uncancel``), with
     whatever the work raised as it was cancelled."""
-    extensions = scope.get("extensions")
-    watch = extensions[WATCH_EXTENSION]["watch"] if extensions and WATCH_EXTENSION in extensions else None
+    watch = _watch(scope)
     poller = None
     if watch is None:  # not under kvroute's listener: a task waits for http.disconnect instead
         watch = ClientWatch()

@@ -132,6 +132,7 @@ if HttpToolsProtocol is not None:
             self._deadline: float | None = None
             self._in_head = True
             self._head_bytes = 0
+            self._watch = ClientWatch()  # the current request's, made at the end of its headers
             self._arm(self.header_timeout_s)  # the first request's headers must come within this
 
         def _arm(self, delay: float | None) -> None:
@@ -207,13 +208,13 @@ if HttpToolsProtocol is not None:
                 problem = (431, f"request line and headers exceed {self.max_header_bytes} bytes")
             elif self.parser.get_http_version() == "1.0" and any(n == b"transfer-encoding" for n, _ in self.headers):
                 problem = (400, "Transfer-Encoding is not allowed in an HTTP/1.0 request")
+            # for kvcommon.asgi.unless_disconnected and read_body
+            watch = self._watch = ClientWatch()
+            self.scope["extensions"] = {WATCH_EXTENSION: {"watch": watch}}
             if problem is None:
-                # for kvcommon.asgi.unless_disconnected
-                self.scope["extensions"] = {WATCH_EXTENSION: {"watch": ClientWatch()}}
                 super().on_headers_complete()
                 return
             _closed("header_too_large" if problem[0] == 431 else "bad_framing", problem[1])
-            self.scope["extensions"] = {WATCH_EXTENSION: {"watch": ClientWatch()}}
             real = self.app  # answer from here instead of the app, and close the connection after
             self.app = _error_app(*problem)
             try:
@@ -225,6 +226,7 @@ if HttpToolsProtocol is not None:
 
         def on_message_complete(self) -> None:
             self._disarm()
+            self._watch.received = True  # the app's read_body needs no deadline of its own now
             super().on_message_complete()
 
     if os.environ.get(_ENV):

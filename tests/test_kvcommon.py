@@ -69,6 +69,20 @@ async def test_a_body_slower_than_the_deadline_is_408():
     assert err.value.status == 408 and not isinstance(err.value, ClientDisconnected)
 
 
+async def test_a_body_the_listener_already_holds_is_read_without_a_deadline():
+    async def late() -> dict:  # later than the deadline below: only a deadline makes it a 408
+        await asyncio.sleep(0.1)
+        return chunk(b"abc", False)
+
+    held, watch = watched()
+    watch.received = True  # kvroute's listener says the whole body is in
+    assert await read_body(held, late, 6, timeout_s=0.02) == b"abc"
+    pending, watch = watched()  # not yet: the deadline holds
+    with pytest.raises(APIError) as err:
+        await read_body(pending, late, 6, timeout_s=0.02)
+    assert err.value.status == 408
+
+
 async def test_a_client_that_leaves_mid_body_is_client_disconnected_a_400():
     with pytest.raises(ClientDisconnected) as err:
         await read_body(scope(), receiver(chunk(b"a", True)), 6, timeout_s=5)
