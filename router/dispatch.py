@@ -10,6 +10,7 @@ first response byte is retried on the next-best pod; after the first byte nothin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,10 @@ RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "con
                            "x-kvroute-pod", "x-request-id", "proxy-authenticate", "trailer", "upgrade"})
 
 
-_UNSENDABLE = ("\r", "\n", "\0")
+# CR, LF and NUL, which would split or cut a header written out as is (one C-level search per name and value)
+_UNSENDABLE = re.compile(rb"[\r\n\0]")
+# never forwarded, whatever the settings: hop-by-hop, internal, and the request id (the router sets its own)
+_NEVER = HOP_BY_HOP | INTERNAL | {"x-request-id"}
 
 
 def forwardable(name: str) -> bool:
@@ -41,13 +45,14 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_autho
     """The client's headers a pod may see, plus the request id. A header whose name or value holds
     CR, LF or NUL is dropped: written out as is it would split the upstream request."""
     out: dict[str, str] = {}
+    unsendable = _UNSENDABLE.search
     for k, v in raw:
         name = k.decode("latin-1").lower()
-        if not forwardable(name) or name == "x-request-id" or (drop_authorization and name == "authorization"):
+        if name in _NEVER or name.startswith(INTERNAL_PREFIXES) or (drop_authorization and name == "authorization"):
+            continue  # forwardable(name), written out: this runs for every header of every request
+        if unsendable(k) or unsendable(v):
             continue
         value = v.decode("latin-1")
-        if any(c in name or c in value for c in _UNSENDABLE):
-            continue
         out[name] = f"{out[name]}, {value}" if name in out else value
     out["x-request-id"] = request_id
     return out

@@ -151,12 +151,18 @@ def test_serve_cli_documents_every_knob_and_refuses_an_empty_fleet():
 
 
 def test_header_filter_drops_hop_by_hop_and_internal_headers():
-    for name in ("connection", "transfer-encoding", "x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod",
-                 "x-kvroute-anything", "host", "content-length", "te", "upgrade", "x-llm-d-prefiller-host-port",
-                 "x-llm-d-encoder-hosts-ports", "x-kv-cache-source-host-port"):
+    dropped = ["connection", "transfer-encoding", "x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod",
+               "x-kvroute-anything", "host", "content-length", "te", "upgrade", "x-llm-d-prefiller-host-port",
+               "x-llm-d-encoder-hosts-ports", "x-kv-cache-source-host-port", "expect", "keep-alive",
+               "x-data-parallel-rank"]
+    kept = ["content-type", "accept", "x-slo-ttft-ms", "user-agent", "x-custom"]
+    for name in dropped:
         assert not forwardable(name)
-    for name in ("content-type", "accept", "x-slo-ttft-ms", "user-agent", "x-custom"):
+    for name in kept:
         assert forwardable(name)
+    # upstream_headers applies the same filter (written out there, on the hot path)
+    sent = [(name.upper().encode(), b"v") for name in dropped + kept]
+    assert upstream_headers(sent, "rid", drop_authorization=True) == {**dict.fromkeys(kept, "v"), "x-request-id": "rid"}
     raw = [(b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"), (b"Accept", b"a"), (b"accept", b"b")]
     assert upstream_headers(raw, "rid", drop_authorization=True) == {"accept": "a, b", "x-request-id": "rid"}
     assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
