@@ -26,8 +26,8 @@ INTERNAL = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-data-parall
                       "x-encoder-hosts-ports", "x-kv-cache-source-host-port", "x-data-parallel-rank"})
 # ours, and llm-d's prefixed spellings of the same routing headers (x-llm-d-prefiller-host-port, ...)
 INTERNAL_PREFIXES = ("x-kvroute-", "x-llm-d-")
-RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date",
-                           "x-kvroute-pod", "x-request-id", "proxy-authenticate", "trailer", "upgrade"})
+RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server", b"date",
+                           b"x-kvroute-pod", b"x-request-id", b"proxy-authenticate", b"trailer", b"upgrade"})
 
 
 # CR, LF and NUL, which would split or cut a header written out as is (one C-level search per name and value)
@@ -58,15 +58,16 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_autho
     return out
 
 
-def response_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in resp.headers.raw if k.lower() not in RESPONSE_DROP]
+def response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    """The pod's answer headers the client gets, as ASGI wants them (lower-case name, value bytes)."""
+    return [(k, v) for k, v in resp.headers.raw if k not in RESPONSE_DROP]
 
 
 class UpstreamError(Exception):
     """The pod could not be reached or failed before sending a byte; another pod may be tried."""
 
     def __init__(self, cause: str, status: int | None = None, body: bytes = b"",
-                 headers: list[tuple[str, str]] | None = None, pod_down: bool = True):
+                 headers: list[tuple[bytes, bytes]] | None = None, pod_down: bool = True):
         super().__init__(cause)
         self.cause = cause
         self.status = status
@@ -123,7 +124,7 @@ class Dispatcher:
                 hdrs = response_headers(resp)
                 resp.release()
                 raise UpstreamError(f"status {resp.status}", resp.status, payload, hdrs)
-            streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
+            streaming = (resp.headers.first(b"content-type") or b"").startswith(b"text/event-stream")
             first = b""
             if streaming:
                 try:

@@ -39,6 +39,7 @@ from router.routing import Plan, Router
 from router.upstream import PodIOError
 
 POD_HEADER = "x-kvroute-pod"
+POD_HEADER_BYTES = POD_HEADER.encode()
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,7 @@ class Lifecycle:
         pod_id, exc = failure
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
         if exc.status:
-            return Response(exc.body, status_code=exc.status,
-                            headers={**dict(exc.headers), POD_HEADER: pod_id, "x-request-id": rid})
+            return _answer(exc.body, exc.status, exc.headers + _ours(pod_id, rid))
         return error_response(502, f"pod {pod_id} could not be reached ({exc.cause})",
                               headers={POD_HEADER: pod_id, "x-request-id": rid})
 
@@ -138,11 +138,11 @@ class Lifecycle:
     async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
                        rid: str) -> Response:
         resp = opened.resp
-        headers = response_headers(resp) + [(POD_HEADER, booking.pod_id), ("x-request-id", rid)]
+        headers = response_headers(resp) + _ours(booking.pod_id, rid)
         router.observe_answer(booking, resp.headers)
         pod_id, status = booking.pod_id, str(resp.status)
         if opened.streaming:
-            headers += [("cache-control", "no-cache"), ("x-accel-buffering", "no")]
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
             def done(how: str) -> None:
                 self._end(router, booking, Outcome(pod_id, "502" if how == "upstream-error" else status,
@@ -170,10 +170,19 @@ class Lifecycle:
         # a one-token answer's duration is its time to first token: learn from it
         router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
         self._end(router, booking, Outcome(pod_id, status))
-        out = Response(payload, status_code=resp.status)
-        out.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        out.raw_headers.append((b"content-length", str(len(payload)).encode()))
-        return out
+        return _answer(payload, resp.status, headers)
+
+
+def _ours(pod_id: str, rid: str) -> list[tuple[bytes, bytes]]:
+    """The headers the router adds to a pod's answer: which pod, and the request id."""
+    return [(POD_HEADER_BYTES, pod_id.encode("latin-1")), (b"x-request-id", rid.encode("latin-1"))]
+
+
+def _answer(payload: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> Response:
+    """A whole answer with ``headers`` (ASGI's lower-case bytes pairs) as they are, plus its length."""
+    out = Response(payload, status_code=status)
+    out.raw_headers = headers + [(b"content-length", str(len(payload)).encode())]
+    return out
 
 
 def _max_tokens(body: Mapping[str, Any]) -> Any:
@@ -184,10 +193,10 @@ class RelayResponse(Response):
     """Streams an upstream SSE response chunk by chunk; a client that leaves cancels the upstream.
     ``on_done`` is called once with how it ended: "ok", "disconnect" or "upstream-error"."""
 
-    def __init__(self, opened: Opened, headers: list[tuple[str, str]], on_done: Callable[[str], None]):
+    def __init__(self, opened: Opened, headers: list[tuple[bytes, bytes]], on_done: Callable[[str], None]):
         self.status_code = opened.resp.status
         self.background = None
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self.raw_headers = headers
         self._opened = opened
         self._on_done = on_done
 

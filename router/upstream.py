@@ -68,26 +68,40 @@ def request_head(target: str, host: str, headers: Mapping[str, str], length: int
 
 
 class Headers(Mapping[str, str]):
-    """An answer's headers by lower-case name (repeated names joined by ", "); ``raw`` as sent."""
+    """An answer's headers by lower-case name (repeated names joined by ", "). ``raw``: as sent, in
+    order, as (lower-case name, value) bytes, which is what a relay writes back out; the mapping is
+    built only when read (the router reads it for P/D answers alone)."""
 
     __slots__ = ("raw", "_by_name")
 
-    def __init__(self, raw: list[tuple[str, str]]):
+    def __init__(self, raw: list[tuple[bytes, bytes]]):
         self.raw = raw
-        by_name: dict[str, str] = {}
-        for k, v in raw:
-            name = k.lower()
-            by_name[name] = f"{by_name[name]}, {v}" if name in by_name else v
-        self._by_name = by_name
+        self._by_name: dict[str, str] | None = None
+
+    def first(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lower-case bytes), or None; no mapping is built."""
+        for k, v in self.raw:
+            if k == name:
+                return v
+        return None
+
+    def _mapping(self) -> dict[str, str]:
+        by_name = self._by_name
+        if by_name is None:
+            by_name = self._by_name = {}
+            for k, v in self.raw:
+                name, value = k.decode("latin-1"), v.decode("latin-1")
+                by_name[name] = f"{by_name[name]}, {value}" if name in by_name else value
+        return by_name
 
     def __getitem__(self, name: str) -> str:
-        return self._by_name[name.lower()]
+        return self._mapping()[name.lower()]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
+        return iter(self._mapping())
 
     def __len__(self) -> int:
-        return len(self._by_name)
+        return len(self._mapping())
 
 
 class _Connection(asyncio.Protocol):
@@ -107,7 +121,7 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
-        self.raw_headers: list[tuple[str, str]] = []
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # (lower-case name, value)
         self._header_bytes = 0
         self.headers_done = False
         self.complete = False
@@ -152,7 +166,7 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             raise httptools.HttpParserError(f"headers larger than {MAX_HEADER_BYTES} bytes")
-        self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -178,8 +192,8 @@ class _Connection(asyncio.Protocol):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _eof_delimited(self) -> bool:
-        names = {k.lower() for k, _ in self.raw_headers}
-        return "content-length" not in names and "transfer-encoding" not in names
+        names = {k for k, _ in self.raw_headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:

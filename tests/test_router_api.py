@@ -290,6 +290,10 @@ async def test_5xx_before_first_byte_is_retried_once_on_the_next_pod():
             r = await c.post("/v1/completions", json=completion())
         assert r.status_code == 503 and r.json()["error"]["message"] == "boom"
         assert sum(len(p.seen) for p in pods) == 2
+        # relayed with the pod's own headers, plus which pod and the request id, each once
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.headers["x-kvroute-pod"] in by_name and r.headers["x-request-id"]
+        assert len(r.headers.get_list("x-kvroute-pod")) == len(r.headers.get_list("content-length")) == 1
 
 
 async def test_connection_failure_is_retried_and_marks_the_pod():
