@@ -32,13 +32,16 @@ RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b
 
 # CR, LF and NUL, which would split or cut a header written out as is (one C-level search per name and value)
 _UNSENDABLE = re.compile(rb"[\r\n\0]")
-# never forwarded, whatever the settings: hop-by-hop, internal, and the request id (the router sets its own)
-_NEVER = HOP_BY_HOP | INTERNAL | {"x-request-id"}
+# never forwarded: hop-by-hop and internal headers (and, in upstream_headers, the request id, which
+# the router sets itself)
+_NOT_FORWARDED = HOP_BY_HOP | INTERNAL
+_NEVER = _NOT_FORWARDED | {"x-request-id"}
 
 
 def forwardable(name: str) -> bool:
-    """Whether a client request header (lower-case name) may be passed on to a pod."""
-    return name not in HOP_BY_HOP and name not in INTERNAL and not name.startswith(INTERNAL_PREFIXES)
+    """Whether a client request header (lower-case name) may be passed on to a pod: the rule that
+    ``upstream_headers`` applies inline, per header, on the hot path."""
+    return name not in _NOT_FORWARDED and not name.startswith(INTERNAL_PREFIXES)
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_authorization: bool) -> dict[str, str]:
