@@ -74,14 +74,14 @@ async def read_body(scope: MutableMapping[str, Any], receive: Receive, limit: in
             return b"".join(chunks)
 
 
-def _watch(scope: MutableMapping[str, Any]) -> ClientWatch | None:
+def client_watch(scope: MutableMapping[str, Any]) -> ClientWatch | None:
     """The request's ``ClientWatch`` when kvroute's listener serves it, else None."""
     extensions = scope.get("extensions")
     return extensions[WATCH_EXTENSION]["watch"] if extensions and WATCH_EXTENSION in extensions else None
 
 
 def _body_received(scope: MutableMapping[str, Any]) -> bool:
-    watch = _watch(scope)
+    watch = client_watch(scope)
     return watch is not None and watch.received
 
 
@@ -97,15 +97,17 @@ class ClientWatch:
     kvroute's listener makes one per request and calls ``lost()`` when the connection drops before
     the response is complete, so a handler can wait on its work alone instead of also on a task
     that waits for ``http.disconnect``. It also sets ``received`` once the whole request body is in
-    (``read_body`` then needs no deadline: nothing it reads can be late)."""
+    (``read_body`` then needs no deadline: nothing it reads can be late), and ``protocol`` to the
+    connection's protocol (``kvcommon.listener.write_whole`` answers through it in one write)."""
 
-    __slots__ = ("gone", "task", "fired", "received")
+    __slots__ = ("gone", "task", "fired", "received", "protocol")
 
     def __init__(self) -> None:
         self.gone = False
         self.task: asyncio.Task[Any] | None = None
         self.fired = False  # lost() cancelled the armed task
         self.received = False  # the listener has the whole body: receive() answers without waiting
+        self.protocol: Any = None  # the listener's protocol serving the request (None elsewhere)
 
     def lost(self) -> None:
         if not self.gone:
@@ -127,7 +129,7 @@ async def unless_disconnected(scope: MutableMapping[str, Any], receive: Receive,
     Call it only once the request body has been read. A cancellation from anywhere else (a server
     shutting down) still propagates: only the watch's own is absorbed (``Task.uncancel``), with
     whatever the work raised as it was cancelled."""
-    watch = _watch(scope)
+    watch = client_watch(scope)
     poller = None
     if watch is None:  # not under kvroute's listener: a task waits for http.disconnect instead
         watch = ClientWatch()

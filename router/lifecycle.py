@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvcommon.asgi import unless_disconnected
+from kvcommon.listener import write_whole
 from router.booking import Booking
 from router.config import RouterSettings
 from router.disagg import prefill_header
@@ -180,9 +181,26 @@ def _ours(pod_id: str, rid: str) -> list[tuple[bytes, bytes]]:
 
 def _answer(payload: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> Response:
     """A whole answer with ``headers`` (ASGI's lower-case bytes pairs) as they are, plus its length."""
-    out = Response(payload, status_code=status)
-    out.raw_headers = headers + [(b"content-length", str(len(payload)).encode())]
-    return out
+    return WholeAnswer(payload, status, headers)
+
+
+class WholeAnswer(Response):
+    """A pod's whole (non-streaming) answer, relayed: under kvroute's listener in one write, head and
+    body together (``kvcommon.listener.write_whole``), elsewhere as the two ASGI messages.
+    ``headers`` come from ``response_headers`` and ``_ours``: no Content-Length or Connection."""
+
+    def __init__(self, payload: bytes, status: int, headers: list[tuple[bytes, bytes]]):
+        self.body = self._payload = payload
+        self.status_code = status
+        self.background = None
+        self._head = headers  # write_whole adds the length itself
+        self.raw_headers = headers + [(b"content-length", b"%d" % len(payload))]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if write_whole(scope, self.status_code, self._head, self._payload):
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self._payload})
 
 
 def _max_tokens(body: Mapping[str, Any]) -> Any:

@@ -237,6 +237,66 @@ async def test_streaming_passes_chunks_through_as_they_come():
         assert arrivals[-1] - arrivals[0] > 0.3 and len(arrivals) >= 4
 
 
+async def _raw_exchange(port: int, requests: list[bytes],
+                        pipelined: bool = False) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """Send ``requests`` on one connection, each after the answer before it (or all at once:
+    ``pipelined``); the answers as (status line, headers, body). The last request asks for a close,
+    and the connection must then end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = []
+    if pipelined:
+        writer.write(b"".join(requests))
+    for req in requests:
+        if not pipelined:
+            writer.write(req)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head[:-4].split(b"\r\n")
+        headers = dict(line.split(b": ", 1) for line in lines[1:])
+        out.append((lines[0], headers, await reader.readexactly(int(headers[b"content-length"]))))
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing more
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_a_whole_answer_is_the_same_bytes_from_either_listener(monkeypatch, pipelined):
+    """kvroute's listener writes a whole answer's head and body at once (``write_whole``); what the
+    client reads must be what uvicorn's two-message path sends: status, the pod's headers, ours, the
+    length, and on the request that asks for it ``connection: close`` and a closed connection.
+    Pipelined requests take uvicorn's path (an answer goes out in one write only while its request
+    is the connection's latest) and must read the same."""
+    import router.lifecycle
+
+    written: list[bool] = []
+    real = router.lifecycle.write_whole
+    monkeypatch.setattr(router.lifecycle, "write_whole", lambda *a: written.append(real(*a)) or written[-1])
+    seen = {}
+    for name, http in (("uvicorn", "auto"), ("kvroute", GuardedHttpToolsProtocol)):
+        async with pods_running(1, fail_status=503, fail_times=1) as pods, \
+                running_router(settings_for(pods, retries=0), http) as (base, services):
+            port = int(base.rsplit(":", 1)[1])
+            body = orjson.dumps(completion())
+
+            def req(rid: str, close: bool = False) -> bytes:
+                return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                        b"x-request-id: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+                            rid.encode(), len(body), b"connection: close\r\n" if close else b"")) + body
+
+            answers = await _raw_exchange(port, [req("r1"), req("r2"), req("r3", close=True)], pipelined)
+        assert [a[0] for a in answers] == [b"HTTP/1.1 503 Service Unavailable", b"HTTP/1.1 200 OK",
+                                           b"HTTP/1.1 200 OK"], name
+        for (_, headers, payload), rid in zip(answers, (b"r1", b"r2", b"r3"), strict=True):
+            assert headers[b"x-request-id"] == rid and headers[b"x-kvroute-pod"] == b"pod-0"
+            assert int(headers[b"content-length"]) == len(payload)
+        assert orjson.loads(answers[1][2])["choices"][0]["text"] == "hi from pod-0"
+        assert answers[1][1][b"x-pod-name"] == b"pod-0"
+        assert b"connection" not in answers[1][1] and answers[2][1][b"connection"] == b"close"
+        seen[name] = [(line, {k: v for k, v in h.items() if k != b"date"}, b) for line, h, b in answers]
+    # uvicorn's listener: the two messages; kvroute's: one write, unless a later request is already in
+    assert written[:3] == [False] * 3 and (written[3:] == [True] * 3 or pipelined and not all(written[3:]))
+    assert seen["kvroute"] == seen["uvicorn"]
+
+
 @pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
 async def test_client_disconnect_cancels_the_upstream_request(http):
     async with pods_running(1, hang=True) as pods, running_router(settings_for(pods), http) as (base, services):
