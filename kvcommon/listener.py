@@ -254,8 +254,8 @@ def write_whole(scope: Any, status: int, headers: list[tuple[bytes, bytes]], bod
         return False
     if cycle.disconnected:
         return True  # as uvicorn's send: nothing to write to, and not an error
-    if (HEADER_RE.search(b"".join(name for name, _ in headers))
-            or HEADER_VALUE_RE.search(b"".join(value for _, value in headers))):
+    if (HEADER_RE.search(b"".join([name for name, _ in headers]))
+            or HEADER_VALUE_RE.search(b"".join([value for _, value in headers]))):
         return False  # uvicorn's send raises its own error for it
     out = [STATUS_LINE[status]]
     for name, value in cycle.default_headers:
