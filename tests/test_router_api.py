@@ -271,17 +271,17 @@ async def test_a_whole_answer_is_the_same_bytes_from_either_listener(monkeypatch
     real = router.lifecycle.write_whole
     monkeypatch.setattr(router.lifecycle, "write_whole", lambda *a: written.append(real(*a)) or written[-1])
     seen = {}
+    body = orjson.dumps(completion())
+
+    def req(rid: str, close: bool = False) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-id: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+                    rid.encode(), len(body), b"connection: close\r\n" if close else b"")) + body
+
     for name, http in (("uvicorn", "auto"), ("kvroute", GuardedHttpToolsProtocol)):
         async with pods_running(1, fail_status=503, fail_times=1) as pods, \
                 running_router(settings_for(pods, retries=0), http) as (base, services):
             port = int(base.rsplit(":", 1)[1])
-            body = orjson.dumps(completion())
-
-            def req(rid: str, close: bool = False) -> bytes:
-                return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                        b"x-request-id: %s\r\ncontent-length: %d\r\n%s\r\n" % (
-                            rid.encode(), len(body), b"connection: close\r\n" if close else b"")) + body
-
             answers = await _raw_exchange(port, [req("r1"), req("r2"), req("r3", close=True)], pipelined)
         assert [a[0] for a in answers] == [b"HTTP/1.1 503 Service Unavailable", b"HTTP/1.1 200 OK",
                                            b"HTTP/1.1 200 OK"], name
