@@ -6,15 +6,21 @@ admission, prefix index) against the simulator's timing model with a simulated c
 result does not depend on how loaded the machine is. Here its one router is replaced by N, as
 ``kvroute serve --workers N`` has: each request goes to one of them at random (SO_REUSEPORT), each
 has its own index (every pod's KV events reach all of them), calibrator, speculative credits and
-scrape of the pods; with ``shared`` every local book and release is applied at once to the others'
-ledgers as a foreign booking (the bus's propagation, ~0.5 ms on loopback, taken as zero).
+scrape of the pods; with ``shared`` every local book and release is applied to the others'
+ledgers as a foreign booking, as the bus would deliver it: sent at once, or, with an interval
+(``booking_bus_min_interval_s``, one row per value of ``--bus-interval-s``), held until that long
+after the router's last message and sent together with the changes made meanwhile; then applied
+``--bus-latency-s`` later (the wire, ~0.5 ms on loopback; 0 by default, as in the runs before this
+option).
 
-    python bench/workers_sim.py [--rate 70] [--duration 60] [--routers 2] [--json out.json]
+    python bench/workers_sim.py [--rate 70] [--duration 60] [--routers 2] [--bus-interval-s 0,0.005]
+                                [--bus-latency-s 0.0005] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import random
 import sys
@@ -67,28 +73,51 @@ class _Index:
 class Routers:
     """N routers behind one port, looking like the one ``Router`` the simulation drives."""
 
-    def __init__(self, routers: list[Any], shared: bool, seed: int):
+    def __init__(self, routers: list[Any], shared: bool, seed: int, interval_s: float = 0.0,
+                 latency_s: float = 0.0, clock: Any = None):
         self.routers = routers
         self.index = _Index([r.index for r in routers])
         self.registry = _Registry([r.registry for r in routers])
         self.rng = random.Random(seed)
         self.owner: dict[int, tuple[Any, Any]] = {}
         self.last: Any = routers[0]
+        self.interval_s, self.latency_s, self.clock = interval_s, latency_s, clock
+        self.in_flight: list[tuple[float, int, Any, tuple]] = []  # heap: (due, order, ledger, apply_foreign's args)
+        self._order = 0
         if shared:
             for i, r in enumerate(routers):
                 r.ledger.on_change = self._hook(f"router-{i}", [o for o in routers if o is not r])
 
-    @staticmethod
-    def _hook(origin: str, others: list[Any]):
+    def _hook(self, origin: str, others: list[Any]):
+        last_sent = -float("inf")  # when this router's last message went
+
         def on_change(event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
+            nonlocal last_sent
+            args = (origin, event, pod, ticket, tokens, resource)
+            if self.interval_s <= 0 and self.latency_s <= 0:
+                for o in others:
+                    o.ledger.apply_foreign(*args)
+                return
+            now = self.clock.now
+            # the bus's rule: at once after a quiet interval, else with the message at its end
+            sent = now if now >= last_sent + self.interval_s else last_sent + self.interval_s
+            last_sent = max(last_sent, sent)
             for o in others:
-                o.ledger.apply_foreign(origin, event, pod, ticket, tokens, resource)
+                self._order += 1
+                heapq.heappush(self.in_flight, (sent + self.latency_s, self._order, o.ledger, args))
         return on_change
+
+    def _arrived(self) -> None:
+        """Apply the changes that have reached the others (a router reads its ledger only when it plans)."""
+        while self.in_flight and self.in_flight[0][0] <= self.clock.now:
+            _, _, ledger, args = heapq.heappop(self.in_flight)
+            ledger.apply_foreign(*args)
 
     def keys_for(self, model: str, tokens: list[int]) -> Any:
         return self.routers[0].keys_for(model, tokens)
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
+        self._arrived()
         self.last = self.rng.choice(self.routers)
         return self.last.plan(*args, **kwargs)
 
@@ -103,15 +132,20 @@ class Routers:
     def finish(self, booking: Any) -> None:
         self.owner[id(booking)][1].finish(booking)
 
+    def ended(self, booking: Any) -> None:
+        self.owner[id(booking)][1].ended(booking)
+
     def observe_answer(self, booking: Any, headers: Any) -> None:
         self.owner[id(booking)][1].observe_answer(booking, headers)
 
 
 class _MultiRun(_Run):
-    def __init__(self, specs: Any, arrivals: Any, cfg: SimConfig, routers: int, shared: bool, seed: int):
+    def __init__(self, specs: Any, arrivals: Any, cfg: SimConfig, routers: int, shared: bool, seed: int,
+                 interval_s: float = 0.0, latency_s: float = 0.0):
         super().__init__(specs, arrivals, cfg, None)
         if routers > 1:
-            self.router = Routers([_build_router(cfg, self.clock) for _ in range(routers)], shared, seed)
+            self.router = Routers([_build_router(cfg, self.clock) for _ in range(routers)], shared, seed,
+                                  interval_s, latency_s, self.clock)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objective", type=float, default=2.0)
     ap.add_argument("--routers", default="2", help="comma-separated router counts besides 1 (default: 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bus-interval-s", default="0",
+                    help="comma-separated booking_bus_min_interval_s values, a row each (0: every change at once)")
+    ap.add_argument("--bus-latency-s", type=float, default=0.0, help="the bus's wire latency")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     fleet = FleetSpec()
@@ -132,16 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     n = cut(arrivals, duration=args.duration)
     spec = PodSpec(timing="seed", block_size=fleet.block_size, num_gpu_blocks=fleet.num_gpu_blocks,
                    prefill_tokens_per_s=fleet.prefill_tokens_per_s, decode_s_per_token=fleet.decode_s_per_token)
-    setups = [("1 process", 1, False)]
+    setups = [("1 process", 1, False, 0.0)]
+    intervals = [float(x) for x in args.bus_interval_s.split(",") if x.strip()]
     for k in [int(x) for x in args.routers.split(",") if x.strip()]:
-        setups += [(f"{k} workers, booking bus", k, True), (f"{k} workers, no bus", k, False)]
+        setups += [(f"{k} workers, booking bus" + (f", {d * 1000:g} ms interval" if d else ""), k, True, d)
+                   for d in intervals]
+        setups += [(f"{k} workers, no bus", k, False, 0.0)]
     rows = []
     for label, admission in (("predicted-ttft + early rejection", True), ("predicted-ttft", False)):
-        for name, k, shared in setups:
+        for name, k, shared, interval in setups:
             cfg = SimConfig(policy="predicted-ttft", admission=admission, objective_s=args.objective, pods=fleet.pods,
                             spec=spec, model=fleet.model)
-            s = _MultiRun(specs[:n], arrivals[:n], cfg, k, shared, args.seed).run().summary
+            s = _MultiRun(specs[:n], arrivals[:n], cfg, k, shared, args.seed, interval,
+                          args.bus_latency_s if shared else 0.0).run().summary
             r = {"router": f"kvroute {label}, {name} (simulated)", "routers": k, "shared_bookings": shared,
+                 "bus_interval_s": interval, "bus_latency_s": args.bus_latency_s if shared else 0.0,
                  "admission": admission, "requests": s["requests"], "hit_rate": s["hit_rate"],
                  "ttft_p50": s["ttft_p50"], "ttft_p99": s["ttft_p99"], "slo_attainment": s["slo_attainment"],
                  "rejected": (s["errors_by_status"] or {}).get("429", 0) / max(s["requests"], 1)}
@@ -150,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"hit {100 * (r['hit_rate'] or 0):5.1f} %  p50 {r['ttft_p50'] or 0:6.3f} s  "
                   f"p99 {r['ttft_p99'] or 0:6.2f} s", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rate": args.rate, "duration_s": args.duration,
+        Path(args.json).write_text(json.dumps({"command": "python bench/workers_sim.py " + " ".join(
+                                                   argv if argv is not None else sys.argv[1:]),
+                                               "rate": args.rate, "duration_s": args.duration,
                                                "objective_s": args.objective, "requests": n, "rows": rows},
                                               indent=2) + "\n")
     return 0

@@ -18,9 +18,16 @@ the origin's messages from 1.
   tokenizing the whole conversation again; taken only where ``fingerprint`` (the tokenizer's) is
   the receiver's own; at most ``TOKENS_PER_MESSAGE`` tokens per message (a big prompt's go as several)
 - ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
-  applied in order: the books and releases of one event-loop turn go out as one message (a lone
-  one goes as ``"b"``/``"r"``), so a busy worker sends and its peers decode one frame per turn
-  rather than one per change (at most ``MAX_OPS`` per message)
+  applied in order: the books and releases queued since the last message go out together (a lone
+  one goes as ``"b"``/``"r"``; at most ``MAX_OPS`` per message)
+
+**When changes go out.** At the end of the event-loop turn that made them, unless a message went
+less than ``min_interval_s`` ago: then at that interval's end, with whatever else was queued by
+then. A quiet router's bookings thus leave at once, and a busy one sends at most one message per
+interval. Each message costs far more than its bytes: on a 2-core machine about 0.3 ms of CPU over
+every process it crosses (the sender's and receivers' ZeroMQ I/O threads, the forwarder's threads,
+the wake-ups), so under 32 connections of small requests the bus took a fifth of two workers'
+throughput when every loop turn sent one (docs/router.md, "The booking bus's cost").
 
 PUB/SUB loses messages (a slow joiner, a reconnect, a full high-water mark), so every origin also
 publishes its full snapshot every ``booking_bus_snapshot_s``; a snapshot *replaces* what the others
@@ -277,8 +284,10 @@ class BookingBus:
                  resolve_interval_s: float = 5.0, snapshot_s: float = 0.5, peer_timeout_s: float = 3.0,
                  hwm: int = 10_000, max_bookings_per_origin: int = 50_000, max_origins: int = 256,
                  max_frame_bytes: int = 8 * 1024 * 1024, origin: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, key: BusKey | None = None):
-        """``key``: CURVE on every socket (the module's docstring says who may then speak)."""
+                 clock: Callable[[], float] = time.monotonic, key: BusKey | None = None,
+                 min_interval_s: float = 0.0):
+        """``key``: CURVE on every socket (the module's docstring says who may then speak);
+        ``min_interval_s``: the least time between two messages of books and releases."""
         if key is not None and pub_bind and pub_connect:
             raise ValueError("with a CURVE key the PUB socket either binds (a server) or connects (a client)")
         self.ledger = ledger
@@ -303,8 +312,10 @@ class BookingBus:
         self.connected: set[str] = set()
         self.bound: list[str] = []  # the endpoints really bound (a port 0 resolved)
         self._seq = 0
-        self._pending: list[list[Any]] = []   # this loop turn's books and releases, not yet sent
+        self._pending: list[list[Any]] = []   # books and releases not yet sent
         self._flush_handle: asyncio.Handle | None = None
+        self.min_interval_s = min_interval_s
+        self._flushed_at = -float("inf")  # the loop's time of the last message of changes
         self._loop: asyncio.AbstractEventLoop | None = None
         # another origin's tokenized chunks: (fingerprint, chunks) -> taken (False: another tokenizer)
         self.on_tokens: Callable[[str, list[tuple[int, array[int]]]], bool] | None = None
@@ -326,7 +337,8 @@ class BookingBus:
             self.stats.count(KINDS[kind], "send_failed")
 
     def on_change(self, event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
-        """A local book or release: queued, and sent with the rest of this loop turn's at its end."""
+        """A local book or release: queued, and sent at the end of this loop turn, or at the end of
+        ``min_interval_s`` after the last message if that is later (the module's docstring)."""
         if self._pub is None:
             return
         if event == "book":
@@ -337,9 +349,12 @@ class BookingBus:
             self.flush()
         elif self._flush_handle is None:
             try:
-                self._flush_handle = asyncio.get_running_loop().call_soon(self.flush)
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop running (a synchronous caller): send now
                 self.flush()
+                return
+            wait = self._flushed_at + self.min_interval_s - loop.time()
+            self._flush_handle = loop.call_soon(self.flush) if wait <= 0 else loop.call_later(wait, self.flush)
 
     def flush(self) -> None:
         """Send the queued changes: one as its own message, several as one "m" message."""
@@ -347,6 +362,8 @@ class BookingBus:
             self._flush_handle.cancel()
             self._flush_handle = None
         ops, self._pending = self._pending, []
+        if ops and self._loop is not None and not self._loop.is_closed():
+            self._flushed_at = self._loop.time()
         if len(ops) == 1:
             op = ops[0]
             self._send(op[0], op[1:])

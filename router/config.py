@@ -318,6 +318,9 @@ class RouterSettings(BaseSettings):
                                           "bookings (repairs lost messages; also its heartbeat)")
     booking_bus_peer_timeout_s: float = Field(3.0, gt=0, description="a router silent this long has its bookings "
                                               "dropped")
+    booking_bus_min_interval_s: float = Field(0.005, ge=0, le=1.0, description="least time between two messages "
+                                              "of a router's books and releases: changes wait at most this long "
+                                              "and go together (0: one message per event-loop turn)")
     booking_bus_curve_secret_key: str | None = Field(None, description="CURVE on the booking bus: one secret key "
                                                      "(Z85, 40 characters) shared by every router process; only "
                                                      "holders can publish or read bookings (docs/router.md)")

@@ -272,4 +272,4 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
                       resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s,
                       snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
                       hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings,
-                      key=BusKey.of(settings))
+                      key=BusKey.of(settings), min_interval_s=settings.booking_bus_min_interval_s)

@@ -72,6 +72,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_booking_bus.py": frozenset({
         "test_bookings_and_releases_propagate_and_a_lost_message_is_repaired_by_the_next_snapshot",
         "test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_order",
+        "test_a_busy_bus_sends_at_most_one_message_of_changes_per_interval",
         "test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working",
         "test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages",
         "test_a_killed_peer_loses_its_bookings_and_a_restarted_one_does_not_bring_them_back",

@@ -211,6 +211,25 @@ async def test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_ord
     assert led.inflight("p0") == 1
 
 
+async def test_a_busy_bus_sends_at_most_one_message_of_changes_per_interval():
+    # the buses hear each other by a snapshot; the next comes 5 s later, after the 2 s interval
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0, min_interval_s=2.0) as (a, b):
+        assert a.min_interval_s == 2.0
+        sent = a.stats.get("book", "sent")
+        first = a.ledger.book("p0", 100)  # after a quiet spell: out at the end of this loop turn
+        await until(lambda: b.ledger.inflight("p0") == 1, 5, "the first booking")
+        batches = a.stats.get("batch", "sent")
+        a.ledger.book("p0", 100)          # within the interval: held back ...
+        await asyncio.sleep(0.05)
+        a.ledger.release("p0", first)     # ... with what comes after it
+        a.ledger.book_kv("d0", 300)
+        await asyncio.sleep(0.05)
+        assert a.stats.get("book", "sent") == sent + 1 and b.ledger.inflight("p0") == 1
+        await until(lambda: b.ledger.kv_booked("d0") == (1, 300.0), 5, "the held changes")
+        assert a.stats.get("batch", "sent") == batches + 1 and a.stats.get("book", "sent") == sent + 3
+        assert b.ledger.inflight("p0") == 1 and b.stats.get("release", "received") == 1
+
+
 async def test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages():
     async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
         got: list = []
@@ -514,7 +533,10 @@ def test_build_bus_follows_the_settings():
     assert build_bus(settings(), Ledger()) is None  # one process, no replicas: nothing to share
     worker = build_bus(settings(), Ledger(), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"))
     assert worker.pub_connect == ["tcp://127.0.0.1:1"] and worker.static_peers == ["tcp://127.0.0.1:2"]
-    assert worker.pub_bind == []
+    assert worker.pub_bind == [] and worker.min_interval_s == 0.005
+    assert build_bus(settings(booking_bus_min_interval_s=0), Ledger(), ("a", "b")).min_interval_s == 0
+    with pytest.raises(ValueError):
+        settings(booking_bus_min_interval_s=-1)
     assert build_bus(settings(booking_bus=False), Ledger(), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")) is None
     replica = build_bus(settings(booking_bus_bind="tcp://*:5570", booking_bus_peers=["tcp://10.0.0.2:5570"],
                                  booking_bus_peers_dns="routers", booking_bus_snapshot_s=0.25), Ledger())
