@@ -279,6 +279,46 @@ def write_whole(scope: Any, status: int, headers: list[tuple[bytes, bytes]], bod
     return True
 
 
+class ChunkWriter:
+    """Writes a chunked response's body chunks to the client's transport, as uvicorn's ``send`` does
+    for each ``http.response.body`` message with ``more_body``, but called as a plain function: a
+    relayed stream's chunks go from the pod's connection to the client's with no task step, ASGI
+    message or coroutine between (``router.upstream.UpstreamResponse.relay_to``). The response is
+    begun, and is ended, through uvicorn's ``send`` as usual."""
+
+    __slots__ = ("cycle", "transport", "flow")
+
+    def __init__(self, cycle: Any):
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.flow = cycle.flow
+
+    def __call__(self, data: bytes) -> bool:
+        """Write ``data`` as one chunk; True when the client's side is backed up (writes paused)."""
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_complete or not data:
+            return False  # as uvicorn's send: nothing to write to, and not an error
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return self.flow.write_paused
+
+    async def drain(self) -> None:
+        if self.flow.write_paused and not self.cycle.disconnected:
+            await self.flow.drain()
+
+
+def chunk_writer(scope: Any) -> ChunkWriter | None:
+    """A ``ChunkWriter`` for the response of ``scope`` once its head went out chunked, or None when
+    the request is not served by this listener, or the response is not (yet) a chunked one that is
+    still open (then the caller goes on with ``send``)."""
+    watch = client_watch(scope)
+    proto = watch.protocol if watch is not None else None
+    cycle = proto.cycle if proto is not None else None
+    if (cycle is None or cycle.scope is not scope or not cycle.response_started or cycle.response_complete
+            or not cycle.chunked_encoding or scope["method"] == "HEAD"):
+        return None
+    return ChunkWriter(cycle)
+
+
 class RedactQuery(logging.Filter):
     """Drops the query string from uvicorn's access-log lines: clients put keys there
     (``?api_key=...``, ``?token=...``), and a log is no place for them. The path is kept."""

@@ -144,8 +144,17 @@ class Dispatcher:
             raise
 
 
-async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]]) -> None:
-    """Send the first chunk and then every network chunk as it arrives."""
+async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]],
+                sink: Callable[[bytes], bool] | None = None,
+                drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Send the first chunk and then every network chunk as it arrives: through ``send``, or given
+    ``sink`` and ``drain`` (``kvcommon.listener.ChunkWriter``), straight from the pod's connection
+    (``UpstreamResponse.relay_to``)."""
+    if sink is not None and drain is not None:
+        if sink(opened.first_chunk):
+            await drain()
+        await opened.resp.relay_to(sink, drain)
+        return
     await send(opened.first_chunk)
     resp = opened.resp
     while True:

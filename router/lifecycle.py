@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvcommon.asgi import unless_disconnected
-from kvcommon.listener import write_whole
+from kvcommon.listener import chunk_writer, write_whole
 from router.booking import Booking
 from router.config import RouterSettings
 from router.disagg import prefill_header
@@ -221,12 +221,16 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         opened = self._opened
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        writer = chunk_writer(scope)  # under kvroute's listener: chunks go out without a task step each
 
         async def out(chunk: bytes) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         async def pump() -> bool:
-            await relay(opened, out)
+            if writer is not None:
+                await relay(opened, out, writer, writer.drain)
+            else:
+                await relay(opened, out)
             return True
 
         how = "disconnect"  # until the relay ends one way or the other

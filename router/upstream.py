@@ -27,7 +27,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
@@ -131,6 +131,11 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self._paused = False
+        # ``UpstreamResponse.relay_to``: body bytes go to ``sink`` from data_received itself, with no
+        # task woken per chunk; ``sink_paused`` when the sink asked to stop reading until it drains
+        self.sink: Callable[[bytes], bool] | None = None
+        self.sink_paused = False
+        self.last_data = 0.0
 
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -145,6 +150,23 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(PodIOError(f"malformed answer from the pod: {exc}"))
+            return
+        sink = self.sink
+        if sink is not None:
+            if self.chunks:
+                if self.client.read_timeout_s:
+                    self.last_data = time.monotonic()
+                try:
+                    full = sink(self.take())
+                except Exception as exc:  # the client's side failed: end the relay with it
+                    self.error = self.error or exc
+                    self.close()
+                    self._wake()
+                    return
+                if full and not self.complete and self.transport is not None and not self.closed:
+                    self.sink_paused = True
+                    self.transport.pause_reading()
+                    self._wake()
             return
         if self.buffered > self.client.max_buffer_bytes and not self._paused and self.transport is not None:
             self._paused = True
@@ -183,7 +205,8 @@ class _Connection(asyncio.Protocol):
         if self.headers_done:
             self.chunks.append(body)
             self.buffered += len(body)
-            self._wake()
+            if self.sink is None:  # a sink gets the bytes at the end of data_received, no wake-up
+                self._wake()
 
     def on_message_complete(self) -> None:
         if self.headers_done:
@@ -273,6 +296,49 @@ class UpstreamResponse:
             except PodIOError:
                 conn.close()
                 raise
+
+    async def relay_to(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """The rest of the body, handed to ``sink`` as it arrives, until the answer is complete.
+
+        ``readany`` in a loop wakes the caller's task for every network chunk: a future, a task step
+        and the coroutines between, per token of a streamed answer. Here the connection calls
+        ``sink`` itself at the end of each ``data_received`` and the caller's task wakes only when
+        the answer ends or fails, or when ``sink`` returns True (its reader is behind): reading
+        stops then until ``drain`` returns. The read timeout still bounds each wait for bytes."""
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.chunks and sink(conn.take()):
+            await drain()
+        timeout = conn.client.read_timeout_s
+        conn.last_data = time.monotonic()
+        conn.sink = sink
+        try:
+            while True:
+                if conn.error is not None:
+                    raise conn.error
+                if conn.complete:
+                    return
+                if conn.sink_paused:
+                    await drain()
+                    conn.sink_paused = False
+                    conn.last_data = time.monotonic()
+                    if conn.transport is not None and not conn.closed:
+                        conn.transport.resume_reading()
+                    continue
+                if timeout is None:
+                    await conn.wait(None)
+                    continue
+                left = timeout - (time.monotonic() - conn.last_data)
+                if left <= 0:
+                    conn.close()
+                    raise PodIOError("the pod sent nothing within the read timeout")
+                try:
+                    await conn.wait(left)
+                except PodIOError:
+                    pass  # the loop looks at when bytes last came
+        finally:
+            conn.sink = None
 
     async def read(self) -> bytes:
         """The whole body, at most the client's ``max_response_bytes``."""

@@ -43,6 +43,9 @@ class Pod:
     chunks: int = 3
     hang: bool = False            # stream one chunk, then keep writing slowly until the client leaves
     first_delay: float = 0.0      # seconds before the answer starts (a queue), watching for the client leaving
+    chunk_bytes: int = 0          # pad each SSE chunk's text to about this many bytes
+    stall_s: float = 0.0          # seconds of silence after the first SSE chunk
+    written: int = 0              # SSE chunks written so far
     waiting: int = 0
     seen: list[dict] = field(default_factory=list)
     cancelled: int = 0
@@ -106,9 +109,14 @@ class Pod:
         await resp.prepare(request)
         try:
             n = 10**6 if self.hang else self.chunks
+            pad = "x" * self.chunk_bytes
             for i in range(n):
-                chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i} "}]}
+                chunk = {"id": "cmpl-1", "object": "text_completion",
+                         "choices": [{"index": 0, "text": f"t{i} " + pad}]}
                 await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                self.written += 1
+                if i == 0 and self.stall_s:
+                    await asyncio.sleep(self.stall_s)
                 await asyncio.sleep(self.chunk_delay if not self.hang else 0.02)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -295,6 +303,112 @@ async def test_a_whole_answer_is_the_same_bytes_from_either_listener(monkeypatch
     # uvicorn's listener: the two messages; kvroute's: one write, unless a later request is already in
     assert written[:3] == [False] * 3 and (written[3:] == [True] * 3 or pipelined and not all(written[3:]))
     assert seen["kvroute"] == seen["uvicorn"]
+
+
+async def _read_chunked(reader: asyncio.StreamReader, timeout: float = 10) -> tuple[dict[bytes, bytes], bytes]:
+    """One chunked answer off ``reader``: its headers and its body, de-chunked."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    lines = head[:-4].split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK", lines[0]
+    headers = dict(line.split(b": ", 1) for line in lines[1:])
+    assert headers[b"transfer-encoding"] == b"chunked"
+    body = b""
+    while True:
+        size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout))[:-2], 16)
+        data = await asyncio.wait_for(reader.readexactly(size + 2), timeout)
+        assert data[-2:] == b"\r\n"
+        if size == 0:
+            return headers, body
+        body += data[:-2]
+
+
+def _request(body: dict, close: bool = False) -> bytes:
+    raw = orjson.dumps(body)
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n%s\r\n" % (len(raw), b"connection: close\r\n" if close else b"")) + raw
+
+
+def _texts(body: bytes) -> list[str]:
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]", events[-1][:100]
+    return [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+
+
+async def test_a_stream_is_the_same_from_either_listener(monkeypatch):
+    """Under kvroute's listener a stream's chunks go from the pod's connection to the client's
+    without a task step each (``ChunkWriter``, ``UpstreamResponse.relay_to``); what the client reads
+    must be what uvicorn's path sends: the head, every event in order, the last chunk, and a
+    connection that then serves the next request."""
+    import router.lifecycle
+
+    writers: list[bool] = []
+    real = router.lifecycle.chunk_writer
+    monkeypatch.setattr(router.lifecycle, "chunk_writer", lambda scope: writers.append(real(scope) is not None)
+                        or real(scope))
+    seen = {}
+    for name, http in (("uvicorn", "auto"), ("kvroute", GuardedHttpToolsProtocol)):
+        async with pods_running(1, chunks=6, chunk_delay=0.02) as pods, \
+                running_router(settings_for(pods), http) as (base, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+            writer.write(_request(completion(stream=True)))
+            headers, body = await _read_chunked(reader)
+            writer.write(_request(completion(), close=True))  # the same connection, after the stream
+            second = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        assert _texts(body) == [f"t{i} " for i in range(6)], name
+        assert headers[b"x-kvroute-pod"] == b"pod-0" and headers[b"content-type"].startswith(b"text/event-stream")
+        assert second.startswith(b"HTTP/1.1 200 OK") and b"hi from pod-0" in second, second[:200]
+        seen[name] = ({k: v for k, v in headers.items() if k not in (b"date", b"x-request-id")}, body)
+    assert writers == [False, True]
+    assert seen["kvroute"] == seen["uvicorn"]
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
+async def test_a_client_that_stops_reading_stops_the_relay_and_loses_nothing(http):
+    """Flow control: while the client reads nothing the router stops reading the pod, so the pod's
+    writes wait (the stream is not buffered in the router); once the client reads, every event
+    arrives, in order."""
+    chunks = 4000  # ~32 MB: more than the sockets' buffers on the way hold
+    async with pods_running(1, chunks=chunks, chunk_bytes=8000) as pods, \
+            running_router(settings_for(pods), http) as (base, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]),
+                                                       limit=1 << 16)
+        writer.write(_request(completion(stream=True), close=True))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.sleep(0.5)
+        stalled = pods[0].written
+        await asyncio.sleep(0.5)
+        assert pods[0].written == stalled < chunks  # the pod waits for the client
+        body = b""
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10))[:-2], 16)
+            data = await asyncio.wait_for(reader.readexactly(size + 2), 10)
+            if size == 0:
+                break
+            body += data[:-2]
+        writer.close()
+    texts = _texts(body)
+    assert len(texts) == chunks and [t.split(" ", 1)[0] for t in texts] == [f"t{i}" for i in range(chunks)]
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
+async def test_the_read_timeout_bounds_each_gap_of_a_stream_not_the_whole(http):
+    """``read_timeout_s`` is the longest silence a pod may keep mid-stream: a stream that takes
+    longer in all but never pauses that long is relayed whole; one that stalls ends with an error
+    event."""
+    async with pods_running(1, chunks=8, chunk_delay=0.1) as pods, \
+            running_router(settings_for(pods, read_timeout_s=0.4), http) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            started = time.monotonic()
+            r = await c.post("/v1/completions", json=completion(stream=True))
+            assert time.monotonic() - started > 0.7  # the whole stream outlasted the timeout
+            assert _texts(r.content) == [f"t{i} " for i in range(8)]
+            pods[0].stall_s = 1.5
+            r = await c.post("/v1/completions", json=completion(stream=True))
+        events = [e for e in r.content.split(b"\n\n") if e]
+        assert orjson.loads(events[0][6:])["choices"][0]["text"] == "t0 "
+        assert events[-1] == b"data: [DONE]" and b"upstream stream failed" in events[-2], events[-2:]
+        assert len(events) == 3
 
 
 @pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
