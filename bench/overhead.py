@@ -73,26 +73,65 @@ def _response(status: bytes, body: bytes, ctype: bytes = b"application/json") ->
             str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
+# a streamed answer as vLLM sends one: Server-Sent Events in HTTP chunks, one token's event per chunk
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _sse_chunk(data: bytes) -> bytes:
+    event = b"data: " + data + b"\n\n"
+    return b"%x\r\n" % len(event) + event + b"\r\n"
+
+
+STREAM_EVENT = _sse_chunk(json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "sim-model",
+                                      "choices": [{"index": 0, "text": " word", "logprobs": None,
+                                                   "finish_reason": None, "stop_reason": None}]}).encode())
+STREAM_END = _sse_chunk(b"[DONE]") + b"0\r\n\r\n"
+
+
 class _Backend(asyncio.Protocol):
     R_COMPLETION = _response(b"200 OK", ANSWER)
     R_MODELS = _response(b"200 OK", MODELS)
     R_METRICS = _response(b"200 OK", METRICS, b"text/plain")
     R_EMPTY = _response(b"200 OK", b"{}")
+    stream_gap_s = 0.001  # between a streamed answer's events (``--stream-gap-ms``)
 
     def connection_made(self, transport):
         import httptools
 
         self.t = transport
         self.url = b""
+        self.body = b""
         self.parser = httptools.HttpRequestParser(self)
 
     def on_url(self, url):
         self.url = url
 
+    def on_message_begin(self):
+        self.body = b""
+
+    def on_body(self, body):
+        self.body += body
+
+    def _stream(self, left: int) -> None:
+        """One event, then the next after ``stream_gap_s``: each arrives in its own read, as a
+        pod's tokens do, one engine step apart."""
+        if self.t.is_closing():
+            return
+        if left <= 0:
+            self.t.write(STREAM_END)
+            return
+        self.t.write(STREAM_EVENT)
+        asyncio.get_running_loop().call_later(self.stream_gap_s, self._stream, left - 1)
+
     def on_message_complete(self):
         u = self.url
         if u.startswith(b"/v1/completions") or u.startswith(b"/v1/chat/completions") or u.startswith(b"/generate"):
-            self.t.write(self.R_COMPLETION)
+            if b'"stream": true' in self.body or b'"stream":true' in self.body:
+                events = json.loads(self.body).get("max_tokens") or 16
+                self.t.write(STREAM_HEAD)
+                self._stream(events)
+            else:
+                self.t.write(self.R_COMPLETION)
         elif u.startswith(b"/v1/models"):
             self.t.write(self.R_MODELS)
         elif u.startswith(b"/metrics"):
@@ -107,8 +146,10 @@ class _Backend(asyncio.Protocol):
             self.t.close()
 
 
-def run_backend(port: int) -> None:
+def run_backend(port: int, stream_gap_s: float = 0.001) -> None:
     import uvloop
+
+    _Backend.stream_gap_s = stream_gap_s
 
     async def main():
         server = await asyncio.get_running_loop().create_server(_Backend, "127.0.0.1", port, backlog=1024)
@@ -261,13 +302,15 @@ class _Conn(asyncio.Protocol):
     shared ``cursor``, so all connections together send them in their order, wrapping at the end."""
 
     def __init__(self, requests: list[bytes], latencies: list[float], stop_at: float, done: asyncio.Future,
-                 errors: list, cursor: Iterator[int]):
+                 errors: list, cursor: Iterator[int], firsts: list[float] | None = None):
         import httptools
 
         self.requests, self.lat, self.stop_at, self.done, self.errors = requests, latencies, stop_at, done, errors
         self.cursor = cursor
         self.parser = httptools.HttpResponseParser(self)
         self.sent = 0.0
+        self.first: float | None = None
+        self.firsts = firsts if firsts is not None else []  # time to each answer's first body byte
 
     def connection_made(self, transport):
         self.t = transport
@@ -275,13 +318,19 @@ class _Conn(asyncio.Protocol):
 
     def _send(self):
         self.sent = time.perf_counter()
+        self.first = None
         self.t.write(self.requests[next(self.cursor) % len(self.requests)])
+
+    def on_body(self, body):
+        if self.first is None:
+            self.first = time.perf_counter()
 
     def on_message_complete(self):
         now = time.perf_counter()
         if self.parser.get_status_code() != 200:
             self.errors.append(self.parser.get_status_code())
         self.lat.append(now - self.sent)
+        self.firsts.append((self.first or now) - self.sent)
         if now < self.stop_at:
             self._send()
         elif not self.done.done():
@@ -320,6 +369,7 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
         dones.append(fut)
     await asyncio.gather(*dones)
     lat: list[float] = []
+    firsts: list[float] = []
     errors: list = []
     dones, transports = [], []
     tree = process_tree(pids) if pids else []
@@ -328,7 +378,7 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
     stop_at = started + seconds
     for _ in range(connections):
         fut = loop.create_future()
-        t, _p = await loop.create_connection(lambda fut=fut: _Conn(requests, lat, stop_at, fut, errors, cursor),
+        t, _p = await loop.create_connection(lambda fut=fut: _Conn(requests, lat, stop_at, fut, errors, cursor, firsts),
                                              "127.0.0.1", port)
         dones.append(fut)
         transports.append(t)
@@ -338,11 +388,13 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
     for t in transports:
         t.close()
     lat.sort()
+    firsts.sort()
 
-    def q(p):
-        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
+    def q(p, xs=lat):
+        return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000 if xs else float("nan")
 
     return {"requests": len(lat), "errors": len(errors), "rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99),
+            "first_byte_p50_ms": q(0.5, firsts), "first_byte_p99_ms": q(0.99, firsts),
             "mean_ms": statistics.fmean(lat) * 1000 if lat else float("nan"),
             "cpu_us_per_request": cpu / len(lat) * 1e6 if tree and lat else None}
 
@@ -437,10 +489,11 @@ async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes])
 # orchestration
 # ---------------------------------------------------------------------------------------------
 
-def start_backend(procs: list[subprocess.Popen]) -> tuple[int, str]:
+def start_backend(procs: list[subprocess.Popen], stream_gap_ms: float = 1.0) -> tuple[int, str]:
     """The static backend in a child process (added to ``procs``); returns its port and URL."""
     port = free_port()
-    backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(port)])
+    backend = spawn([sys.executable, __file__, "--role", "backend", "--port", str(port),
+                     "--stream-gap-ms", str(stream_gap_ms)])
     procs.append(backend)
     upstream = f"http://127.0.0.1:{port}"
     wait_ready(f"{upstream}/health", backend)
@@ -457,6 +510,7 @@ def measure(name: str, port: int, args, requests: list[bytes] | None = None,
                             pids=[p.pid for p in procs] if procs else None))
     cpu = many["cpu_us_per_request"]
     row = {"target": name, "c1_p50_ms": one["p50_ms"], "c1_p99_ms": one["p99_ms"], "c1_rps": one["rps"],
+           "c1_first_byte_p50_ms": one["first_byte_p50_ms"],
            f"c{args.connections}_rps": many["rps"], f"c{args.connections}_p99_ms": many["p99_ms"],
            f"c{args.connections}_cpu_us_per_request": cpu,
            "errors": one["errors"] + many["errors"], "sent": next(cursor), "distinct": len(requests or [0])}
@@ -575,6 +629,25 @@ def sized(args) -> int:
     return 0
 
 
+def stream_headline(rows: list[dict], args) -> int:
+    """``--stream``'s last line: what kvroute adds to the first and the last byte at 1 connection, and
+    its CPU per streamed answer and throughput at ``--connections`` against vllm-router's."""
+    direct = rows[0]
+    key, cpu = f"c{args.connections}_rps", f"c{args.connections}_cpu_us_per_request"
+    vr = next((r for r in rows if r["target"].startswith("vllm-router") and key in r), None)
+    parts = []
+    for r in rows:
+        if not r["target"].startswith("kvroute") or key not in r:
+            continue
+        text = (f"{r['target']}: +{r['c1_first_byte_p50_ms'] - direct['c1_first_byte_p50_ms']:.2f} ms to the first "
+                f"byte, +{r['c1_p50_ms'] - direct['c1_p50_ms']:.2f} ms to the last, {r[cpu]:.0f} us CPU per answer")
+        if vr:
+            text += f" ({r[cpu] / vr[cpu]:.2f}x vllm-router's), {r[key] / vr[key]:.2f}x its answers/s"
+        parts.append(text)
+    print(f"streamed answers of {args.stream} events at 1 / {args.connections} connections: " + "; ".join(parts))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0)
@@ -585,12 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="", help="comma-separated prompt sizes in tokens: chat requests at real sizes")
     ap.add_argument("--tokenizer", default="", help="model folder with tokenizer.json for --sizes")
     ap.add_argument("--kinds", default="chat,completion", help="with --sizes: chat, completion or both")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="small completions streamed, this many events per answer (0: whole answers)")
+    ap.add_argument("--stream-gap-ms", type=float, default=1.0, help="with --stream: the backend's gap between events")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role == "backend":
-        run_backend(args.port)
+        run_backend(args.port, args.stream_gap_ms / 1000.0)
         return 0
     if args.role == "proxy-raw":
         run_raw_proxy(args.port, args.upstream)
@@ -610,11 +686,17 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
     procs: list[subprocess.Popen] = []
     rows = []
+    requests = None
+    if args.stream:  # the bare proxies read whole answers: only the routers stream
+        skip |= {"proxy-aiohttp", "proxy-httpx", "proxy-kvroute", "proxy-asgi", "proxy-raw-1", "proxy-raw-2"}
+        requests = [http_request("/v1/completions", json.dumps({**PROBE, "max_tokens": args.stream,
+                                                                 "stream": True}).encode())]
     try:
-        bport, upstream = start_backend(procs)
+        bport, upstream = start_backend(procs, args.stream_gap_ms)
         print(f"overhead bench: {args.seconds:.0f} s per measurement, {os.cpu_count()} CPUs, "
-              f"static backend on :{bport}")
-        rows.append(measure("direct", bport, args, procs=procs[:1]))
+              f"static backend on :{bport}" + (f", answers streamed as {args.stream} events {args.stream_gap_ms:g} ms "
+                                               "apart" if args.stream else ""))
+        rows.append(measure("direct", bport, args, requests, procs=procs[:1]))
 
         # 2 workers with the booking bus (the default) and without it, to show what sharing costs
         for workers, bus in ((1, True), (2, True), (2, False)):
@@ -630,27 +712,36 @@ def main(argv: list[str] | None = None) -> int:
             if workers > 1:
                 time.sleep(2.0)  # let every worker finish starting
             name = f"kvroute ({workers} worker{'s' if workers > 1 else ''}{'' if bus else ', no booking bus'})"
-            rows.append(measure(name, kport, args, procs=[kv]))
+            rows.append(measure(name, kport, args, requests, procs=[kv]))
             stop_process(kv)
 
-        peer = Path(args.peers_venv) / "bin" / "vllm-router"
-        if "vllm-router" in skip:
-            pass
-        elif peer.exists():
+        venv = Path(args.peers_venv)
+        for dist, name, cmd in (
+                ("vllm-router", "vllm-router (cache_aware)",
+                 [str(venv / "bin" / "vllm-router"), "--worker-urls", upstream, "--policy", "cache_aware",
+                  "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"]),
+                ("sglang-router", "sglang-router (cache_aware)",
+                 [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--worker-urls", upstream,
+                  "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+                  "--prometheus-port", str(free_port())])):
+            if dist in skip:
+                continue
+            if not Path(cmd[0]).exists():
+                print(f"  {dist}: not installed in {venv} (see the docstring); row skipped")
+                rows.append({"target": name, "error": "not installed"})
+                continue
+            print(f"  {dist} {peer_version(venv, dist)} from {venv}")
             vport = free_port()
-            vproc = spawn([str(peer), "--port", str(vport), "--worker-urls", upstream, "--policy", "cache_aware",
-                           "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"])
+            vproc = spawn(cmd + ["--port", str(vport)])
             procs.append(vproc)
             try:
                 wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vproc, 60.0, body=PROBE)
-                rows.append(measure("vllm-router (cache_aware)", vport, args, procs=[vproc]))
+                rows.append({**measure(name, vport, args, requests, procs=[vproc]),
+                             "version": peer_version(venv, dist)})
             except (RuntimeError, TimeoutError) as exc:
-                print(f"  vllm-router: could not run here: {exc}")
-                rows.append({"target": "vllm-router (cache_aware)", "error": str(exc)[:200]})
+                print(f"  {dist}: could not run here: {exc}")
+                rows.append({"target": name, "error": str(exc)[:200]})
             stop_process(vproc)
-        else:
-            print(f"  vllm-router: not installed in {args.peers_venv} (see the docstring); row skipped")
-            rows.append({"target": "vllm-router (cache_aware)", "error": "not installed"})
 
         for client in ("aiohttp", "httpx", "kvroute"):
             if f"proxy-{client}" in skip:
@@ -690,7 +781,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             stop_process(p)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+             "date": time.strftime("%Y-%m-%d"), "rows": rows} if args.stream else rows, indent=2))
+    if args.stream:
+        return stream_headline(rows, args)
     direct = rows[0]
     kvr = next(r for r in rows if r["target"].startswith("kvroute (1"))
     kv2 = next((r for r in rows if r["target"].startswith("kvroute (2")), None)

@@ -12,6 +12,11 @@ layers, kvroute's handler, the decision, the lifecycle and the upstream client, 
 shows only in the timed benches).
 
     python bench/request_instructions.py [--json PATH]
+    python bench/request_instructions.py --stream 32 [--json PATH]
+
+With ``--stream N`` each completion is streamed as N events (the static backend's, 5 ms apart, so
+that each reaches the router in a read of its own, as a pod's tokens do), in runs of
+``STREAM_SMALL`` and ``STREAM_LARGE`` requests, and the count is per streamed answer.
 
 The router's background loops (pod health checks and metrics scrapes) run once an hour here
 instead of every 0.25-1 s, so that only requests are counted; ``PYTHONHASHSEED=0``. About three
@@ -40,15 +45,17 @@ sys.path.insert(0, str(ROOT))
 from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
 
 SMALL, LARGE = 200, 1200
-BODY = json.dumps({"model": "sim-model", "prompt": "Say hello to the router, please", "max_tokens": 16}).encode()
+STREAM_SMALL, STREAM_LARGE = 40, 240  # --stream: each answer takes ~N x 5 ms
+STREAM_GAP_MS = 5.0
+SMALL_BODY = {"model": "sim-model", "prompt": "Say hello to the router, please", "max_tokens": 16}
 
 
-def send(port: int, n: int) -> None:
+def send(port: int, n: int, body: bytes) -> None:
     """``n`` small completions, one after another, on one kept-alive connection."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
         for _ in range(n):
-            conn.request("POST", "/v1/completions", body=BODY, headers={"content-type": "application/json"})
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
             resp = conn.getresponse()
             resp.read()
             if resp.status != 200:
@@ -57,7 +64,7 @@ def send(port: int, n: int) -> None:
         conn.close()
 
 
-def instructions(upstream: str, requests: int, workdir: Path) -> int:
+def instructions(upstream: str, requests: int, workdir: Path, body: bytes) -> int:
     """Instructions callgrind counts in one router process's whole run that serves ``requests``."""
     port = free_port()
     log = workdir / f"valgrind-{requests}.log"
@@ -68,7 +75,7 @@ def instructions(upstream: str, requests: int, workdir: Path) -> int:
                  workdir / f"router-{requests}.out", env={"PYTHONHASHSEED": "0"})
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", proc, 600.0)
-        send(port, requests)
+        send(port, requests, body)
     finally:
         stop_process(proc, grace=120.0)  # callgrind writes its count as the process exits
     found = re.search(r"Collected\s*:\s*(\d+)", log.read_text(errors="replace"))
@@ -80,31 +87,37 @@ def instructions(upstream: str, requests: int, workdir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--stream", type=int, default=0, help="stream each answer as this many events (0: whole)")
     args = ap.parse_args(argv)
+    body = json.dumps({**SMALL_BODY, **({"max_tokens": args.stream, "stream": True} if args.stream else {})}).encode()
+    small, large = (STREAM_SMALL, STREAM_LARGE) if args.stream else (SMALL, LARGE)
+    what = f"streamed answers of {args.stream} events" if args.stream else "small completions"
     if shutil.which("valgrind") is None:
         print("request_instructions needs valgrind (apt-get install valgrind)")
         return 2
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
     print(f"request instructions: Python {platform.python_version()}, callgrind, tree {ROOT} ({commit}), "
-          f"runs of {SMALL} and {LARGE} small completions", flush=True)
+          f"runs of {small} and {large} {what}", flush=True)
     backend = spawn([sys.executable, str(ROOT / "bench" / "overhead.py"), "--role", "backend",
-                     "--port", str(bport := free_port())])
+                     "--port", str(bport := free_port()), "--stream-gap-ms", str(STREAM_GAP_MS)])
     try:
         upstream = f"http://127.0.0.1:{bport}"
         wait_ready(f"{upstream}/health", backend)
         with tempfile.TemporaryDirectory(prefix="kvroute-request-instructions-") as tmp:
-            counts = {n: instructions(upstream, n, Path(tmp)) for n in (SMALL, LARGE)}
+            counts = {n: instructions(upstream, n, Path(tmp), body) for n in (small, large)}
     finally:
         stop_process(backend)
-    per = (counts[LARGE] - counts[SMALL]) / (LARGE - SMALL)
+    per = (counts[large] - counts[small]) / (large - small)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": "python bench/request_instructions.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "tree": commit,
             "totals": {str(k): v for k, v in counts.items()},
-            "instructions_per_request": round(per)}, indent=2) + "\n")
-    print(f"request instructions: {per:,.0f} per small completion (one kvroute process, tree {commit})")
+            "instructions_per_request": round(per), **({"stream_events": args.stream} if args.stream else {})},
+            indent=2) + "\n")
+    one = f"streamed answer of {args.stream} events" if args.stream else "small completion"
+    print(f"request instructions: {per:,.0f} per {one} (one kvroute process, tree {commit})")
     return 0
 
 
