@@ -521,6 +521,20 @@ def measure(name: str, port: int, args, requests: list[bytes] | None = None,
     return row
 
 
+def peer_commands(venv: Path, upstream: str) -> list[tuple[str, str, list[str]]]:
+    """(distribution, row name, command less its ``--port``) of each peer router, ``cache_aware``
+    in front of ``upstream``."""
+    return [
+        ("vllm-router", "vllm-router (cache_aware)",
+         [str(venv / "bin" / "vllm-router"), "--worker-urls", upstream, "--policy", "cache_aware",
+          "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"]),
+        ("sglang-router", "sglang-router (cache_aware)",
+         [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--worker-urls", upstream,
+          "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+          "--prometheus-port", str(free_port())]),
+    ]
+
+
 def peer_version(venv: Path, dist: str) -> str:
     out = subprocess.run([str(venv / "bin" / "python"), "-c",
                           f"import importlib.metadata as m; print(m.version({dist!r}))"],
@@ -561,14 +575,7 @@ def sized(args) -> int:
             targets.append((f"kvroute ({workers} worker{'s' if workers > 1 else ''})",
                             [sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level", "error",
                              "--workers", str(workers), "--tokenizer", str(folder)]))
-        for dist, name, cmd in (
-                ("vllm-router", "vllm-router (cache_aware)",
-                 [str(venv / "bin" / "vllm-router"), "--worker-urls", upstream, "--policy", "cache_aware",
-                  "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"]),
-                ("sglang-router", "sglang-router (cache_aware)",
-                 [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--worker-urls", upstream,
-                  "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
-                  "--prometheus-port", str(free_port())])):
+        for dist, name, cmd in peer_commands(venv, upstream):
             if dist in args.skip:
                 continue
             if not Path(cmd[0]).exists():
@@ -716,14 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_process(kv)
 
         venv = Path(args.peers_venv)
-        for dist, name, cmd in (
-                ("vllm-router", "vllm-router (cache_aware)",
-                 [str(venv / "bin" / "vllm-router"), "--worker-urls", upstream, "--policy", "cache_aware",
-                  "--log-level", "error", "--disable-retries", "--disable-circuit-breaker"]),
-                ("sglang-router", "sglang-router (cache_aware)",
-                 [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--worker-urls", upstream,
-                  "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
-                  "--prometheus-port", str(free_port())])):
+        for dist, name, cmd in peer_commands(venv, upstream):
             if dist in skip:
                 continue
             if not Path(cmd[0]).exists():
