@@ -6,6 +6,8 @@ every request after a warm-up pass, as the router runs it: parse the body, check
 render the template, tokenize (through the prefix token cache, warm, as the router asks it: no token
 list built), find the cache's chunk ends, compute the block keys (the remembered keys of the
 prefix plus the new blocks), look the keys up in a prefix index of 8 pods, and credit them to one pod.
+Then the same texts are tokenized once more in their order through a fresh cache, as a router meets
+them: the medians of the follow-ups (their new turn) and of the new conversations (all of it).
 
     python bench/prompt_stages.py [--sizes 8000] [--json bench/results/prompt_stages.json]
 
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +38,7 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
 
     from indexer.index import PrefixIndex
     from indexer.keys import block_keys, key_seed
-    from indexer.prefix_tokens import CachedTokens, boundaries
+    from indexer.prefix_tokens import CachedTokens, PrefixTokenCache, boundaries
     from indexer.tokens import ChatRequest, routing_encoder
 
     reqs, mean = ov.chat_requests(tok, size)
@@ -70,6 +74,19 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
         index.record_route(f"pod-{rng.randrange(8)}", k)
     timed("index lookup (8 pods)", lambda i: index.match(keys[i]))
     timed("credit the route (speculative)", lambda i: index.record_route("pod-0", keys[i]))
+    # the same texts in their order through a fresh cache, as a router meets them: a follow-up
+    # tokenizes its new turn, a new conversation all of it (medians; not part of the total above)
+    fresh = PrefixTokenCache(tok.prefix_cache._hf, verify_every=0)
+    took: dict[bool, list[float]] = {True: [], False: []}
+    for t in texts:
+        hits = fresh.stats.hits
+        t0 = time.perf_counter()
+        fresh.encode_cached(t, False)
+        took[fresh.stats.hits > hits].append((time.perf_counter() - t0) * 1000)
+    for follow_up, name in ((True, "follow-ups"), (False, "new conversations")):
+        if took[follow_up]:
+            stages[f"  tokenize in order, {name} (median of {len(took[follow_up])})"] = statistics.median(
+                took[follow_up])
     return mean, stages, len(raws)
 
 
@@ -80,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="8000")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as kvroute serve runs the tokenizer
     folder = ov.tier_model()
     if folder is None:
         return 2

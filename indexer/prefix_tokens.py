@@ -11,26 +11,34 @@ alone). A new text whose leading chunks are known reuses their tokens and tokeni
 the model runs: byte-level BPE (GPT-2's and Llama 3's regexes), WordPiece (whitespace and
 punctuation) and SentencePiece-style Metaspace all start a new piece at such a space and never
 merge across it, and the scan from that space on does not depend on what came before. So the
-tokens of ``text`` are the tokens of ``text[:p]`` followed by those of ``text[p:]``. A boundary
-that a token nevertheless crosses (the offsets say so) is not used. The special tokens a
+tokens of ``text`` are the tokens of ``text[:p]`` followed by those of ``text[p:]``, and the new
+part of a text is tokenized as its chunks, each on its own, in one batch call: the tokens of each
+new chunk come out as they are to be stored, with no offsets to read. The special tokens a
 post-processor adds (BOS, or ``[CLS]``/``[SEP]``) are learnt once from a probe and added around
-the body. ``tests/test_prefix_tokens.py`` checks the property on random texts and chat histories
-for byte-level BPE, WordPiece and Unigram tokenizers, and at run time one cache hit in
-``verify_every`` is also tokenized whole, in a background thread (so no request waits for it), and
-compared: on a mismatch the cache turns itself off (``disabled``) and the router goes on with full
+the body. A tokenizer is checked for the property once, when the cache is made (``cut_problem``):
+no token of its vocabulary may hold a space after a letter or digit (a token could then span a
+chunk end), and a probe text of words, digits, punctuation, runs of spaces and newlines, cut at
+every chunk end, must tokenize as it does whole (a normalizer that prepends a marker to every
+text, as Llama 2's does, fails here). A tokenizer that fails is used without the cache
+(``disabled``, ``disabled_reason``). ``tests/test_prefix_tokens.py`` checks the property on random
+texts and chat histories for byte-level BPE, WordPiece and Unigram tokenizers, and at run time one
+cache hit in ``verify_every`` is also tokenized whole, in a background thread (so no request waits
+for it), and compared: on a mismatch the cache turns itself off and the router goes on with full
 tokenization. The checks take at most ``verify_share`` of the tokenizer's work (the tokens they
-re-tokenize against those the cache tokenized): a check re-tokenizes the whole prompt, so at 8k-token
-follow-ups one in 64 cost more CPU than the new words of all 64 (18 ms against ~1 ms each).
+re-tokenize against those the cache tokenized): a check re-tokenizes the whole prompt, so at
+8k-token follow-ups one in 64 cost more CPU than the new words of all 64 (18 ms against ~1 ms
+each).
 
 **Off the GIL.** ``Tokenizer.encode`` holds the GIL for the whole encode (about 50 ms for a
 35k-token text on the build machine: ``bench/gil_hold.py``), so a big prompt tokenized in a thread
-still stalled the event loop. The batch calls release it while Rust works: ``encode_batch_fast``
-(no offsets) for the whole texts and the checks, ``encode_batch`` where the chunk ends must be
-checked against the tokens; and those are checked by a search over ``token_to_chars`` per chunk
-end rather than by reading ``offsets`` (a Python list of one tuple per token, built under the GIL:
-9-11 ms at 35k tokens). The search gallops from a guess of where the chunk ends, so it takes a
-handful of lookups; ``char_to_token``, used before, scans from the first token (32 µs a call at
-58k tokens), which made a cold prompt's chunk ends cost time quadratic in its length.
+still stalled the event loop. The batch calls release it while Rust works, and the cache uses only
+them (``encode_batch_fast``: no offsets). Until 2026-12-04 the new part was tokenized whole with
+offsets and each chunk end looked up in them (a galloping search over ``token_to_chars``); cutting
+it into chunks first made a cold 27k-token text cost 28 ms of CPU where it cost 38 ms, and left
+nothing to search. The batch of chunks is tokenized on one thread: ``kvroute serve`` sets
+``TOKENIZERS_PARALLELISM=false`` unless it is set, since the library's worker threads would spin on
+the router's other core for the same tokens (a throwaway harness: a cold 27k-token text took
+20 ms on two threads but 38 ms of CPU, 28 ms on one).
 
 **Block keys too, without a token list.** Routing needs a prompt's length and its block keys, not
 its token ids. ``encode_cached`` answers with ``CachedTokens``: the reused chunks as they sit in the
@@ -57,11 +65,12 @@ from __future__ import annotations
 import re
 import threading
 from array import array
-from bisect import bisect_left
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 from typing import Any, overload
 
 import xxhash
@@ -108,29 +117,32 @@ def boundaries(text: str, chunk_chars: int) -> list[int]:
     return out
 
 
-def first_at_or_after(start: Callable[[int], int], n: int, pos: int, lo: int, guess: int) -> int:
-    """The first token ``j >= lo`` with ``start(j) >= pos`` (``n`` if none), for ``start`` non-decreasing:
-    a galloping search from ``guess`` then a binary search, so a guess a few tokens off costs a handful of
-    ``start`` calls. (``Encoding.char_to_token`` scans the offsets from the first token, so at 32k
-    tokens each call cost ~30 µs under the GIL and a cold prompt's ~500 chunk ends added up to ms.)"""
-    def at(j: int) -> bool:
-        return j >= n or start(j) >= pos
+# words, digits, punctuation, runs of spaces and newlines, non-ASCII letters: every kind of text that
+# follows a chunk end (a space after a letter or digit), for ``cut_problem``
+PROBE = ("The quick brown fox jumps over 13 lazy dogs  Then   it rests \n and \tnaps 2024 times it's "
+         "3.14 or 1e10 (maybe) [yes] {no} \"quoted\" 'single' a-b a_b x3 -- ... \n\n    indented code # note "
+         "\n\tcafé naïve 東京 数据 données ok? yes: no! 100 % A1 b2 C3 \u00a0 end .\n")
 
-    g = min(max(guess, lo), n)
-    step = 1
-    if at(g):  # the answer is at or before g: gallop back
-        hi = g
-        while hi - step >= lo and at(hi - step):
-            hi -= step
-            step *= 2
-        lo = max(lo, hi - step + 1)
-    else:  # the answer is after g: gallop on (at(n) holds, so this ends)
-        lo = hi = g + 1
-        while not at(hi):
-            lo = hi + 1
-            hi = min(hi + step, n)
-            step *= 2
-    return lo + bisect_left(range(lo, hi), True, key=at)
+
+def cut_problem(hf: Any) -> str | None:
+    """Why cutting texts at chunk ends could change what ``hf`` (a ``tokenizers.Tokenizer``) makes of
+    them, or None: a token of its vocabulary that holds a space after a letter or digit (it could
+    span a chunk end), or a probe text whose chunks tokenized one by one differ from it tokenized
+    whole (a normalizer or pre-tokenizer that treats a text's start apart)."""
+    ids = sorted(set(hf.get_vocab(with_added_tokens=True).values()))
+    texts = hf.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    joined = "\x00".join(texts)  # one scan: the separator is neither a space nor a letter or digit
+    found = boundaries(joined, 1)
+    if found:
+        i = bisect_right(list(accumulate(len(t) + 1 for t in texts)), found[0])  # the token it falls in
+        return f"token {ids[i]} ({texts[i]!r}) holds a space after a letter or digit"
+    ends = boundaries(PROBE, 1)
+    pieces = [PROBE[a:b] for a, b in zip([0, *ends], [*ends, len(PROBE)], strict=True)]
+    batch = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+    cut = [t for e in batch(pieces, add_special_tokens=False) for t in e.ids]
+    if cut != batch([PROBE], add_special_tokens=False)[0].ids:
+        return "a probe text tokenized chunk by chunk differs from it tokenized whole"
+    return None
 
 
 def chain_key(prev: int, chunk: str) -> int:
@@ -275,6 +287,7 @@ class PrefixTokenCache:
                  verify_share: float | None = 0.1):
         self._hf = hf  # a tokenizers.Tokenizer
         self._encode = fast_encoder(hf)
+        self._batch = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
         self.chunk_chars = chunk_chars
         self.max_tokens = max_tokens
         self.verify_every = verify_every
@@ -287,13 +300,14 @@ class PrefixTokenCache:
         self._keys_held = 0
         self._lock = threading.Lock()
         self.stats = CacheStats()
-        self.disabled = False
         self._specials: dict[bool, tuple[list[int], list[int]]] = {}
         self._checker: ThreadPoolExecutor | None = None
         self._checking = False  # one check at a time; hits meanwhile are not checked
         # called (from the tokenizing thread) with the chunks this process newly stored, to share them
         self.on_stored: Callable[[list[tuple[int, array[int]]]], None] | None = None
         self._fingerprint: str | None = None
+        self.disabled_reason = cut_problem(hf)  # None: texts may be cut at chunk ends
+        self.disabled = self.disabled_reason is not None
 
     # ---- the special tokens a post-processor puts around the body ----------------------------
     def _around(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
@@ -312,6 +326,7 @@ class PrefixTokenCache:
                 break
         if found is None:
             self.disabled = True
+            self.disabled_reason = "its post-processor does more than add tokens around the text"
             return None
         self._specials[True] = found
         return found
@@ -347,6 +362,7 @@ class PrefixTokenCache:
                 return True
             self.stats.mismatches += 1
             self.disabled = True
+            self.disabled_reason = "a check found a cached text's tokens differ from its whole tokenization"
             if self.on_mismatch is not None:
                 self.on_mismatch()
             return False
@@ -390,50 +406,25 @@ class PrefixTokenCache:
                 reused += len(chunk)
                 known += 1
         offset = ends[known - 1] if known else 0
-        enc = self._hf.encode_batch([text[offset:]], add_special_tokens=False)[0]  # offsets kept, GIL let go
-        rest: list[int] = enc.ids
+        cuts = ends[known:]  # the new chunks, then the rest after the last chunk end: one batch call
+        pieces = [text[a:b] for a, b in zip([offset, *cuts], [*cuts, len(text)], strict=True)]
+        ids = [e.ids for e in self._batch(pieces, add_special_tokens=False)]
+        rest: list[int] = ids[0] if len(ids) == 1 else list(chain.from_iterable(ids))
         if known:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
         self.stats.reused_tokens += reused
         self.stats.tokenized_tokens += len(rest)
-        stored, stored_tokens = self._remember(keys[known:], [p - offset for p in ends[known:]], rest, enc)
-        last = known + stored  # chunks of this text now in the chain
+        new = [(key, array("I", piece)) for key, piece in zip(keys[known:], ids)]  # not the rest: no chunk
+        if new:
+            added = self._store(new)
+            if added and self.on_stored is not None:
+                self.on_stored(added)
+        last = known + len(new)  # chunks of this text now in the chain
         return CachedTokens(self, special, lead, chunks, reused, rest, trail,
                             keys[known - 1] if known else None, keys[last - 1] if last else None,
-                            len(lead) + reused + stored_tokens)
-
-    def _remember(self, keys: list[int], ends: list[int], ids: list[int], enc: Any) -> tuple[int, int]:
-        """Store the tokens of each new chunk (``ends`` relative to the tokenized segment, ``enc`` its
-        ``Encoding``); stop at the first boundary a token crosses, since the chain must not skip it.
-        Returns how many chunks were stored and their tokens."""
-        if not keys:
-            return 0, 0
-        new: list[tuple[int, array[int]]] = []
-        n = len(ids)
-
-        def start(j: int) -> int:  # where token j starts in the segment
-            chars = enc.token_to_chars(j)
-            return n if chars is None else int(chars[0])  # no span (a special token): never a cut
-
-        last = enc.token_to_chars(n - 1) if n else None
-        per_char = n / max(1, int(last[1]) if last else 1)  # tokens per character, to guess where a chunk ends
-        i = 0
-        prev = 0
-        for key, end in zip(keys, ends, strict=True):
-            j = first_at_or_after(start, n, end, i, i + int((end - prev) * per_char))
-            if j > i and enc.token_to_chars(j - 1)[1] > end:  # a token spans the boundary: not a safe cut
-                break
-            new.append((key, array("I", ids[i:j])))
-            i = j
-            prev = end
-        if not new:
-            return 0, 0
-        added = self._store(new)
-        if added and self.on_stored is not None:
-            self.on_stored(added)
-        return len(new), i
+                            len(lead) + reused + len(rest) - len(ids[-1]))
 
     def _store(self, chunks: Iterable[tuple[int, array[int]]]) -> list[tuple[int, array[int]]]:
         """Put chunks in (least recently used out past ``max_tokens``); those that were not there."""

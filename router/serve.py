@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -19,6 +20,9 @@ def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = 
     # for up to the switch interval at a time: Python's 5 ms showed in small requests' p99 beside big
     # prompts; 0.5 ms measured 6.2-6.4 ms against 12-15 ms (bench/gil_hold.py, docs/router.md)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
+    # the prefix token cache tokenizes a prompt's new chunks in one batch call: on the library's
+    # worker threads they would spin on the other core for the same work (indexer/prefix_tokens.py)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return create_app(Services(settings, bus_forwarder=bus_forwarder))
 
 
@@ -30,7 +34,6 @@ def worker_app():
     """App factory for ``workers > 1``: each worker process rebuilds the settings the parent parsed
     and joins the parent's booking-bus forwarder, if it runs one."""
     import json
-    import os
 
     from kvcommon.settings import build_settings
 
@@ -96,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
-        import os
-
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
         forwarder = None
         if settings.booking_bus:  # the workers share bookings through a forwarder in this process

@@ -170,6 +170,7 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-tokens", type=int, default=0)
     ap.add_argument("--share", action="store_true")
     args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core for its batches (router/serve.py)
     sock = socket.socket(fileno=args.fd)
     child = _Child(args.tokenizer, args.cache_tokens, args.share)
 
