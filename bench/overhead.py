@@ -477,7 +477,7 @@ def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 4
 def distinct_count(size: int, budget_bytes: int = 200_000_000) -> int:
     """How many requests of ``size`` tokens a sized row gets: more than kvroute sends in one row at
     the rates this machine gives, within ``budget_bytes`` of request bodies (about 5.5 bytes a token)."""
-    return max(200, min(6000, budget_bytes // max(1, int(size * 5.5))))
+    return max(200, min(12000, budget_bytes // max(1, int(size * 5.5))))
 
 
 async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes]) -> dict:
