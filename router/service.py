@@ -48,6 +48,9 @@ class Services:
         # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
         self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
+        if self.prefix_tokens is not None and self.prefix_tokens.disabled:
+            log.warning("prefix token cache off, every prompt is tokenized whole: this tokenizer fails its "
+                        "check (%s)", self.prefix_tokens.disabled_reason)
         # large prompts: tokenized in a child process (router/tokenize_proc.py), else in threads
         self.tokenize_process: TokenizeProcess | None = None
         if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_process:

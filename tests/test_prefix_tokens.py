@@ -458,3 +458,26 @@ async def test_replicas_share_the_chunks_they_tokenize(tmp_path, offload):
             assert gauge(metrics, "kvroute_tokenize_cache_enabled") == 1.0
             if offload == 0:
                 assert 'kvroute_tokenize_process_jobs_total{outcome="done"} 2.0' in metrics
+
+
+def test_the_router_says_why_its_prefix_token_cache_is_off(tmp_path, caplog):
+    """An operator whose tokenizer fails the check learns it from the log, with the reason, as well as
+    from ``kvroute_tokenize_cache_enabled 0``."""
+    import logging
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+    from router.service import Services
+
+    hf = Tokenizer(models.WordLevel({"[UNK]": 0, "x y": 1, "aa": 2, " ": 3}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"x y|\S+|\s"), behavior="isolated")
+    hf.save(str(tmp_path / "tokenizer.json"))
+    settings = build_settings(RouterSettings, {
+        "pods": [{"id": "p", "url": "http://127.0.0.1:9", "model": "m"}],
+        "tokenizer": str(tmp_path / "tokenizer.json"), "tokenize_process": False})
+    with caplog.at_level(logging.WARNING, logger="kvroute"):
+        services = Services(settings)
+    assert services.prefix_tokens is not None and services.prefix_tokens.disabled
+    assert "prefix token cache off" in caplog.text and "token 1 ('x y')" in caplog.text
