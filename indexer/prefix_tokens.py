@@ -34,11 +34,12 @@ each).
 still stalled the event loop. The batch calls release it while Rust works, and the cache uses only
 them (``encode_batch_fast``: no offsets). Until 2026-12-04 the new part was tokenized whole with
 offsets and each chunk end looked up in them (a galloping search over ``token_to_chars``); cutting
-it into chunks first made a cold 27k-token text cost 28 ms of CPU where it cost 38 ms, and left
-nothing to search. The batch of chunks is tokenized on one thread: ``kvroute serve`` sets
-``TOKENIZERS_PARALLELISM=false`` unless it is set, since the library's worker threads would spin on
-the router's other core for the same tokens (a throwaway harness: a cold 27k-token text took
-20 ms on two threads but 38 ms of CPU, 28 ms on one).
+it into chunks first leaves nothing to search, and new 32k-token conversations of
+``bench/prompt_stages.py`` tokenize in 35.7 ms where they took 56.1 ms (8k-token follow-ups 0.57
+against 0.80 ms; docs/router.md, "Chunks tokenized one by one"). The batch of chunks is
+tokenized on one thread: ``kvroute serve`` sets ``TOKENIZERS_PARALLELISM=false`` unless it is set,
+since the library's worker threads would spin on the router's other core for the same tokens (a
+throwaway harness: a cold 27k-token text took 20 ms on two threads but 38 ms of CPU, 28 ms on one).
 
 **Block keys too, without a token list.** Routing needs a prompt's length and its block keys, not
 its token ids. ``encode_cached`` answers with ``CachedTokens``: the reused chunks as they sit in the
