@@ -12,6 +12,14 @@ Each figure is the best of ``--repeats`` timed passes of ``--requests`` decision
 pass), in microseconds per decision, with the garbage collector off while timing. The last line
 printed is the headline.
 
+    python bench/decision_cost.py --prompt-sizes 8000,32000 [--pods 1,8] [--json PATH]
+
+times the decision at real prompt sizes instead (``sized_cost_us``): ``bench/overhead.py``'s
+multi-turn chat requests with the real-vLLM tier's tokenizer, replayed in order, the chosen pod's
+KV events for each prompt applied between requests (so a follow-up's history is held by events),
+medians over the follow-ups and the new conversations of one pass each. The last line printed is
+the headline.
+
     python bench/decision_cost.py --instructions [--pods 1,32] [--json PATH]
 
 counts the CPU instructions of a decision instead, under valgrind's callgrind (``valgrind`` on the
@@ -82,6 +90,57 @@ def cost_us(pods: int, requests: int, repeats: int) -> float:
     return best
 
 
+def sized_cost_us(pods: int, size: int, count: int) -> dict[str, Any]:
+    """The decision for ``bench/overhead.py``'s multi-turn chat requests of about ``size`` tokens (the
+    real-vLLM tier's tokenizer), replayed in order as a router meets them: ``plan`` (with the prompt's
+    length and block keys, as the tokenize process hands them over), ``book``, and after the engine's
+    KV events for the prompt's blocks have reached the index (applied here, not timed, as BlockStored
+    from the chosen pod: the next turn finds its history held by events) ``ended``. Medians in
+    microseconds over the follow-ups and over the new conversations."""
+    import statistics
+
+    from bench import overhead as ov
+    from indexer.events import BlockStored
+    from indexer.tokens import HFTokenizer, chat_request_ids
+    from router.tokenize_proc import PromptLength
+
+    folder = ov.tier_model()
+    if folder is None:
+        raise SystemExit(2)
+    tok = HFTokenizer(folder)
+    reqs, mean = ov.chat_requests(tok, size, count=count, sample=20)
+    router = build_router(pods)
+    bs = router.block_size
+    prompts = []
+    for raw in reqs:
+        body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        ids = chat_request_ids(body, tok)
+        prompts.append((body, ids, router.keys_for(body["model"], ids)))
+    took: dict[bool, list[float]] = {True: [], False: []}
+    seen: set[int] = set()
+    headers: dict[str, str] = {}
+    for body, ids, keys in prompts:
+        follow_up = bool(keys) and keys[0] in seen  # its system prompt's first block was routed before
+        t0 = time.perf_counter()
+        plan = router.plan("chat", body, headers, tokens=PromptLength(len(ids)), rest=0, keys=keys)
+        chosen = plan.decision.chosen
+        assert chosen is not None, "the decision rejected the request"
+        booking = router.book(plan, chosen)
+        t1 = time.perf_counter()
+        n = len(keys)
+        router.index.apply_event(chosen.pod_id, BlockStored(block_hashes=list(keys), parent_block_hash=None,
+                                                             token_ids=list(ids[:n * bs]), block_size=bs))
+        t2 = time.perf_counter()
+        router.ended(booking)
+        took[follow_up].append((t1 - t0 + time.perf_counter() - t2) * 1e6)
+        seen.update(keys[:1])
+    held = router.index.match(prompts[-1][2])
+    assert max(m.blocks for m in held.values()) == len(prompts[-1][2]), "the events did not reach the index"
+    return {"pods": pods, "size": size, "mean_prompt_tokens": mean, "blocks": len(prompts[-1][2]),
+            "follow_ups": len(took[True]), "us_follow_up_median": round(statistics.median(took[True][20:]), 1),
+            "us_new_conversation_median": round(statistics.median(took[False]), 1) if took[False] else None}
+
+
 SMALL, LARGE = 100, 600  # --instructions: decisions per pass of the two runs whose totals are subtracted
 NO_GC_ENV = "DECISION_COST_NO_GC"
 
@@ -129,8 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per decision under callgrind instead of timing (slow, repeatable)")
+    ap.add_argument("--prompt-sizes", default="",
+                    help="instead: the decision for multi-turn chat prompts of these sizes in tokens "
+                         "(comma-separated), with the pods' KV events applied between requests")
     args = ap.parse_args(argv)
     sizes = [int(n) for n in args.pods.split(",") if n.strip()]
+    if args.prompt_sizes:
+        return sized_main(sizes, [int(n) for n in args.prompt_sizes.split(",") if n.strip()], args.json,
+                          argv if argv is not None else sys.argv[1:])
     if args.instructions:
         return count_main(sizes, args.json, argv if argv is not None else sys.argv[1:])
     print(f"decision cost: Python {platform.python_version()}, {os.cpu_count()} CPUs, best of {args.repeats} "
@@ -149,6 +214,25 @@ def main(argv: list[str] | None = None) -> int:
             "us_per_added_pod": round(per_pod, 2) if per_pod is not None else None}, indent=2) + "\n")
     head = ", ".join(f"{r['pods']} pods {r['us_per_decision']:.1f} us" for r in rows)
     print(f"decision cost: {head}" + (f"; {per_pod:.2f} us per added pod" if per_pod is not None else ""))
+    return 0
+
+
+def sized_main(pods: list[int], sizes: list[int], json_path: str | None, argv: list[str]) -> int:
+    print(f"decision cost at prompt sizes: Python {platform.python_version()}, {os.cpu_count()} CPUs, medians of "
+          "one pass over each size's requests (plan + book + ended; the pods' events applied between)")
+    rows = []
+    for size in sizes:
+        for n in pods:
+            row = sized_cost_us(n, size, 600)
+            rows.append(row)
+            print(f"  {row['mean_prompt_tokens']:>8,.0f} tokens, {n:>2} pods: {row['us_follow_up_median']:8.1f} us per "
+                  f"follow-up, {row['us_new_conversation_median']:8.1f} us per new conversation", flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "command": "python bench/decision_cost.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
+            "python": platform.python_version(), "rows": rows}, indent=2) + "\n")
+    print("decision cost per follow-up: " + ", ".join(
+        f"{r['mean_prompt_tokens']:,.0f} tokens at {r['pods']} pods {r['us_follow_up_median']:.0f} us" for r in rows))
     return 0
 
 
