@@ -223,7 +223,9 @@ def sized_main(pods: list[int], sizes: list[int], json_path: str | None, argv: l
     rows = []
     for size in sizes:
         for n in pods:
-            row = sized_cost_us(n, size, 600)
+            # no more blocks than the index keeps per pod (1M; 600 prompts of 32k tokens would pass it and
+            # its cap would drop the oldest conversations' first blocks, which no engine does)
+            row = sized_cost_us(n, size, max(100, min(600, 800_000 * 16 // size)))
             rows.append(row)
             print(f"  {row['mean_prompt_tokens']:>8,.0f} tokens, {n:>2} pods: {row['us_follow_up_median']:8.1f} us per "
                   f"follow-up, {row['us_new_conversation_median']:8.1f} us per new conversation", flush=True)

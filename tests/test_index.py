@@ -315,6 +315,49 @@ def test_a_follow_up_credits_only_the_blocks_the_pods_events_do_not_hold():
     assert ix.match(k)["b"].blocks == 1  # the eviction counts now
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 40))
+def test_the_event_held_run_is_found_by_bisection_as_a_walk_finds_it(held, extra, prompt):
+    """A pod's event-held blocks along a prompt are a leading run (vLLM evicts no block before the
+    ones after it): ``speculate`` finds how far it reaches by bisection, as a walk block by block
+    would, and credits the rest only."""
+    from indexer.index import _depths_of_keys, _leading_run
+
+    clock = Clock()
+    ix = new_index(speculative_ttl_s=2.0, clock=clock)
+    t = toks(max(held, prompt) + extra)
+    k = keys_of(t)
+    if held:
+        ix.apply_event("b", stored(range(1, held + 1), None, t[:held * BS]))
+    bit = ix._pods["b"].primary.bit
+    want = _depths_of_keys(k[:prompt], ix._any.get, None, bit).get(bit, 0)
+    assert _leading_run(k[:prompt], ix._any.get, bit) == want == min(held, prompt)
+    ix.speculate("b", k[:prompt])
+    assert ix.stats()["predicted_keys"] == prompt - want
+    assert ix.match(k[:prompt])["b"].blocks == prompt
+
+
+def test_a_hole_in_the_held_run_is_left_to_the_events():
+    """A block removed from the middle of a pod's run: a follow-up routed there credits its new blocks
+    but may step over the hole, so the match stops at the hole until the pod stores it again (as it
+    will, prefilling the follow-up); a missing first block is never stepped over."""
+    clock = Clock()
+    ix = new_index(speculative_ttl_s=2.0, clock=clock)
+    t = toks(12)
+    k = keys_of(t)
+    ix.apply_event("b", stored(range(1, 9), None, t[:8 * BS]))
+    ix.apply_event("b", BlockRemoved(block_hashes=[4], medium="GPU"))  # block 3 of 0..7
+    assert ix.match(k)["b"].blocks == 3
+    ix.speculate("b", k)
+    assert ix.match(k)["b"].blocks == 3  # the hole is not papered over by a credit
+    assert ix.stats()["predicted_keys"] == 4  # blocks 8..11: the new ones
+    ix.apply_event("b", stored([4], 3, t[3 * BS:4 * BS]))  # the pod stores it again
+    assert ix.match(k)["b"].blocks == 12
+    ix.apply_event("b", BlockRemoved(block_hashes=[1], medium="GPU"))  # now the first block goes
+    ix.speculate("b", k)
+    assert ix.match(k)["b"].blocks == 12  # credited from the start, as the walk did
+
+
 def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
     clock = Clock()
     ix = PrefixIndex(block_size=BS, approximate_ttl_s=100.0, speculative_ttl_s=1.0, max_blocks_per_pod=32, clock=clock)
