@@ -139,7 +139,7 @@ def cut_problem(hf: Any) -> str | None:
         return f"token {ids[i]} ({texts[i]!r}) holds a space after a letter or digit"
     ends = boundaries(PROBE, 1)
     pieces = [PROBE[a:b] for a, b in zip([0, *ends], [*ends, len(PROBE)], strict=True)]
-    batch = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+    batch = batch_encoder(hf)
     cut = [t for e in batch(pieces, add_special_tokens=False) for t in e.ids]
     if cut != batch([PROBE], add_special_tokens=False)[0].ids:
         return "a probe text tokenized chunk by chunk differs from it tokenized whole"
@@ -159,10 +159,15 @@ def fingerprint(hf: Any) -> str:
     return xxhash.xxh3_64_hexdigest(hf.to_str().encode())
 
 
+def batch_encoder(hf: Any) -> Callable[..., list[Any]]:
+    """A ``tokenizers.Tokenizer``'s batch encode that lets go of the GIL and builds no offsets
+    (``encode_batch_fast``, tokenizers >= 0.21; ``encode_batch`` before)."""
+    return getattr(hf, "encode_batch_fast", None) or hf.encode_batch  # type: ignore[no-any-return]
+
+
 def fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:
-    """``(text, add_special_tokens) -> ids`` for a ``tokenizers.Tokenizer`` that lets go of the GIL
-    while it encodes (``encode_batch_fast``, tokenizers >= 0.21; ``encode_batch`` before)."""
-    batch = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+    """``(text, add_special_tokens) -> ids`` through ``batch_encoder``."""
+    batch = batch_encoder(hf)
 
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -288,7 +293,7 @@ class PrefixTokenCache:
                  verify_share: float | None = 0.1):
         self._hf = hf  # a tokenizers.Tokenizer
         self._encode = fast_encoder(hf)
-        self._batch = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+        self._batch = batch_encoder(hf)
         self.chunk_chars = chunk_chars
         self.max_tokens = max_tokens
         self.verify_every = verify_every
