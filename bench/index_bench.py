@@ -7,8 +7,8 @@
   each run twice: "cold" (the process still takes its memory from the OS) and "warm" (a
   long-running router's state, memory already in the allocator's arenas);
 * lookup: ``PrefixIndex.match`` for 1k/8k/32k-token prompts across 8 and 64 pods, keys
-  precomputed, with every pod holding a different-length prefix of the prompt (the walk is as long
-  as the longest match); key computation is reported separately;
+  precomputed, with every pod holding a different-length prefix of the prompt (the worst case: a
+  bisection per pod); key computation is reported separately;
 * memory: tracemalloc bytes per indexed block, 1M blocks over 8 pods and over 64 pods.
 
 Prints one figure per line; the last line is the headline.

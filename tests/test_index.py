@@ -69,12 +69,27 @@ def test_unknown_parent_is_counted_not_guessed():
     assert ix.stats()["orphan_blocks"] == 2
 
 
-def test_a_hole_stops_the_match():
+def test_an_evicted_tail_ends_the_match_and_a_missing_first_block_ends_it_at_once():
+    ix = new_index()
+    t = toks(4)
+    ix.apply_event("a", stored([1, 2, 3, 4], None, t))
+    ix.apply_event("a", BlockRemoved(block_hashes=[3, 4], medium="GPU"))  # vLLM evicts a prompt's tail first
+    assert ix.match(keys_of(t))["a"].blocks == 2
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks == 0
+
+
+def test_a_hole_vllm_would_not_leave_is_stepped_over_to_the_end_of_a_run():
+    """The match bisects (a pod's blocks along a prompt are a leading run): a block missing from the
+    middle of the index's run, as a lost BlockStored leaves, does not end the match where a walk
+    would; the answer is the end of a run of held blocks."""
     ix = new_index()
     t = toks(4)
     ix.apply_event("a", stored([1, 2, 3, 4], None, t))
     ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU"))
-    assert ix.match(keys_of(t))["a"].blocks == 1
+    assert ix.match(keys_of(t))["a"].blocks == 4
+    ix.apply_event("a", BlockRemoved(block_hashes=[4], medium="GPU"))
+    assert ix.match(keys_of(t))["a"].blocks in (1, 3)
 
 
 def test_removed_maps_engine_hashes_to_keys_and_unknown_removals_are_counted():
@@ -131,7 +146,7 @@ def test_a_hybrid_models_sliding_window_group_neither_stores_nor_removes_the_ful
     ix.apply_event("a", BlockRemoved(block_hashes=[1, 2], medium="GPU", group_idx=1))  # out of the window
     assert ix.match(keys_of(t))["a"].blocks == 3
     assert ix.stats()["skipped_group"] == 1 and ix.stats()["unknown_removals"] == 0
-    ix.apply_event("a", BlockRemoved(block_hashes=[2], medium="GPU", group_idx=0))
+    ix.apply_event("a", BlockRemoved(block_hashes=[2, 3], medium="GPU", group_idx=0))
     assert ix.match(keys_of(t))["a"].blocks == 1
     # a second full-attention group: the first one seen decides (no double counting as copies)
     ix.apply_event("a", stored([1, 2, 3], None, t, group_idx=2, kv_cache_spec_kind="full_attention"))
@@ -315,47 +330,67 @@ def test_a_follow_up_credits_only_the_blocks_the_pods_events_do_not_hold():
     assert ix.match(k)["b"].blocks == 1  # the eviction counts now
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 40))
-def test_the_event_held_run_is_found_by_bisection_as_a_walk_finds_it(held, extra, prompt):
-    """A pod's event-held blocks along a prompt are a leading run (vLLM evicts no block before the
-    ones after it): ``speculate`` finds how far it reaches by bisection, as a walk block by block
-    would, and credits the rest only."""
-    from indexer.index import _depths_of_keys, _leading_run
-
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=6),
+       st.integers(1, 40))
+def test_the_match_bisects_to_what_a_walk_block_by_block_finds(pods, prompt):
+    """Each pod holds a leading run of the prompt's blocks by events and may have a credit after it,
+    from where the run ended or past a gap (the run's tail evicted after the credit): the bisection
+    finds every pod's depth as a walk would, and ``speculate`` credits only what the events do not
+    hold."""
     clock = Clock()
     ix = new_index(speculative_ttl_s=2.0, clock=clock)
-    t = toks(max(held, prompt) + extra)
+    longest = max(max(h + g + c for h, g, c in pods), prompt)
+    t = toks(longest)
     k = keys_of(t)
-    if held:
-        ix.apply_event("b", stored(range(1, held + 1), None, t[:held * BS]))
-    bit = ix._pods["b"].primary.bit
-    want = _depths_of_keys(k[:prompt], ix._any.get, None, bit).get(bit, 0)
-    assert _leading_run(k[:prompt], ix._any.get, bit) == want == min(held, prompt)
-    ix.speculate("b", k[:prompt])
-    assert ix.stats()["predicted_keys"] == prompt - want
-    assert ix.match(k[:prompt])["b"].blocks == prompt
+    want = {}
+    for i, (held, gap, credit) in enumerate(pods):
+        pod = f"p{i}"
+        ix.add_pod(pod, MODEL)
+        if held + gap:
+            ix.apply_event(pod, stored(range(1, held + gap + 1), None, t[:(held + gap) * BS]))
+        if credit:
+            ix.speculate(pod, k[:held + gap + credit])  # credits from where the events' run ends
+        if gap:  # then the run's tail is evicted
+            ix.apply_event(pod, BlockRemoved(block_hashes=list(range(held + 1, held + gap + 1)), medium="GPU"))
+        covered = [j < held or held + gap <= j < held + gap + credit for j in range(prompt)]
+        depth = 0
+        while depth < prompt and covered[depth]:
+            depth += 1
+        want[pod] = depth
+    got = ix.match(k[:prompt])
+    assert {p: got[p].blocks for p in want} == want
+    before = ix.stats()["predicted_keys"]
+    ix.speculate("p0", k[:prompt])
+    held0 = min(pods[0][0], prompt)
+    assert ix.match(k[:prompt])["p0"].blocks == prompt
+    assert ix.stats()["predicted_keys"] - before <= prompt - held0
 
 
-def test_a_hole_in_the_held_run_is_left_to_the_events():
-    """A block removed from the middle of a pod's run: a follow-up routed there credits its new blocks
-    but may step over the hole, so the match stops at the hole until the pod stores it again (as it
-    will, prefilling the follow-up); a missing first block is never stepped over."""
+def test_a_credit_past_an_evicted_tail_does_not_count_until_the_pod_stores_it_again():
+    """A follow-up is routed to the pod that holds its history and its new blocks are credited; then
+    the pod evicts the history's tail before the follow-up runs: the match stops where the events'
+    run now ends (the credit past the gap does not count), and reaches the credit again once the
+    pod computes the tail again. A hole the index holds in the middle of a run (not vLLM's doing) is
+    stepped over; a missing first block never is."""
     clock = Clock()
     ix = new_index(speculative_ttl_s=2.0, clock=clock)
     t = toks(12)
     k = keys_of(t)
     ix.apply_event("b", stored(range(1, 9), None, t[:8 * BS]))
-    ix.apply_event("b", BlockRemoved(block_hashes=[4], medium="GPU"))  # block 3 of 0..7
-    assert ix.match(k)["b"].blocks == 3
     ix.speculate("b", k)
-    assert ix.match(k)["b"].blocks == 3  # the hole is not papered over by a credit
     assert ix.stats()["predicted_keys"] == 4  # blocks 8..11: the new ones
-    ix.apply_event("b", stored([4], 3, t[3 * BS:4 * BS]))  # the pod stores it again
+    assert ix.match(k)["b"].blocks == 12
+    ix.apply_event("b", BlockRemoved(block_hashes=[6, 7, 8], medium="GPU"))  # blocks 5..7: the tail
+    assert ix.match(k)["b"].blocks == 5
+    ix.apply_event("b", stored([6, 7, 8], 5, t[5 * BS:8 * BS]))  # the pod computes them again
+    assert ix.match(k)["b"].blocks == 12
+    ix.apply_event("b", BlockRemoved(block_hashes=[4], medium="GPU"))  # block 3: a hole in the run
     assert ix.match(k)["b"].blocks == 12
     ix.apply_event("b", BlockRemoved(block_hashes=[1], medium="GPU"))  # now the first block goes
+    assert ix.match(k)["b"].blocks == 0
     ix.speculate("b", k)
-    assert ix.match(k)["b"].blocks == 12  # credited from the start, as the walk did
+    assert ix.match(k)["b"].blocks == 12  # credited from the start
 
 
 def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
