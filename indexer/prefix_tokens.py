@@ -63,7 +63,6 @@ the reusable prefix there.
 
 from __future__ import annotations
 
-import re
 import threading
 from array import array
 from bisect import bisect_right
@@ -96,23 +95,20 @@ class CacheStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-_AFTER_WORD = re.compile(r"(?<=[^\W_]) ")  # a space after a word character other than "_" (a candidate)
-
-
 def boundaries(text: str, chunk_chars: int) -> list[int]:
     """Chunk ends: positions p >= the previous end + ``chunk_chars`` with ``text[p] == " "`` and
-    ``text[p - 1]`` a letter or digit (``str.isalnum``)."""
+    ``text[p - 1]`` a letter or digit (``str.isalnum``). ``str.find`` from each start, not a regex
+    search: 50 against 32 µs for an 8k-token chat text (throwaway microbenchmark)."""
     out = []
     n = len(text)
     pos = chunk_chars
-    search = _AFTER_WORD.search
+    find = text.find
     while pos < n:
-        m = search(text, pos)
-        while m is not None and not text[m.start() - 1].isalnum():  # a word character that is not alnum
-            m = search(text, m.start() + 1)
-        if m is None:
+        p = find(" ", pos)
+        while p > 0 and not text[p - 1].isalnum():
+            p = find(" ", p + 1)
+        if p < 0:
             break
-        p = m.start()
         out.append(p)
         pos = p + chunk_chars
     return out
@@ -151,6 +147,27 @@ def chain_key(prev: int, chunk: str) -> int:
     the first). xxh3, not ``hash()``: Python's string hash differs per process, and workers and
     replicas share their chunks by these keys (``PrefixTokenCache.share``)."""
     return xxhash.xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), prev)
+
+
+def chain_keys(text: str, ends: Sequence[int]) -> list[int]:
+    """``chain_key`` of each prefix of ``text`` through ``ends``. An ASCII text (its characters are
+    its UTF-8 bytes) is encoded once and hashed in slices of that: 36 against 26 µs for an
+    8k-token chat text (throwaway microbenchmark)."""
+    keys = []
+    h = start = 0
+    if text.isascii():
+        raw = memoryview(text.encode("ascii"))
+        digest = xxhash.xxh3_64_intdigest
+        for p in ends:
+            h = digest(raw[start:p], h)
+            keys.append(h)
+            start = p
+        return keys
+    for p in ends:
+        h = chain_key(h, text[start:p])
+        keys.append(h)
+        start = p
+    return keys
 
 
 def fingerprint(hf: Any) -> str:
@@ -392,13 +409,7 @@ class PrefixTokenCache:
 
     def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int]) -> CachedTokens:
         ends = boundaries(text, self.chunk_chars)
-        keys = []
-        h = 0
-        start = 0
-        for p in ends:
-            h = chain_key(h, text[start:p])
-            keys.append(h)
-            start = p
+        keys = chain_keys(text, ends)
         chunks: list[array[int]] = []
         reused = 0
         known = 0

@@ -206,6 +206,33 @@ def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     a.on_stored = None
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab9 _.\n\t-é東\u00a0 ")), max_size=400), st.integers(1, 40))
+def test_chunk_ends_and_their_keys_are_what_their_definitions_say(text, chunk_chars):
+    """``boundaries``: each end the first space at or after the last end + ``chunk_chars`` whose
+    preceding character is a letter or digit; ``chain_keys``: ``chain_key`` chained over the chunks
+    (ASCII texts take a faster path)."""
+    from indexer.prefix_tokens import chain_key, chain_keys
+
+    want, pos = [], chunk_chars
+    while True:
+        p = next((i for i in range(pos, len(text)) if text[i] == " " and text[i - 1].isalnum()), None)
+        if p is None:
+            break
+        want.append(p)
+        pos = p + chunk_chars
+    assert boundaries(text, chunk_chars) == want
+    keys, h, start = [], 0, 0
+    for p in want:
+        h = chain_key(h, text[start:p])
+        keys.append(h)
+        start = p
+    assert chain_keys(text, want) == keys
+    ascii_only = text.encode("ascii", "ignore").decode()
+    ends = boundaries(ascii_only, chunk_chars)
+    assert chain_keys(ascii_only, ends) == chain_keys(ascii_only + "é", ends)  # the same keys either path
+
+
 def test_chain_keys_are_the_same_in_every_process():
     """Workers and replicas share chunks by their keys: another interpreter (another string-hash seed)
     gives the same keys."""
