@@ -769,28 +769,26 @@ def _depths_by_bisection(keys: Sequence[int], get: _MaskGet, pred_get: _MaskGet 
     count. Where the index has a hole in a run anyway (a BlockStored lost in transit, a credit that
     expired in the middle) the answer may lie past it, at the end of the run after the hole; a
     missing first block always answers no match."""
-    out: dict[int, int] = {}
     n = len(keys)
     if not n:
-        return out
-    held = _runs_by_bisection(keys, get, [(1, get(keys[0], 0) & alive)])
+        return {}
+    first = get(keys[0], 0) & alive
+    held = _runs_by_bisection(keys, get, [(1, first)]) if first else {}
     if pred_get is None:
         return held
-    # where a source's events stop, the predicted entries may go on
-    starts: dict[int, int] = {}
+    # where a source's events stop (at 0 without the first block), the predicted entries may go on
+    starts: dict[int, int] = {0: alive & ~first} if alive & ~first else {}
     for bit, depth in held.items():
         starts[depth] = starts.get(depth, 0) | bit
-    starts[0] = alive & ~sum(held)  # no event-held first block
     go_on = []
     for depth, bits in starts.items():
-        if depth < n and bits:
+        if depth < n:
             k = keys[depth]
             bits &= pred_get(k, 0) | get(k, 0)
             if bits:
                 go_on.append((depth + 1, bits))
     if go_on:
-        get_both = _either(get, pred_get)
-        held.update(_runs_by_bisection(keys, get_both, go_on))
+        held.update(_runs_by_bisection(keys, _either(get, pred_get), go_on))
     return held
 
 
