@@ -206,6 +206,31 @@ def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     a.on_stored = None
 
 
+def test_a_turn_after_one_another_process_served_hashes_only_the_blocks_after_its_own_last_turn(monkeypatch):
+    """Turns of one conversation alternate between two processes that share chunks, not block keys:
+    a turn whose prefix ends in chunks adopted from the other process takes the keys this process
+    remembered for its own earlier turn and hashes only the blocks after it, exactly."""
+    import indexer.prefix_tokens as pt
+
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    a = PrefixTokenCache(hf, chunk_chars=48, min_chars=0, verify_every=0)
+    b = PrefixTokenCache(hf, chunk_chars=48, min_chars=0, verify_every=0)
+    a.on_stored, b.on_stored = b.adopt, a.adopt
+    hashed: list[int] = []
+    real = pt.block_keys
+    monkeypatch.setattr(pt, "block_keys", lambda tokens, *rest: (hashed.append(len(tokens)), real(tokens, *rest))[1])
+    text = " ".join(corpus(30, seed=5))
+    for turn, cache in enumerate([b, a, b, a, b]):
+        text += " " + " ".join(corpus(3, seed=40 + turn))
+        got = cache.encode_cached(text, True)
+        full = hf.encode(text, add_special_tokens=True).ids
+        assert got == full and got.block_keys(16, 7) == block_keys(full, 16, 7)
+    # the last turn on b: its prefix's last chunks came from a, but b remembered the turn before
+    assert b.stats.key_misses == 0 and b.stats.key_hits == 2  # its first turn reused nothing
+    assert hashed[-1] < 0.4 * len(full), (hashed, len(full))
+    a.on_stored = b.on_stored = None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("ab9 _.\n\t-é東\u00a0 ")), max_size=400), st.integers(1, 40))
 def test_chunk_ends_and_their_keys_are_what_their_definitions_say(text, chunk_chars):
