@@ -654,7 +654,7 @@ class PrefixIndex:
         pred = self._pred
         tiers = self._tiers
         if len(tiers) <= 1 and (not pred or not tiers or DEFAULT_TIER in tiers):
-            # one tier (the common case): one pass
+            # one tier (the common case): one bisection
             tier = next(iter(tiers)) if tiers else DEFAULT_TIER
             depth = _depths_by_bisection(keys, self._any.get, pred.get if pred else None, alive)
             weight = self.tier_weights.get(tier, self.default_tier_weight)
