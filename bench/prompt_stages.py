@@ -76,7 +76,7 @@ def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
     timed("credit the route (speculative)", lambda i: index.record_route("pod-0", keys[i]))
     # the same texts in their order through a fresh cache, as a router meets them: a follow-up
     # tokenizes its new turn, a new conversation all of it (medians; not part of the total above)
-    fresh = PrefixTokenCache(tok.prefix_cache._hf, verify_every=0)
+    fresh = PrefixTokenCache(tok.prefix_cache._hf, verify_every=0, tiktoken=tok.prefix_cache.twin)
     took: dict[bool, list[float]] = {True: [], False: []}
     for t in texts:
         hits = fresh.stats.hits
@@ -96,14 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8000")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-tiktoken", action="store_true",
+                    help="tokenize with the tokenizers library, not tiktoken's twin (the router's tokenize_tiktoken)")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as kvroute serve runs the tokenizer
     folder = ov.tier_model()
     if folder is None:
         return 2
     tok = HFTokenizer(folder)
-    tok.cache_prefixes(max_tokens=4_000_000)
-    out: dict = {"tokenizer": str(folder), "sizes": {}}
+    cache = tok.cache_prefixes(max_tokens=4_000_000, tiktoken=not args.no_tiktoken)
+    print(f"tokenizing with {'tiktoken' if cache.twin else 'tokenizers'} ({cache.twin_reason or 'the same ids'})")
+    out: dict = {"tokenizer": str(folder), "tiktoken": cache.twin, "sizes": {}}
     heads = []
     for size in [int(x) for x in args.sizes.split(",") if x.strip()]:
         mean, stages, n = measure(tok, size)

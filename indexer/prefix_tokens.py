@@ -41,6 +41,13 @@ tokenized on one thread: ``kvroute serve`` sets ``TOKENIZERS_PARALLELISM=false``
 since the library's worker threads would spin on the router's other core for the same tokens (a
 throwaway harness: a cold 27k-token text took 20 ms on two threads but 38 ms of CPU, 28 ms on one).
 
+**tiktoken where it gives the same ids.** For a byte-level BPE tokenizer the cache tokenizes through
+``indexer.fast_bpe.twin``: tiktoken's BPE on the same vocabulary, about a third of the cost, checked
+at start against the tokenizers library. The run-time checks above compare with the tokenizers
+library itself, so they watch the twin too: a difference that the twin alone makes drops the twin
+(and the chunks it tokenized), not the cache; short texts, which skip the cache, are checked one
+in ``verify_every`` as well.
+
 **Block keys too, without a token list.** Routing needs a prompt's length and its block keys, not
 its token ids. ``encode_cached`` answers with ``CachedTokens``: the reused chunks as they sit in the
 cache plus the new part, materialised as a list only if someone asks for one. Its ``block_keys``
@@ -326,10 +333,18 @@ class PrefixTokenCache:
 
     def __init__(self, hf: Any, chunk_chars: int = 256, max_tokens: int = 4_000_000, verify_every: int = 64,
                  min_chars: int = MIN_CHARS, on_mismatch: Callable[[], None] | None = None,
-                 verify_share: float | None = 0.1):
+                 verify_share: float | None = 0.1, tiktoken: bool = True):
         self._hf = hf  # a tokenizers.Tokenizer
-        self._encode = fast_encoder(hf)
+        self._reference = fast_encoder(hf)  # the tokenizers library's own: what the checks compare with
         self._batch = batch_encoder(hf)
+        # tiktoken's BPE on the same vocabulary where it gives the same ids (indexer/fast_bpe.py)
+        self._twin: Callable[[str], list[int]] | None = None
+        self.twin_reason = "turned off (tokenize_tiktoken)"
+        if tiktoken:
+            from indexer.fast_bpe import twin
+
+            self._twin, self.twin_reason = twin(hf)
+        self._twin_calls = 0  # short texts through the twin, one in ``verify_every`` checked
         self.chunk_chars = chunk_chars
         self.max_tokens = max_tokens
         self.verify_every = verify_every
@@ -351,6 +366,30 @@ class PrefixTokenCache:
         self.disabled_reason = cut_problem(hf)  # None: texts may be cut at chunk ends
         self.disabled = self.disabled_reason is not None
 
+    @property
+    def twin(self) -> bool:
+        """Whether texts are tokenized by tiktoken's twin of the tokenizer (``indexer/fast_bpe.py``)."""
+        return self._twin is not None
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A whole text's tokens: through the twin where there is one, else the tokenizers library."""
+        twin = self._twin
+        if twin is None:
+            return self._reference(text, add_special_tokens)
+        if not add_special_tokens:
+            return twin(text)
+        around = self._around(True)
+        if around is None:
+            return self._reference(text, True)
+        return [*around[0], *twin(text), *around[1]]
+
+    def _pieces(self, pieces: list[str]) -> list[list[int]]:
+        """The tokens of each piece, no special tokens added."""
+        twin = self._twin
+        if twin is not None:
+            return [twin(p) for p in pieces]
+        return [e.ids for e in self._batch(pieces, add_special_tokens=False)]
+
     # ---- the special tokens a post-processor puts around the body ----------------------------
     def _around(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
         """(leading, trailing) special ids, or None if the post-processor does something else."""
@@ -359,8 +398,8 @@ class PrefixTokenCache:
         if True in self._specials:
             return self._specials[True]
         probe = "hello world"
-        body = self._encode(probe, False)
-        full = self._encode(probe, True)
+        body = self._reference(probe, False)
+        full = self._reference(probe, True)
         found: tuple[list[int], list[int]] | None = None
         for i in range(len(full) - len(body) + 1):
             if full[i:i + len(body)] == body:
@@ -381,30 +420,49 @@ class PrefixTokenCache:
         """The tokens of ``text``: ``CachedTokens`` when the cache took part (no list built until one is
         asked for), else the tokenizer's list."""
         if self.disabled or len(text) < self.min_chars:
-            return self._encode(text, add_special_tokens)
+            whole = self._encode(text, add_special_tokens)
+            if self._twin is not None:
+                self._twin_calls += 1
+                if self.verify_every > 0 and self._twin_calls % self.verify_every == 0 and not self._checking:
+                    self._submit_check(text, add_special_tokens, whole)
+            return whole
         around = self._around(add_special_tokens)
         if around is None:
             return self._encode(text, add_special_tokens)
         lead, trail = around
         tokens = self._assemble(text, add_special_tokens, lead, trail)
         if self._should_verify():
-            if self._checker is None:
-                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-check")
-            self._checking = True
-            self._checker.submit(self.check, text, add_special_tokens, tokens)
+            self._submit_check(text, add_special_tokens, tokens)
         return tokens
 
+    def _submit_check(self, text: str, add_special_tokens: bool, tokens: Sequence[int]) -> None:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize-check")
+        self._checking = True
+        self._checker.submit(self.check, text, add_special_tokens, tokens)
+
     def check(self, text: str, add_special_tokens: bool, tokens: Sequence[int]) -> bool:
-        """Compare ``tokens`` with a whole tokenization of ``text``; on a mismatch turn the cache off."""
+        """Compare ``tokens`` with the tokenizers library's whole tokenization of ``text``. On a mismatch
+        the twin goes if the twin alone tokenizes the text otherwise, else the cache is turned off."""
         try:
-            whole = self._encode(text, add_special_tokens)
+            whole = self._reference(text, add_special_tokens)
             self.stats.verified += 1
             self.stats.verified_tokens += len(whole)
             if whole == (tokens.tolist() if isinstance(tokens, CachedTokens) else list(tokens)):
                 return True
             self.stats.mismatches += 1
-            self.disabled = True
-            self.disabled_reason = "a check found a cached text's tokens differ from its whole tokenization"
+            twin = self._twin
+            if twin is not None and self._encode(text, add_special_tokens) != whole:
+                self._twin = None
+                self.twin_reason = "a check found tiktoken's tokens of a text differ from the tokenizer's"
+                with self._lock:  # the chunks it tokenized, and their keys, may be wrong too
+                    self._chunks.clear()
+                    self._held = 0
+                    self._keys.clear()
+                    self._keys_held = 0
+            else:
+                self.disabled = True
+                self.disabled_reason = "a check found a cached text's tokens differ from its whole tokenization"
             if self.on_mismatch is not None:
                 self.on_mismatch()
             return False
@@ -444,7 +502,7 @@ class PrefixTokenCache:
         offset = ends[known - 1] if known else 0
         cuts = ends[known:]  # the new chunks, then the rest after the last chunk end: one batch call
         pieces = [text[a:b] for a, b in zip([offset, *cuts], [*cuts, len(text)], strict=True)]
-        ids = [e.ids for e in self._batch(pieces, add_special_tokens=False)]
+        ids = self._pieces(pieces)
         rest: list[int] = ids[0] if len(ids) == 1 else list(chain.from_iterable(ids))
         if known:
             self.stats.hits += 1

@@ -193,6 +193,10 @@ class RouterSettings(BaseSettings):
     tokenize_cache_share: bool = Field(True, description="workers and replicas on the booking bus send each other "
                                        "the chunks they tokenize, so a follow-up that lands on another process "
                                        "does not tokenize the whole conversation again")
+    tokenize_tiktoken: bool = Field(True, description="Hugging Face byte-level BPE tokenizer: tokenize with "
+                                    "tiktoken's BPE on the same vocabulary where it gives the same ids (about a "
+                                    "third of the cost; checked at start and on a sample of prompts, dropped on "
+                                    "a difference: indexer/fast_bpe.py)")
     tokenize_threads: int = Field(2, ge=1, description="threads that tokenize large prompts off the event loop "
                                   "when the tokenize process cannot")
     tokenize_process: bool = Field(True, description="Hugging Face tokenizer: large prompts are tokenized in a "

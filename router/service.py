@@ -46,16 +46,24 @@ class Services:
         # prompts need no tokenizer, so the local one is never asked
         self.tokenizer = ByteTokenizer() if remote else load_tokenizer(settings.tokenizer)
         # a follow-up turn tokenizes only what is new (indexer/prefix_tokens.py)
-        self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens) \
+        self.prefix_tokens = self.tokenizer.cache_prefixes(max_tokens=settings.tokenize_cache_tokens,
+                                                            tiktoken=settings.tokenize_tiktoken) \
             if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_cache_tokens > 0 else None
         if self.prefix_tokens is not None and self.prefix_tokens.disabled:
             log.warning("prefix token cache off, every prompt is tokenized whole: this tokenizer fails its "
                         "check (%s)", self.prefix_tokens.disabled_reason)
+        if self.prefix_tokens is not None:
+            if self.prefix_tokens.twin:
+                log.info("tokenizing with tiktoken's BPE on the tokenizer's vocabulary (the same ids, checked)")
+            elif settings.tokenize_tiktoken:
+                log.info("tokenizing with the tokenizers library: tiktoken cannot stand in for this tokenizer (%s)",
+                         self.prefix_tokens.twin_reason)
         # large prompts: tokenized in a child process (router/tokenize_proc.py), else in threads
         self.tokenize_process: TokenizeProcess | None = None
         if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_process:
             self.tokenize_process = TokenizeProcess(settings.tokenizer, settings.tokenize_cache_tokens,
-                                                    settings.tokenize_process_timeout_s)
+                                                    settings.tokenize_process_timeout_s,
+                                                    tiktoken=settings.tokenize_tiktoken)
         if self.bus is not None and self.prefix_tokens is not None and settings.tokenize_cache_share:
             share_tokens(self.bus, self.prefix_tokens, self.tokenize_process)
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
@@ -198,7 +206,11 @@ class Services:
                            "tokenize_cache_held_tokens": float(cache.held_tokens + child.held),
                            "tokenize_cache_key_hit_rate": (st.key_hits + child.key_hits) / keyed if keyed else 0.0,
                            "tokenize_cache_adopted_chunks": float(st.adopted + child.adopted),
-                           "tokenize_cache_enabled": 0.0 if cache.disabled or child.disabled else 1.0})
+                           "tokenize_cache_enabled": 0.0 if cache.disabled or child.disabled else 1.0,
+                           # the child's twin counts once it has answered
+                           "tokenize_tiktoken": 1.0 if cache.twin and (child.tiktoken or self.tokenize_process is None
+                                                                       or self.tokenize_process.cache is None)
+                           else 0.0})
         return totals
 
     async def stop(self) -> None:

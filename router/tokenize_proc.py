@@ -86,6 +86,7 @@ class CacheCounts:
     key_misses: int = 0
     adopted: int = 0
     disabled: bool = False
+    tiktoken: bool = False
 
 
 class PromptLength(Sequence[int]):
@@ -119,14 +120,14 @@ def _chunks_in(items: list[list[Any]]) -> list[tuple[int, array]]:
 
 # ---- the child ------------------------------------------------------------------------------------
 class _Child:
-    def __init__(self, spec: str, cache_tokens: int, share: bool):
+    def __init__(self, spec: str, cache_tokens: int, share: bool, tiktoken: bool = True):
         from indexer.tokens import HFTokenizer, load_tokenizer
 
         self.tokenizer: Any = load_tokenizer(spec)
         self.cache: Any = None
         self.stored: list[tuple[int, array]] = []
         if isinstance(self.tokenizer, HFTokenizer) and cache_tokens > 0:
-            self.cache = self.tokenizer.cache_prefixes(max_tokens=cache_tokens)
+            self.cache = self.tokenizer.cache_prefixes(max_tokens=cache_tokens, tiktoken=tiktoken)
             if share:
                 self.cache.on_stored = self.stored.extend
 
@@ -135,7 +136,8 @@ class _Child:
         if c is None:
             return None
         s = c.stats
-        return [s.reused_tokens, s.tokenized_tokens, c.held_tokens, s.key_hits, s.key_misses, s.adopted, c.disabled]
+        return [s.reused_tokens, s.tokenized_tokens, c.held_tokens, s.key_hits, s.key_misses, s.adopted, c.disabled,
+                c.twin]
 
     def tokenize(self, job_id: int, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
                  salt: str | None, chars_per_token: float) -> list[Any]:
@@ -169,10 +171,11 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--cache-tokens", type=int, default=0)
     ap.add_argument("--share", action="store_true")
+    ap.add_argument("--no-tiktoken", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core for its batches (router/serve.py)
     sock = socket.socket(fileno=args.fd)
-    child = _Child(args.tokenizer, args.cache_tokens, args.share)
+    child = _Child(args.tokenizer, args.cache_tokens, args.share, not args.no_tiktoken)
 
     def send(msg: list[Any]) -> None:
         payload = _encode(msg)
@@ -204,8 +207,9 @@ class TokenizeProcess:
 
     def __init__(self, spec: str, cache_tokens: int, timeout_s: float, share: bool = False,
                  on_stored: Callable[[list[tuple[int, array]]], None] | None = None,
-                 restart_after_s: float = RESTART_AFTER_S):
+                 restart_after_s: float = RESTART_AFTER_S, tiktoken: bool = True):
         self.spec = spec
+        self.tiktoken = tiktoken
         self.cache_tokens = cache_tokens
         self.timeout_s = timeout_s
         self.share = share
@@ -238,7 +242,8 @@ class TokenizeProcess:
         self.starts += 1
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "router.tokenize_proc", "--fd", str(theirs.fileno()),
-               "--tokenizer", self.spec, "--cache-tokens", str(self.cache_tokens)] + (["--share"] if self.share else [])
+               "--tokenizer", self.spec, "--cache-tokens", str(self.cache_tokens),
+               *(["--share"] if self.share else []), *([] if self.tiktoken else ["--no-tiktoken"])]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so ``router`` imports as here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         try:

@@ -424,6 +424,9 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                         history.append({"role": "assistant", "content": " ".join(corpus(2, seed=50 + turn))})
                     metrics = (await c.get("/metrics")).text
                 assert "kvroute_tokenize_cache_enabled 1.0" in metrics
+                # tokenized by tiktoken's twin of the tokenizer, here and in the tokenize process
+                assert "kvroute_tokenize_tiktoken 1.0" in metrics and services.prefix_tokens.twin
+                assert offload != 0 or services.tokenize_process.cache.tiktoken
                 rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
                 if offload == 0:  # all eight went to the tokenize process, and its cache's counts are in the gauges
                     assert services.tokenize_process.jobs["done"] == 8

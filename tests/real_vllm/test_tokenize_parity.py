@@ -100,13 +100,23 @@ def local_tokenizer(real_env) -> HFTokenizer:
     return HFTokenizer(real_env.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def twin_tokenizer(real_env) -> HFTokenizer:
+    """The router's own path: the prefix token cache (every text through it) on tiktoken's twin of the
+    model's tokenizer (indexer/fast_bpe.py)."""
+    tok = HFTokenizer(real_env.tokenizer)
+    cache = tok.cache_prefixes(min_chars=0)
+    assert cache.twin, cache.twin_reason
+    return tok
+
+
 def engine_answer(url: str, kind: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(url + PATHS[kind], json={"model": M, **body, "max_tokens": 1, "return_token_ids": True},
                       timeout=60)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_router_counts_the_engines_prompt_tokens(case, agg_engines, routers, local_tokenizer):
+def test_router_counts_the_engines_prompt_tokens(case, agg_engines, routers, local_tokenizer, twin_tokenizer):
     kind, body = CASES[case]
     r = engine_answer(agg_engines[0].url, kind, body)
     assert r.status_code == 200, r.text
@@ -114,10 +124,11 @@ def test_router_counts_the_engines_prompt_tokens(case, agg_engines, routers, loc
     engine_count = answer["usage"]["prompt_tokens"]
     engine_ids = answer["prompt_token_ids"] if kind == "chat" else answer["choices"][0]["prompt_token_ids"]
     assert len(engine_ids) == engine_count
-    if kind == "chat":
-        assert chat_request_ids({"model": M, **body}, local_tokenizer) == engine_ids
-    elif isinstance(body["prompt"], str):
-        assert local_tokenizer.encode(body["prompt"], body.get("add_special_tokens", True)) == engine_ids
+    for tok in (local_tokenizer, twin_tokenizer):
+        if kind == "chat":
+            assert chat_request_ids({"model": M, **body}, tok) == engine_ids
+        elif isinstance(body["prompt"], str):
+            assert tok.encode(body["prompt"], body.get("add_special_tokens", True)) == engine_ids
     counts = {mode: debug_route(base, {"model": M, **body})["prompt_tokens"] for mode, base in routers.items()}
     print(f"{case}: engine {engine_count} prompt tokens, router {counts}")
     assert counts == {"local": engine_count, "remote": engine_count}
