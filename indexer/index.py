@@ -37,7 +37,7 @@ from typing import Any, cast
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.keys import block_keys, key_seed
-from indexer.recency import BlockRecency
+from indexer.recency import EVICT_BATCH, BlockRecency
 
 log = logging.getLogger("kvroute.indexer")
 
@@ -127,7 +127,8 @@ class PrefixIndex:
     ``block_size=None`` learns the size from the first event (or :meth:`check_block_size`); a
     later different size from any pod is refused loudly (log + ``block_size_mismatches``).
     ``max_blocks_per_pod`` caps each source's confirmed entries and, separately, its predicted
-    ones (LRU: the oldest stored or routed go first, a sixteenth at a time).
+    ones (LRU: the oldest stored or routed go first, a sixteenth of the cap at a time but at most
+    ``EVICT_BATCH``, so one eviction is a short stall).
     """
 
     def __init__(self, block_size: int | None = 16, max_blocks_per_pod: int = 1_000_000,
@@ -504,7 +505,7 @@ class PrefixIndex:
 
     def _evict(self, src: _Source) -> None:
         blocks = src.blocks
-        target = self.max_blocks_per_pod - self.max_blocks_per_pod // 16
+        target = self.max_blocks_per_pod - min(self.max_blocks_per_pod // 16, EVICT_BATCH)
         n = len(blocks) - target
         victims = []
         it = iter(blocks.items())
@@ -582,7 +583,7 @@ class PrefixIndex:
         if expiry < self._next_expiry:
             self._next_expiry = expiry
         if len(mine) > self.max_blocks_per_pod:
-            target = self.max_blocks_per_pod - self.max_blocks_per_pod // 16
+            target = self.max_blocks_per_pod - min(self.max_blocks_per_pod // 16, EVICT_BATCH)
             for k in list(islice(mine, len(mine) - target)):
                 del mine[k]
                 self._unpredict(bit, k)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import prompt_keys
+from indexer.recency import BlockRecency
 
 BS = 4
 MODEL = "m"
@@ -569,3 +570,28 @@ def test_long_prompts_across_walk_chunk_boundaries_match_brute_force():
     assert ix.match(k[:16])["p3"].blocks == 16 and ix.match(k[:17])["p4"].blocks == 17
     ix.speculate("p0", k[:90])
     assert ix.match(k)["p0"].blocks == 90
+
+
+def test_past_the_cap_at_most_a_batch_goes_at_once(monkeypatch):
+    """One eviction is one stall of the event loop: a sixteenth of a 1M-block cap is 62,500 entries
+    (tens of ms). Past the cap, the oldest go a batch at a time (``EVICT_BATCH``), for confirmed
+    blocks, predicted ones and the recency map alike. Here a batch of 3 against a sixteenth of 10."""
+    import indexer.index as index_mod
+    import indexer.recency as recency_mod
+
+    monkeypatch.setattr(index_mod, "EVICT_BATCH", 3)
+    monkeypatch.setattr(recency_mod, "EVICT_BATCH", 3)
+    ix = new_index(max_blocks_per_pod=160)
+    ix.add_pod("n", MODEL, approximate=True)
+    k = keys_of(toks(161))
+    ix.record_route("n", k)  # one over the cap: down to 157, the four oldest gone
+    assert ix.pod_stats("n")["predicted"] == 157 and ix.counters["blocks_evicted"] == 4
+    assert ix.match(k[4:])["n"].blocks == 157
+    t = toks(161, base=5000)
+    for i in range(161):
+        ix.apply_event("a", stored([i], None if i == 0 else i - 1, t[i * BS:(i + 1) * BS]))
+    held = ix.blocks_of("a")
+    assert len(held) == 157 and keys_of(t)[3] not in held and keys_of(t)[4] in held
+    rec = BlockRecency(Clock(), max_blocks_per_pod=160)
+    rec.release("a", list(range(161)))
+    assert rec.stats("a")["blocks"] == 157
