@@ -25,9 +25,10 @@ order by all connections together, so kvroute sends none twice in a row and a fo
 the turns it follows; a faster peer may wrap around (each row's JSON has ``sent`` and
 ``distinct``). vllm-router and sglang-router (``cache_aware``) run in the same pass. A last
 measurement runs one connection of cold prompts of the largest size beside one connection of
-small requests and reports the small requests' p99 (``cold_count`` distinct prompts: none is sent
-twice, else a second send would be answered from the prefix token cache). The peers are looked for in --peers-venv
-(``python -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router==0.1.17
+small requests, in ``--mixed-windows`` windows of ``--seconds`` one after the other, and reports the
+small requests' p99 over all windows together and each window's (``cold_count`` distinct prompts:
+none is sent twice, else a second send would be answered from the prefix token cache). The peers are
+looked for in --peers-venv (``python -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router==0.1.17
 sglang-router==0.3.2``); they are never project dependencies.
 """
 
@@ -394,7 +395,8 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
     def q(p, xs=lat):
         return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000 if xs else float("nan")
 
-    return {"requests": len(lat), "errors": len(errors), "rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99),
+    return {"requests": len(lat), "latencies": lat, "errors": len(errors), "rps": len(lat) / elapsed,
+            "p50_ms": q(0.5), "p99_ms": q(0.99),
             "first_byte_p50_ms": q(0.5, firsts), "first_byte_p99_ms": q(0.99, firsts),
             "mean_ms": statistics.fmean(lat) * 1000 if lat else float("nan"),
             "cpu_us_per_request": cpu / len(lat) * 1e6 if tree and lat else None}
@@ -481,13 +483,34 @@ def distinct_count(size: int, budget_bytes: int = 600_000_000) -> int:
     return max(200, min(12000, budget_bytes // max(1, int(size * 5.5))))
 
 
-async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes]) -> dict:
-    """One connection of big cold prompts beside one of small requests: the small ones' latency."""
-    cursor = itertools.count()
+async def mixed(port: int, seconds: float, big: list[bytes], small: list[bytes], latencies: bool = False,
+                cursor: Iterator[int] | None = None) -> dict:
+    """One connection of big cold prompts beside one of small requests: the small ones' latency (with
+    ``latencies``, each small request's too, in seconds, under ``small_latencies``). Pass ``cursor``
+    to go on through ``big`` where an earlier call stopped (``big_sent`` then counts from its start)."""
+    cursor = cursor if cursor is not None else itertools.count()
     got = await asyncio.gather(load(port, 1, seconds, requests=big, cursor=cursor),
                                load(port, 1, seconds, requests=small))
     return {"small_p50_ms": got[1]["p50_ms"], "small_p99_ms": got[1]["p99_ms"], "big_p50_ms": got[0]["p50_ms"],
-            "big_sent": next(cursor), "big_distinct": len(big)}
+            "big_sent": next(cursor), "big_distinct": len(big),
+            **({"small_latencies": got[1]["latencies"]} if latencies else {})}
+
+
+def mixed_windows(port: int, seconds: float, windows: int, big: list[bytes], small: list[bytes]) -> dict:
+    """``mixed`` ``windows`` times on one router, going on through ``big``: the small requests' p50
+    and p99 over all windows together (a 3-second window's p99 is its ~35th slowest small request,
+    and moved by 2-4 ms from one run to the next), and each window's p99."""
+    cursor = itertools.count()
+    runs = [asyncio.run(mixed(port, seconds, big, small, latencies=True, cursor=cursor)) for _ in range(windows)]
+    lat = sorted(x for r in runs for x in r.pop("small_latencies"))
+
+    def q(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
+
+    return {"small_p50_ms": q(0.5), "small_p99_ms": q(0.99), "small_requests": len(lat),
+            "window_p99_ms": [r["small_p99_ms"] for r in runs],
+            "big_p50_ms": statistics.median(r["big_p50_ms"] for r in runs),
+            "big_sent": runs[-1]["big_sent"] - (windows - 1), "big_distinct": len(big), "windows": windows}
 
 
 def cold_count(size: int, seconds: float) -> int:
@@ -619,14 +642,16 @@ def sized(args) -> int:
                     out["rows"].append({**row, "target": name, "kind": kind, "size": size,
                                         "mean_prompt_tokens": mean})
             if size_big := max(sizes):
-                n_big = cold_count(size_big, args.seconds)
+                n_big = cold_count(size_big, args.seconds * args.mixed_windows)
                 big, _ = chat_requests(tok, size_big, count=n_big, follow_up=0.0, conversations=n_big, seed=7,
                                        sample=10)
                 small, _ = chat_requests(tok, 20, count=50, seed=8)
-                m = asyncio.run(mixed(port, args.seconds, big, small))
+                m = mixed_windows(port, args.seconds, args.mixed_windows, big, small)
                 out["mixed"][name] = m
+                windows = ", ".join(f"{x:.2f}" for x in m["window_p99_ms"])
                 print(f"  {name:<28} small requests beside cold {size_big}-token ones: p50 {m['small_p50_ms']:.2f} ms "
-                      f"p99 {m['small_p99_ms']:.2f} ms ({m['big_sent']} of {n_big} cold prompts sent)", flush=True)
+                      f"p99 {m['small_p99_ms']:.2f} ms over {m['small_requests']} (windows {windows} ms; "
+                      f"{m['big_sent']} of {n_big} cold prompts sent)", flush=True)
                 if name.startswith("kvroute") and m["big_sent"] > n_big:
                     print(f"  WARNING: {name} was sent some cold prompts twice (cached the second time)", flush=True)
             if proc is not None:
@@ -684,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="", help="comma-separated prompt sizes in tokens: chat requests at real sizes")
     ap.add_argument("--tokenizer", default="", help="model folder with tokenizer.json for --sizes")
     ap.add_argument("--kinds", default="chat,completion", help="with --sizes: chat, completion or both")
+    ap.add_argument("--mixed-windows", type=int, default=3, help="with --sizes: windows of --seconds of the last "
+                    "measurement (small requests beside cold prompts), pooled")
     ap.add_argument("--stream", type=int, default=0,
                     help="small completions streamed, this many events per answer (0: whole answers)")
     ap.add_argument("--stream-gap-ms", type=float, default=1.0, help="with --stream: the backend's gap between events")
