@@ -11,18 +11,23 @@ condition's rounds together.
     python bench/cold_beside_small.py --condition off:KVROUTE_TOKENIZE_PROCESS_BATCH=false \\
         --condition on: --rounds 8 --json bench/results/cold_beside_small_batch.json
 
-A condition is ``NAME:ENV=VALUE,ENV=VALUE`` (the router's settings are environment variables);
-``--cap N`` sets ``KVROUTE_INDEX_MAX_BLOCKS_PER_POD`` for all, so the index evicts throughout, as
-a router that has run for a while does. The last line is the headline.
+A condition is ``NAME[@TREE]:ENV=VALUE,ENV=VALUE``: the router's settings are environment variables,
+and ``@TREE`` runs the router from another checkout of the project (``git worktree add``) for a
+change that is not a setting. ``--prefill N`` first sends N other cold prompts (four connections),
+so the index is as full as a router's that has run for a while (at its default cap of a million
+blocks per pod from about 500 of 32k tokens) and evicts throughout; ``--cap N`` sets
+``KVROUTE_INDEX_MAX_BLOCKS_PER_POD`` for all. The last line is the headline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,18 +37,22 @@ sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
 from indexer.tokens import HFTokenizer  # noqa: E402
-from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
+from simulator.testing import free_port, stop_process, wait_ready  # noqa: E402
 
 
-def parse_condition(text: str) -> tuple[str, dict[str, str]]:
-    name, _, settings = text.partition(":")
+def parse_condition(text: str) -> tuple[str, str, dict[str, str]]:
+    """``NAME[@TREE]:ENV=VALUE,...`` -> (name, tree, env)."""
+    head, _, settings = text.partition(":")
+    name, _, tree = head.partition("@")
     env = {}
     for item in filter(None, settings.split(",")):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--condition {text!r}: want NAME:ENV=VALUE[,ENV=VALUE]")
+            raise SystemExit(f"--condition {text!r}: want NAME[@TREE]:ENV=VALUE[,ENV=VALUE]")
         env[key] = value
-    return name, env
+    if tree and not (Path(tree) / "router" / "cli.py").exists():
+        raise SystemExit(f"--condition {text!r}: {tree} is not a checkout of this project")
+    return name, tree or str(ROOT), env
 
 
 def main() -> int:
@@ -53,6 +62,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--size", type=int, default=32000, help="tokens of each cold prompt")
     ap.add_argument("--cap", type=int, default=None, help="KVROUTE_INDEX_MAX_BLOCKS_PER_POD for every condition")
+    ap.add_argument("--prefill", type=int, default=0, help="other cold prompts sent first, to fill the index")
     ap.add_argument("--tokenizer", default=None, help="default: the real-vLLM tier's model")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -64,22 +74,33 @@ def main() -> int:
     n_big = ov.cold_count(args.size, args.seconds)
     big, _ = ov.chat_requests(tok, args.size, count=n_big, follow_up=0.0, conversations=n_big, seed=7, sample=10)
     small, _ = ov.chat_requests(tok, 20, count=50, seed=8)
+    fill: list[bytes] = []
+    if args.prefill:
+        fill, _ = ov.chat_requests(tok, args.size, count=args.prefill, follow_up=0.0, conversations=args.prefill,
+                                   seed=99, sample=10)
     procs: list = []
-    results: dict[str, dict] = {name: {"env": env, "rounds": [], "latencies": []} for name, env in conditions}
+    results: dict[str, dict] = {name: {"tree": tree, "env": env, "rounds": [], "latencies": []}
+                                for name, tree, env in conditions}
     try:
         _, upstream = ov.start_backend(procs)
         pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
         for r in range(args.rounds):
-            for name, env in conditions:
-                full = {**os.environ, **env}
+            for name, tree, env in conditions:
+                full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
                 if args.cap is not None:
                     full["KVROUTE_INDEX_MAX_BLOCKS_PER_POD"] = str(args.cap)
                 port = free_port()
-                proc = spawn([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level", "error",
-                              "--workers", "1", "--tokenizer", str(folder), "--port", str(port)], env=full)
+                proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level",
+                                         "error", "--workers", "1", "--tokenizer", str(folder), "--port", str(port)],
+                                        cwd=tree, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
                 try:
                     wait_ready(f"http://127.0.0.1:{port}/ready", proc, 60.0)
                     time.sleep(2.0)
+                    if fill:
+                        filled = itertools.count()
+                        asyncio.run(ov.load(port, 4, 0.012 * len(fill), requests=fill, cursor=filled))
+                        time.sleep(0.5)
                     m = asyncio.run(ov.mixed(port, args.seconds, big, small, latencies=True))
                 finally:
                     stop_process(proc)
@@ -106,7 +127,7 @@ def main() -> int:
               f"cold prompts sent {got['big_sent_mean']:.0f} a round")
     if args.json:
         out = {"command": " ".join(sys.argv), "size": args.size, "seconds": args.seconds, "rounds": args.rounds,
-               "cap": args.cap, "cold_distinct": n_big, "conditions": summary}
+               "cap": args.cap, "prefill": args.prefill, "cold_distinct": n_big, "conditions": summary}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
     print("small-request p99 beside cold prompts, all rounds pooled: " +
