@@ -108,12 +108,14 @@ class _Source:
 
 
 class _Pod:
-    __slots__ = ("pod_id", "model", "approximate", "sources", "primary", "block_size_mismatch", "refused", "seeds")
+    __slots__ = ("pod_id", "model", "approximate", "capacity", "sources", "primary", "block_size_mismatch",
+                 "refused", "seeds")
 
     def __init__(self, pod_id: str, model: str, approximate: bool):
         self.pod_id = pod_id
         self.model = model
         self.approximate = approximate
+        self.capacity = 0  # the engine's KV blocks (vLLM's num_gpu_blocks) once known; 0: not known
         self.sources: dict[int, _Source] = {}
         self.primary: _Source | None = None
         self.block_size_mismatch: int | None = None
@@ -553,13 +555,17 @@ class PrefixIndex:
         if held < len(keys):
             self._add_predicted(pod.primary, keys[held:], self.speculative_ttl_s if ttl_s is None else ttl_s)
 
-    def record_route(self, pod_id: str, keys: Sequence[int]) -> None:
+    def record_route(self, pod_id: str, keys: Sequence[int], capacity: int | None = None) -> None:
         """Learn from a routing decision: for a pod added with ``approximate=True`` (no KV events)
-        its blocks are assumed cached for ``approximate_ttl_s``; for other pods this is
-        :meth:`speculate` with the short TTL."""
+        its blocks are assumed cached for ``approximate_ttl_s``, at most ``capacity`` of them (the
+        pod's KV blocks, vLLM's ``num_gpu_blocks``, when the router knows it; the oldest credited go
+        first, as vLLM evicts the least recently used); for other pods this is :meth:`speculate`
+        with the short TTL."""
         pod = self._pods.get(pod_id)
         if pod is None or pod.primary is None or not keys:
             return
+        if capacity is not None and capacity > 0:
+            pod.capacity = capacity
         self._add_predicted(pod.primary, keys, self.approximate_ttl_s if pod.approximate else self.speculative_ttl_s)
 
     def _add_predicted(self, src: _Source, keys: Sequence[int], ttl: float) -> None:
@@ -582,8 +588,11 @@ class PrefixIndex:
         self._pred_sources.add(src)
         if expiry < self._next_expiry:
             self._next_expiry = expiry
-        if len(mine) > self.max_blocks_per_pod:
-            target = self.max_blocks_per_pod - min(self.max_blocks_per_pod // 16, EVICT_BATCH)
+        cap = self.max_blocks_per_pod
+        if src.pod.approximate and 0 < src.pod.capacity < cap:
+            cap = src.pod.capacity  # an engine holds at most its KV blocks: older credits are gone from it
+        if len(mine) > cap:
+            target = cap - min(cap // 16, EVICT_BATCH)
             for k in list(islice(mine, len(mine) - target)):
                 del mine[k]
                 self._unpredict(bit, k)

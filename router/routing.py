@@ -353,8 +353,9 @@ class Router:
             try:
                 if pod_id in self._with_events:
                     self.index.speculate(pod_id, keys)
-                else:
-                    self.index.record_route(pod_id, keys)
+                else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
+                    state = self.registry.pods.get(pod_id)
+                    self.index.record_route(pod_id, keys, state.num_gpu_blocks if state is not None else None)
             except Exception:  # the index is advisory; never fail a request over it
                 pass
 

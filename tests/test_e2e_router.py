@@ -113,6 +113,29 @@ async def test_calibration_converges_on_a_pod_of_known_speed():
         assert abs(cal.rate - rate) / rate < 0.25, cal.rate
 
 
+async def test_a_pod_without_events_is_credited_at_most_the_kv_blocks_it_reports():
+    """A pod without KV events is indexed from the router's own routes; once a scrape gives its
+    ``num_gpu_blocks`` (vllm:cache_config_info), the index keeps at most that many of its blocks, the
+    first-routed prompt going first, as the engine's LRU would evict it."""
+    with running_sims(1, ["--timing", "seed", "--block-size", "16", "--num-gpu-blocks", "32"]) as urls:
+        settings = build_settings(RouterSettings, {"pods": fleet(urls, None), "port": free_port(),
+                                                   "scrape_interval_s": 0.1, "block_size": 16})
+        async with running_router(settings) as (base, services):
+            pod = services.registry.pods["sim-0"]
+            await until(lambda: pod.num_gpu_blocks == 32, 10, "the pod's num_gpu_blocks scraped")
+            prompts = [f"{i:03d}" + "abcdefgh" * 16 for i in range(6)]  # 131 tokens: 8 full blocks each
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                for prompt in prompts:
+                    r = await c.post("/v1/completions", json={"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+                    assert r.status_code == 200
+                explain = [(await c.post("/debug/route", json={"model": "sim-model", "prompt": p})).json()
+                           for p in (prompts[0], prompts[-1])]
+            held = services.index.pod_stats("sim-0")["predicted"]
+            assert 30 <= held <= 32  # 48 credited; a sixteenth of the 32 under it after an eviction
+            cached = [next(row for row in e["pods"] if row["pod"] == "sim-0")["cached_tokens"] for e in explain]
+            assert cached[0] == 0 and cached[1] == 128
+
+
 async def test_unhealthy_pod_leaves_the_candidate_set_and_its_entries_age_out():
     with running_sims(1, ["--enable-prompt-tokens-details",
                           "--timing", "seed"]) as alive, contextlib.ExitStack() as stack:

@@ -414,6 +414,31 @@ def test_approximate_mode_learns_from_routes_with_ttl_and_cap():
     assert ix.match(k)["n"].blocks == 0 and ix.stats()["predicted_keys"] == 0
 
 
+def test_an_approximate_pod_is_credited_at_most_its_kv_blocks():
+    """vLLM holds at most ``num_gpu_blocks`` blocks and evicts the least recently used: once the router
+    knows a pod's capacity, an approximate pod keeps only that many credits, the oldest going first;
+    a pod with events is not capped by it (its credits are speculative, its events say what it holds)."""
+    clock = Clock()
+    ix = PrefixIndex(block_size=BS, approximate_ttl_s=100.0, speculative_ttl_s=100.0, max_blocks_per_pod=1000,
+                     clock=clock)
+    ix.add_pod("n", MODEL, approximate=True)
+    ix.add_pod("e", MODEL)
+    prompts = [keys_of(toks(8, base=1000 * (i + 1))) for i in range(4)]  # 32 blocks in all
+    for k in prompts[:2]:
+        ix.record_route("n", k, capacity=20)
+        ix.record_route("e", k, capacity=20)
+    assert ix.pod_stats("n")["predicted"] == 16 and ix.pod_stats("e")["predicted"] == 16
+    for k in prompts[2:]:
+        clock.t += 1.0
+        ix.record_route("n", k)  # the capacity is remembered
+        ix.record_route("e", k, capacity=20)
+    held = ix.pod_stats("n")["predicted"]
+    assert 20 - 20 // 16 <= held <= 20 and ix.pod_stats("e")["predicted"] == 32
+    assert ix.match(prompts[0])["n"].blocks == 0  # routed first: gone, as the pod evicted it
+    assert ix.match(prompts[3])["n"].blocks == 8 and ix.match(prompts[0])["e"].blocks == 8
+    assert ix.counters["blocks_evicted"] == 32 - held
+
+
 def test_a_credit_repeated_within_a_sixteenth_of_the_ttl_keeps_the_first_expiry():
     """A follow-up credits its whole prefix again: keys credited less than TTL/16 ago stay where they
     are (expiring with the first credit), older ones move to the back with a new expiry, and new
