@@ -354,10 +354,16 @@ class Router:
                 if pod_id in self._with_events:
                     self.index.speculate(pod_id, keys)
                 else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
-                    state = self.registry.pods.get(pod_id)
-                    self.index.record_route(pod_id, keys, state.num_gpu_blocks if state is not None else None)
+                    self.index.record_route(pod_id, keys, self._kv_blocks(pod_id))
             except Exception:  # the index is advisory; never fail a request over it
                 pass
+
+    def _kv_blocks(self, pod_id: str) -> int | None:
+        """The pod's KV cache in the index's blocks (its ``num_gpu_blocks`` are of its own block size)."""
+        state = self.registry.pods.get(pod_id)
+        if state is None or not state.num_gpu_blocks:
+            return None
+        return state.num_gpu_blocks * (state.block_size or self.block_size) // self.block_size
 
     def book(self, plan: Plan, cand: Candidate) -> Booking:
         """Hold the route through ``cand`` in the ledger (prefill work where the prompt is computed,

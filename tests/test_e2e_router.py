@@ -9,6 +9,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 import yaml
 
 from kvcommon.settings import build_settings
@@ -113,16 +114,20 @@ async def test_calibration_converges_on_a_pod_of_known_speed():
         assert abs(cal.rate - rate) / rate < 0.25, cal.rate
 
 
-async def test_a_pod_without_events_is_credited_at_most_the_kv_blocks_it_reports():
+@pytest.mark.parametrize("pod_block_size", [16, 32])
+async def test_a_pod_without_events_is_credited_at_most_the_kv_blocks_it_reports(pod_block_size):
     """A pod without KV events is indexed from the router's own routes; once a scrape gives its
     ``num_gpu_blocks`` (vllm:cache_config_info), the index keeps at most that many of its blocks, the
-    first-routed prompt going first, as the engine's LRU would evict it."""
-    with running_sims(1, ["--timing", "seed", "--block-size", "16", "--num-gpu-blocks", "32"]) as urls:
+    first-routed prompt going first, as the engine's LRU would evict it. The pod's blocks may be
+    larger than the router's: 16 of 32 tokens hold what 32 of 16 do."""
+    blocks = 512 // pod_block_size
+    with running_sims(1, ["--timing", "seed", "--block-size", str(pod_block_size),
+                          "--num-gpu-blocks", str(blocks)]) as urls:
         settings = build_settings(RouterSettings, {"pods": fleet(urls, None), "port": free_port(),
                                                    "scrape_interval_s": 0.1, "block_size": 16})
         async with running_router(settings) as (base, services):
             pod = services.registry.pods["sim-0"]
-            await until(lambda: pod.num_gpu_blocks == 32, 10, "the pod's num_gpu_blocks scraped")
+            await until(lambda: pod.num_gpu_blocks == blocks, 10, "the pod's num_gpu_blocks scraped")
             prompts = [f"{i:03d}" + "abcdefgh" * 16 for i in range(6)]  # 131 tokens: 8 full blocks each
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 for prompt in prompts:
