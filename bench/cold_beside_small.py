@@ -119,11 +119,14 @@ def main() -> int:
         got.update(pooled_small_requests=len(lat),
                    pooled_p50_ms=lat[len(lat) // 2] * 1000 if lat else None,
                    pooled_p99_ms=lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000 if lat else None,
+                   pooled_p999_ms=lat[min(len(lat) - 1, int(0.999 * len(lat)))] * 1000 if lat else None,
+                   pooled_max_ms=lat[-1] * 1000 if lat else None,
                    median_round_p99_ms=statistics.median(p99s) if p99s else None,
                    big_sent_mean=statistics.fmean(x["big_sent"] for x in got["rounds"]) if p99s else None)
         summary[name] = got
         print(f"{name:<12} p99 by round {', '.join(f'{x:.2f}' for x in sorted(p99s))} ms; over all "
-              f"{len(lat)} small requests p50 {got['pooled_p50_ms']:.2f} p99 {got['pooled_p99_ms']:.2f} ms; "
+              f"{len(lat)} small requests p50 {got['pooled_p50_ms']:.2f} p99 {got['pooled_p99_ms']:.2f} "
+              f"p99.9 {got['pooled_p999_ms']:.2f} max {got['pooled_max_ms']:.1f} ms; "
               f"cold prompts sent {got['big_sent_mean']:.0f} a round")
     if args.json:
         out = {"command": " ".join(sys.argv), "size": args.size, "seconds": args.seconds, "rounds": args.rounds,

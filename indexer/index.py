@@ -31,10 +31,11 @@ import time
 import types
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import and_, lt, neg, or_
+from itertools import accumulate, takewhile
+from operator import and_, neg, or_
 from typing import Any, cast
 
+from indexer.bigmap import ROUTE, SHARDS, SLOT, ChunkedOrder, ShardedMap
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.keys import block_keys, key_seed
 from indexer.recency import EVICT_BATCH, BlockRecency
@@ -86,14 +87,16 @@ NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
 class _Source:
     """One event publisher: a pod, or one data-parallel rank of a pod."""
 
-    __slots__ = ("pod", "rank", "bit", "blocks", "copies", "group", "pred", "stored", "removed", "evicted",
-                 "orphans", "dead")
+    __slots__ = ("pod", "rank", "bit", "blocks", "held", "copies", "group", "pred", "stored", "removed",
+                 "evicted", "orphans", "dead")
 
-    def __init__(self, pod: _Pod, rank: int, bit: int):
+    def __init__(self, pod: _Pod, rank: int, bit: int, shards: int):
         self.pod = pod
         self.rank = rank
         self.bit = bit
-        self.blocks: dict[int, int] = {}   # engine hash -> key, oldest first
+        # engine hash -> key, each shard oldest first (the cap's order: see ShardedMap.oldest)
+        self.blocks: ShardedMap[int] = ShardedMap(shards=shards)
+        self.held = 0   # len(blocks), kept as it changes: a sum over the shards on every event costs
         # (tier, engine hash) -> physical copies, only while there are two or more: vLLM announces a
         # BlockStored for every block that computed the hash (two requests with one prompt in flight)
         # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes
@@ -102,7 +105,7 @@ class _Source:
         # model stores and removes the same hashes in its sliding-window (or mamba) groups too, on
         # their own schedule; only the full-attention group decides a prefix hit
         self.group: int | None = None
-        self.pred: dict[int, float] = {}   # predicted key -> expiry (only on the pod's first source)
+        self.pred = ChunkedOrder()   # predicted key -> expiry, refresh order (primary only)
         self.stored = self.removed = self.evicted = self.orphans = 0
         self.dead = False
 
@@ -149,9 +152,9 @@ class PrefixIndex:
         self.approximate_ttl_s = approximate_ttl_s
         self.clock = clock
         self._pods: dict[str, _Pod] = {}
-        self._tiers: dict[str, dict[int, int]] = {}
-        self._any: dict[int, int] = {}          # is the only tier's dict while there is one tier
-        self._pred: dict[int, int] = {}
+        self._tiers: dict[str, ShardedMap[int]] = {}
+        self._any: ShardedMap[int] = ShardedMap()   # is the only tier's map while there is one tier
+        self._pred: ShardedMap[int] = ShardedMap()
         self._pred_sources: set[_Source] = set()   # sources holding predicted entries
         self._next_expiry = float("inf")           # no predicted entry expires before this
         self._bits: dict[int, _Source] = {}
@@ -165,6 +168,8 @@ class PrefixIndex:
             "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
             "copies_removed", "skipped_group")}
         self.recency = BlockRecency(clock, max_blocks_per_pod, counters=self.counters)
+        # a source's blocks in shards of 16k-32k at the cap (one below 32k blocks: the cap's order is exact)
+        self._block_shards = min(SHARDS, 1 << max(0, (max_blocks_per_pod // 16384).bit_length() - 1))
 
     # --- fleet ------------------------------------------------------------------------------------
     def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:
@@ -220,7 +225,7 @@ class PrefixIndex:
             else:
                 bit = 1 << self._next_bit
                 self._next_bit += 1
-            src = _Source(pod, rank, bit)
+            src = _Source(pod, rank, bit, self._block_shards)
             pod.sources[rank] = src
             self._bits[bit] = src
             self._alive |= bit
@@ -351,14 +356,14 @@ class PrefixIndex:
                 return k
         return None
 
-    def _tier_dict(self, tier: str) -> dict[int, int]:
+    def _tier_dict(self, tier: str) -> ShardedMap[int]:
         d = self._tiers.get(tier)
         if d is None:
-            d = {}
+            d = ShardedMap()
             if not self._tiers:
                 self._any = d
             elif len(self._tiers) == 1:
-                self._any = dict(self._any)   # a second tier: "any" becomes a dict of its own
+                self._any = self._any.copy()   # a second tier: "any" becomes a map of its own
             self._tiers[tier] = d
         return d
 
@@ -370,38 +375,45 @@ class PrefixIndex:
         bit = src.bit
         blocks = src.blocks
         n = len(keys)
+        bparts, broute = blocks.parts, blocks.route
         if n == 1:  # blocks filled while decoding come one per event: skip the iterator set-up
             h, k = hashes[0], keys[0]
-            old = blocks.pop(h, None)
-            if old is not None:
+            bp = bparts[broute[h & SLOT]]
+            old = bp.pop(h, None)   # a hash stored again goes to the back
+            if old is None:
+                src.held += 1
+            else:
                 self._again(src, tier, d, h, k, old)
-            blocks[h] = k
-            d[k] = d.get(k, 0) | bit
+            bp[h] = k
+            p = d.parts[ROUTE[k & SLOT]]
+            p[k] = p.get(k, 0) | bit
             if anyd is not d:
-                anyd[k] = anyd.get(k, 0) | bit
-        elif blocks.keys().isdisjoint(hashes):
-            blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
+                p = anyd.parts[ROUTE[k & SLOT]]
+                p[k] = p.get(k, 0) | bit
         else:
-            pop = blocks.pop
-            for h, k in zip(hashes, keys):     # re-announced (another copy): refresh the LRU position
-                old = pop(h, None)
+            again = []
+            for h, k in zip(hashes, keys):
+                bp = bparts[broute[h & 4095]]   # & SLOT, a literal: a global is looked up per key
+                old = bp.pop(h, None)
                 if old is not None:
-                    self._again(src, tier, d, h, k, old)
-                blocks[h] = k
+                    again.append((h, k, old))   # re-announced (another copy): to the back
+                bp[h] = k
+            src.held += n - len(again)
+            for h, k, old in again:
+                self._again(src, tier, d, h, k, old)
         if n > 1:
-            # d[k] |= bit for every key, without a Python-level loop (reads see earlier writes)
-            d.update(zip(keys, map(or_, map(d.get, keys, repeat(0)), repeat(bit))))
+            d.or_bits(keys, bit)
             if anyd is not d:
-                anyd.update(zip(keys, map(or_, map(anyd.get, keys, repeat(0)), repeat(bit))))
+                anyd.or_bits(keys, bit)
         src.stored += n
         self.counters["blocks_stored"] += n
         primary = src.pod.primary
         if primary is not None and primary.pred:
             self._confirm_predicted(primary, keys)
-        if len(blocks) > self.max_blocks_per_pod:
+        if src.held > self.max_blocks_per_pod:
             self._evict(src)
 
-    def _again(self, src: _Source, tier: str, d: dict[int, int], h: int, k: int, old: int) -> None:
+    def _again(self, src: _Source, tier: str, d: ShardedMap[int], h: int, k: int, old: int) -> None:
         """Hash ``h`` stored again by ``src``: under another key (the old one goes), or in a tier that
         holds it already (one more physical copy, see ``_Source.copies``)."""
         if old != k:
@@ -442,15 +454,20 @@ class PrefixIndex:
         tier = tier_name(ev.medium, ev.locality, ev.ownership)
         d = self._tiers.get(tier)
         bit = src.bit
-        blocks = src.blocks
+        bparts, broute = src.blocks.parts, src.blocks.route   # inlined: thousands per event
+        dparts = d.parts if d is not None else None
         multi = len(self._tiers) > 1
         gone: list[int] | None = [] if tier == DEFAULT_TIER else None
+        removed = 0
+        route = ROUTE
         for h in cast(list[int], ev.block_hashes):  # uint64 ints once decoded, as in _store
-            k = blocks.get(h)
-            if k is None or d is None:
+            bp = bparts[broute[h & 4095]]   # & SLOT, a literal: a global is looked up per key
+            k = bp.get(h)
+            if k is None or dparts is None:
                 self.counters["unknown_removals"] += 1
                 continue
-            m = d.get(k, 0)
+            dp = dparts[route[k & 4095]]
+            m = dp.get(k, 0)
             if not m & bit:
                 self.counters["unknown_removals"] += 1
                 continue
@@ -465,9 +482,9 @@ class PrefixIndex:
                     continue
             m &= ~bit
             if m:
-                d[k] = m
+                dp[k] = m
             else:
-                del d[k]
+                del dp[k]
             src.removed += 1
             self.counters["blocks_removed"] += 1
             if gone is not None:
@@ -480,7 +497,9 @@ class PrefixIndex:
                     self._any[k] = m
                 else:
                     self._any.pop(k, None)
-            del blocks[h]
+            del bp[h]
+            removed += 1
+        src.held -= removed
         if gone:
             self.recency.removed(src.pod.pod_id, gone)
         return True
@@ -488,14 +507,16 @@ class PrefixIndex:
     def _drop_key(self, src: _Source, k: int) -> None:
         """Clear ``src``'s bit for key ``k`` on every tier (and the any-tier dict)."""
         bit = src.bit
+        i = ROUTE[k & SLOT]
         for d in self._tiers.values():
-            m = d.get(k, 0)
+            p = d.parts[i]
+            m = p.get(k, 0)
             if m & bit:
                 m &= ~bit
                 if m:
-                    d[k] = m
+                    p[k] = m
                 else:
-                    del d[k]
+                    del p[k]
         if len(self._tiers) > 1:
             m = self._any.get(k, 0)
             if m & bit:
@@ -508,35 +529,26 @@ class PrefixIndex:
     def _evict(self, src: _Source) -> None:
         blocks = src.blocks
         target = self.max_blocks_per_pod - min(self.max_blocks_per_pod // 16, EVICT_BATCH)
-        n = len(blocks) - target
-        victims = []
-        it = iter(blocks.items())
-        for _ in range(n):
-            victims.append(next(it))
         copies = src.copies
-        for h, k in victims:
-            del blocks[h]
-            self._drop_key(src, k)
+        victims = blocks.oldest(src.held - target)
+        for h in victims:
+            self._drop_key(src, blocks.pop(h))
             if copies:
                 self._forget_copies(src, h)
+        n = len(victims)
+        src.held -= n
         src.evicted += n
         self.counters["blocks_evicted"] += n
 
     def _clear_source(self, src: _Source, predicted: bool) -> None:
         for k in src.blocks.values():
             self._drop_key(src, k)
-        src.blocks = {}
+        src.blocks = ShardedMap(shards=len(src.blocks.parts))
+        src.held = 0
         src.copies = {}
         if predicted and src.pred:
-            bit = src.bit
-            pred = self._pred
-            for k in src.pred:
-                m = pred.get(k, 0) & ~bit
-                if m:
-                    pred[k] = m
-                else:
-                    pred.pop(k, None)
-            src.pred = {}
+            self._pred.clear_bits(src.pred, src.bit)
+            src.pred = ChunkedOrder()
 
     # --- predicted entries ------------------------------------------------------------------------
     def speculate(self, pod_id: str, keys: Sequence[int], ttl_s: float | None = None) -> None:
@@ -551,7 +563,7 @@ class PrefixIndex:
         bit = pod.primary.bit
         held = 0
         if len(self._tiers) <= 1:  # with offload tiers a credit also says "on the GPU" (see match)
-            held = _depths_by_bisection(keys, self._any.get, None, bit).get(bit, 0)
+            held = _depths_by_bisection(keys, self._any, None, bit).get(bit, 0)
         if held < len(keys):
             self._add_predicted(pod.primary, keys[held:], self.speculative_ttl_s if ttl_s is None else ttl_s)
 
@@ -576,15 +588,9 @@ class PrefixIndex:
         bit = src.bit
         pred = self._pred
         mine = src.pred
-        if mine:
-            # keys credited in the last ttl/16 keep their place and expiry: a follow-up credits its
-            # whole prefix again every turn; moving its ~500 keys to the back took 0.15 ms at 8k tokens (0.05 now)
-            keys = list(compress(keys, map(lt, map(mine.get, keys, repeat(0.0)), repeat(expiry - ttl / 16))))
-        for k in keys:
-            if mine.pop(k, None) is None:   # new: set the bit; known: just move it to the back
-                pred[k] = pred.get(k, 0) | bit
-                self.counters["predicted_added"] += 1
-            mine[k] = expiry
+        # keys credited in the last ttl/16 keep their place and expiry: a follow-up credits its whole
+        # prefix again every turn; moving its ~500 keys to the back took 0.15 ms at 8k tokens (0.05 now)
+        self.counters["predicted_added"] += mine.refresh(keys, expiry, expiry - ttl / 16, pred, bit)
         self._pred_sources.add(src)
         if expiry < self._next_expiry:
             self._next_expiry = expiry
@@ -593,24 +599,14 @@ class PrefixIndex:
             cap = src.pod.capacity  # an engine holds at most its KV blocks: older credits are gone from it
         if len(mine) > cap:
             target = cap - min(cap // 16, EVICT_BATCH)
-            for k in list(islice(mine, len(mine) - target)):
-                del mine[k]
-                self._unpredict(bit, k)
-                self.counters["blocks_evicted"] += 1
-
-    def _unpredict(self, bit: int, k: int) -> None:
-        m = self._pred.get(k, 0) & ~bit
-        if m:
-            self._pred[k] = m
-        else:
-            self._pred.pop(k, None)
+            self.counters["blocks_evicted"] += mine.pop_oldest(len(mine) - target, pred, bit)
 
     def _confirm_predicted(self, primary: _Source, keys: Sequence[int]) -> None:
         mine = primary.pred
-        for k in keys:
-            if mine.pop(k, None) is not None:
-                self._unpredict(primary.bit, k)
-                self.counters["predicted_confirmed"] += 1
+        confirmed = mine.present(keys)
+        mine.remove_many(confirmed)
+        self._pred.clear_bits(confirmed, primary.bit)
+        self.counters["predicted_confirmed"] += len(confirmed)
 
     def _expire(self, now: float) -> None:
         """Drop predicted entries whose time is up. Each source's entries are in refresh order,
@@ -627,9 +623,7 @@ class PrefixIndex:
                     nxt = min(nxt, e)
                     break
                 expired.append(k)
-            for k in expired:
-                del mine[k]
-                self._unpredict(src.bit, k)
+            mine.pop_oldest(len(expired), self._pred, src.bit)   # they are its oldest
             self.counters["predicted_expired"] += len(expired)
             if not mine:
                 self._pred_sources.discard(src)
@@ -666,7 +660,7 @@ class PrefixIndex:
         if len(tiers) <= 1 and (not pred or not tiers or DEFAULT_TIER in tiers):
             # one tier (the common case): one bisection
             tier = next(iter(tiers)) if tiers else DEFAULT_TIER
-            depth = _depths_by_bisection(keys, self._any.get, pred.get if pred else None, alive)
+            depth = _depths_by_bisection(keys, self._any, pred if pred else None, alive)
             weight = self.tier_weights.get(tier, self.default_tier_weight)
             result.update(dict.fromkeys(chosen, NO_MATCH))
             bits = self._bits
@@ -686,9 +680,9 @@ class PrefixIndex:
         lists = []
         for t in order:
             masks = tiers.get(t)
-            lst = list(map(masks.get, keys, repeat(0))) if masks is not None else [0] * len(keys)
+            lst = _masks_of(masks, keys) if masks is not None else [0] * len(keys)
             if t == DEFAULT_TIER and pred:
-                lst = list(map(or_, lst, map(pred.get, keys, repeat(0))))
+                lst = list(map(or_, lst, _masks_of(pred, keys)))
             lists.append(lst)
         tier_depths = [_depths(lst, alive) for lst in lists]
         union_depths = [tier_depths[0]]
@@ -727,7 +721,7 @@ class PrefixIndex:
             "block_size": self.block_size,
             "keys": len(self._any),
             "keys_by_tier": {t: len(d) for t, d in self._tiers.items()},
-            "entries": sum(len(s.blocks) for s in self._bits.values()),
+            "entries": sum(s.held for s in self._bits.values()),
             "predicted_keys": len(self._pred),
             **self.counters,
         }
@@ -742,7 +736,7 @@ class PrefixIndex:
             "model": pod.model,
             "approximate": pod.approximate,
             "dp_ranks": sorted(pod.sources),
-            "blocks": sum(len(s.blocks) for s in srcs),
+            "blocks": sum(s.held for s in srcs),
             "copies": sum(n - 1 for s in srcs for n in s.copies.values()),
             "predicted": sum(len(s.pred) for s in srcs),
             "stored": sum(s.stored for s in srcs),
@@ -761,12 +755,16 @@ class PrefixIndex:
         return {k for r, s in pod.sources.items() if dp_rank is None or r == dp_rank for k in s.blocks.values()}
 
 
-_MaskGet = Callable[[int, int], int]  # a mask dict's ``get``: key, default -> mask
+def _masks_of(masks: ShardedMap[int], keys: Sequence[int]) -> list[int]:
+    """Each key's mask (0: none), the map's lookup inlined (a method call per key costs more)."""
+    parts = masks.parts
+    return [parts[ROUTE[k & SLOT]].get(k, 0) for k in keys]
 
 
-def _depths_by_bisection(keys: Sequence[int], get: _MaskGet, pred_get: _MaskGet | None, alive: int) -> dict[int, int]:
+def _depths_by_bisection(keys: Sequence[int], masks: ShardedMap[int], pred: ShardedMap[int] | None,
+                         alive: int) -> dict[int, int]:
     """``bit -> leading depth`` along ``keys`` for every source bit in ``alive`` that holds the first
-    key, from one mask dict and the predicted entries over it, by bisection: about (sources with
+    key, from one mask map and the predicted entries over it, by bisection: about (sources with
     distinct depths) x log2(blocks) lookups where a walk took one per block. A 2,000-block prompt at
     one pod took 177 µs to walk and 3 µs to bisect, a 5-block one 4.2 and 2.4 µs (throwaway
     microbenchmark, 600k keys indexed).
@@ -782,9 +780,10 @@ def _depths_by_bisection(keys: Sequence[int], get: _MaskGet, pred_get: _MaskGet 
     n = len(keys)
     if not n:
         return {}
-    first = get(keys[0], 0) & alive
-    held = _runs_by_bisection(keys, get, [(1, first)]) if first else {}
-    if pred_get is None:
+    k0 = keys[0]
+    first = masks.parts[ROUTE[k0 & SLOT]].get(k0, 0) & alive
+    held = _runs_by_bisection(keys, (masks.parts,), [(1, first)]) if first else {}
+    if pred is None:
         return held
     # where a source's events stop (at 0 without the first block), the predicted entries may go on
     starts: dict[int, int] = {0: alive & ~first} if alive & ~first else {}
@@ -794,29 +793,31 @@ def _depths_by_bisection(keys: Sequence[int], get: _MaskGet, pred_get: _MaskGet 
     for depth, bits in starts.items():
         if depth < n:
             k = keys[depth]
-            bits &= pred_get(k, 0) | get(k, 0)
+            i = ROUTE[k & SLOT]
+            bits &= pred.parts[i].get(k, 0) | masks.parts[i].get(k, 0)
             if bits:
                 go_on.append((depth + 1, bits))
     if go_on:
-        held.update(_runs_by_bisection(keys, _either(get, pred_get), go_on))
+        held.update(_runs_by_bisection(keys, (masks.parts, pred.parts), go_on))
     return held
 
 
-def _either(get: _MaskGet, pred_get: _MaskGet) -> _MaskGet:
-    return lambda k, default: get(k, default) | pred_get(k, default)
-
-
-def _runs_by_bisection(keys: Sequence[int], get: _MaskGet, starts: list[tuple[int, int]]) -> dict[int, int]:
-    """For each ``(lo, bits)``: every bit in ``bits`` holds ``keys[:lo]``; the end of its run, by
-    bisection (``_depths_by_bisection``)."""
+def _runs_by_bisection(keys: Sequence[int], maps: tuple[list[dict[int, int]], ...],
+                       starts: list[tuple[int, int]]) -> dict[int, int]:
+    """For each ``(lo, bits)``: every bit in ``bits`` holds ``keys[:lo]`` (in the union of the
+    ``maps``, a ShardedMap's parts each); the end of its run, by bisection (``_depths_by_bisection``)."""
     out: dict[int, int] = {}
     n = len(keys)
+    a = maps[0]
+    b = maps[1] if len(maps) > 1 else None
     todo = [(lo, n, bits) for lo, bits in starts]  # these bits hold keys[:lo]; each one's run ends in [lo, hi]
     while todo:
         lo, hi, bits = todo.pop()
         while lo < hi and bits:
             mid = (lo + hi) // 2
-            deeper = get(keys[mid], 0) & bits
+            k = keys[mid]
+            i = ROUTE[k & SLOT]
+            deeper = (a[i].get(k, 0) if b is None else a[i].get(k, 0) | b[i].get(k, 0)) & bits
             if deeper != bits:  # the others end in [lo, mid]
                 if deeper:
                     todo.append((mid + 1, hi, deeper))

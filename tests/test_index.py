@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import bigmap
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import prompt_keys
@@ -506,73 +508,74 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(op, max_size=40), st.integers(0, 2))
-def test_index_agrees_with_a_brute_force_model(ops, query_doc):
-    ix = PrefixIndex(block_size=BS, tier_weights={"GPU": 1.0, "CPU": 0.5})
-    for p in PODS:
-        ix.add_pod(p, MODEL)
-    # model: (pod, rank) -> {(doc, i): {tier: physical copies}}; each store is one more copy (vLLM
-    # announces every block that computed a hash) and each removal one copy fewer
-    model: dict[tuple[str, int], dict[tuple[int, int], dict[str, int]]] = {(p, r): {} for p in PODS for r in (0, 1)}
-    for o in ops:
-        if o[0] == "store":
-            _, p, r, d, start, n, tier = o
-            n = min(n, 6 - start)
-            held = model[(p, r)]
-            parent_known = start == 0 or (d, start - 1) in held
-            ev = stored([ehash(p, r, d, i) for i in range(start, start + n)],
-                        None if start == 0 else ehash(p, r, d, start - 1),
-                        DOCS[d][start * BS:(start + n) * BS], medium=tier)
-            ix.apply_event(p, ev, dp_rank=r)
-            if parent_known:
-                for i in range(start, start + n):
-                    copies = held.setdefault((d, i), {})
-                    copies[tier] = copies.get(tier, 0) + 1
-        elif o[0] == "remove":
-            _, p, r, d, i, tier = o
-            ix.apply_event(p, BlockRemoved(block_hashes=[ehash(p, r, d, i)], medium=tier), dp_rank=r)
-            held = model[(p, r)]
-            if tier in held.get((d, i), {}):
-                copies = held[(d, i)]
-                copies[tier] -= 1
-                if not copies[tier]:
-                    del copies[tier]
-                if not copies:
-                    del held[(d, i)]
-        elif o[0] == "clear":
-            _, p, r = o
-            ix.apply_event(p, AllBlocksCleared(), dp_rank=r)
-            model[(p, r)] = {}
-        else:
-            _, p = o
-            ix.clear_pod(p)
-            model[(p, 0)], model[(p, 1)] = {}, {}
-    keys = prompt_keys(DOCS[query_doc], BS, MODEL)
-    got = ix.match(keys)
-    for p in PODS:
-        best_total, best = 0, None
-        for r in (0, 1):
-            held = model[(p, r)]
+@given(st.lists(op, max_size=40), st.integers(0, 2), st.sampled_from([4096, 1, 3]))
+def test_index_agrees_with_a_brute_force_model(ops, query_doc, chunk):
+    with mock.patch.object(bigmap, "CHUNK", chunk):  # tiny chunks: every order crosses chunk boundaries
+        ix = PrefixIndex(block_size=BS, tier_weights={"GPU": 1.0, "CPU": 0.5})
+        for p in PODS:
+            ix.add_pod(p, MODEL)
+        # model: (pod, rank) -> {(doc, i): {tier: physical copies}}; each store is one more copy (vLLM
+        # announces every block that computed a hash) and each removal one copy fewer
+        model: dict[tuple[str, int], dict[tuple[int, int], dict[str, int]]] = {(p, r): {} for p in PODS for r in (0, 1)}
+        for o in ops:
+            if o[0] == "store":
+                _, p, r, d, start, n, tier = o
+                n = min(n, 6 - start)
+                held = model[(p, r)]
+                parent_known = start == 0 or (d, start - 1) in held
+                ev = stored([ehash(p, r, d, i) for i in range(start, start + n)],
+                            None if start == 0 else ehash(p, r, d, start - 1),
+                            DOCS[d][start * BS:(start + n) * BS], medium=tier)
+                ix.apply_event(p, ev, dp_rank=r)
+                if parent_known:
+                    for i in range(start, start + n):
+                        copies = held.setdefault((d, i), {})
+                        copies[tier] = copies.get(tier, 0) + 1
+            elif o[0] == "remove":
+                _, p, r, d, i, tier = o
+                ix.apply_event(p, BlockRemoved(block_hashes=[ehash(p, r, d, i)], medium=tier), dp_rank=r)
+                held = model[(p, r)]
+                if tier in held.get((d, i), {}):
+                    copies = held[(d, i)]
+                    copies[tier] -= 1
+                    if not copies[tier]:
+                        del copies[tier]
+                    if not copies:
+                        del held[(d, i)]
+            elif o[0] == "clear":
+                _, p, r = o
+                ix.apply_event(p, AllBlocksCleared(), dp_rank=r)
+                model[(p, r)] = {}
+            else:
+                _, p = o
+                ix.clear_pod(p)
+                model[(p, 0)], model[(p, 1)] = {}, {}
+        keys = prompt_keys(DOCS[query_doc], BS, MODEL)
+        got = ix.match(keys)
+        for p in PODS:
+            best_total, best = 0, None
+            for r in (0, 1):
+                held = model[(p, r)]
 
-            def lead(pred, held=held):
-                n = 0
-                while n < 6 and (query_doc, n) in held and pred(held[(query_doc, n)]):
-                    n += 1
-                return n
-            total = lead(lambda s: True)
-            gpu = lead(lambda s: "GPU" in s)
-            cpu = lead(lambda s: "CPU" in s)
-            weighted = gpu * 1.0 + (total - gpu) * 0.5
-            if total > best_total:
-                best_total, best = total, (gpu, cpu, weighted)
-        assert got[p].blocks == best_total, (p, got[p], model)
-        if best:
-            assert got[p].by_tier.get("GPU", 0) == best[0] and got[p].by_tier.get("CPU", 0) == best[1]
-            assert abs(got[p].weighted - best[2]) < 1e-9
-    # engine-hash maps agree with the model too
-    for (p, r), held in model.items():
-        expect = {prompt_keys(DOCS[d][: (i + 1) * BS], BS, MODEL)[-1] for (d, i) in held}
-        assert ix.blocks_of(p, r) == expect
+                def lead(pred, held=held):
+                    n = 0
+                    while n < 6 and (query_doc, n) in held and pred(held[(query_doc, n)]):
+                        n += 1
+                    return n
+                total = lead(lambda s: True)
+                gpu = lead(lambda s: "GPU" in s)
+                cpu = lead(lambda s: "CPU" in s)
+                weighted = gpu * 1.0 + (total - gpu) * 0.5
+                if total > best_total:
+                    best_total, best = total, (gpu, cpu, weighted)
+            assert got[p].blocks == best_total, (p, got[p], model)
+            if best:
+                assert got[p].by_tier.get("GPU", 0) == best[0] and got[p].by_tier.get("CPU", 0) == best[1]
+                assert abs(got[p].weighted - best[2]) < 1e-9
+        # engine-hash maps agree with the model too
+        for (p, r), held in model.items():
+            expect = {prompt_keys(DOCS[d][: (i + 1) * BS], BS, MODEL)[-1] for (d, i) in held}
+            assert ix.blocks_of(p, r) == expect
 
 
 def test_long_prompts_across_walk_chunk_boundaries_match_brute_force():
@@ -595,6 +598,21 @@ def test_long_prompts_across_walk_chunk_boundaries_match_brute_force():
     assert ix.match(k[:16])["p3"].blocks == 16 and ix.match(k[:17])["p4"].blocks == 17
     ix.speculate("p0", k[:90])
     assert ix.match(k)["p0"].blocks == 90
+
+
+def test_a_cap_of_many_shards_evicts_each_shards_oldest_and_keeps_the_newest_prompts():
+    """Past 32k blocks a source's map is sharded (bigmap.ShardedMap): the cap takes the oldest of
+    the fullest shards, so about the oldest overall. Here 4 shards at a 65,536-block cap."""
+    ix = new_index(max_blocks_per_pod=65_536)
+    assert len(ix._pods["a"].primary.blocks.parts) == 4
+    prompts = [toks(2000, base=100_000 * i) for i in range(35)]   # 70,000 blocks in all
+    for i, t in enumerate(prompts):
+        ix.apply_event("a", stored(range(i * 2000, (i + 1) * 2000), None, t))
+    held = ix.pod_stats("a")["blocks"]
+    assert 65_536 - 1024 <= held <= 65_536 and ix.counters["blocks_evicted"] == 70_000 - held
+    assert ix.match(keys_of(prompts[0]))["a"].blocks == 0          # the oldest prompt: gone
+    assert all(ix.match(keys_of(t))["a"].blocks == 2000 for t in prompts[5:])
+    assert len(ix.blocks_of("a")) == held
 
 
 def test_past_the_cap_at_most_a_batch_goes_at_once(monkeypatch):
