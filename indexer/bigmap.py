@@ -36,12 +36,12 @@ CHUNK = 4096  # insertions per chunk of a ChunkedOrder: a rebuild of a chunk mov
 V = TypeVar("V")
 
 
-def _route(shards: int) -> tuple[list[int], list[float]]:
+def _route(shards: int) -> list[int]:
     """Slot -> shard, with shard ``i`` given a share of the slots growing as ``2 ** (i / shards)``:
     the largest shard gets about twice the smallest's keys. Equal shards fill in step and reach the
     size where CPython rebuilds a dict at the same moment, so one event would pay for rebuilding
     nearly all of them (a 15 ms call where one dict took 170); shards of sizes spread over an octave
-    cross those sizes one after another. Returns the table and each shard's share of the slots."""
+    cross those sizes one after another."""
     weights = [2 ** (i / shards) for i in range(shards)]
     total = sum(weights)
     table: list[int] = []
@@ -49,27 +49,26 @@ def _route(shards: int) -> tuple[list[int], list[float]]:
     for i, w in enumerate(weights):
         acc += w / total * SLOTS
         table.extend([i] * (round(acc) - len(table)))
-    counts = [table.count(i) for i in range(shards)]
     random.Random(shards).shuffle(table)   # neighbouring keys (small ints in tests) to unrelated shards
-    return table, [c / SLOTS for c in counts]
+    return table
 
 
-ROUTE, _SHARE = _route(SHARDS)   # the default maps' table: ``parts[ROUTE[k & SLOT]]`` holds ``k``
+ROUTE = _route(SHARDS)   # the default maps' table: ``parts[ROUTE[k & SLOT]]`` holds ``k``
 
 
 class ShardedMap(Generic[V]):
-    """An ``int -> value`` map over ``shards`` dicts (``SHARDS`` by default), each in
-    insertion order. The dict methods the index uses, plus :meth:`or_bits` for its commonest bulk
-    update and :meth:`oldest` for a cap. ``parts[route[k & SLOT]]`` is the dict holding ``k``; a hot
-    loop may use it directly (``ROUTE`` for a map of ``SHARDS``)."""
+    """An unordered ``int -> value`` map over ``shards`` dicts (``SHARDS`` by default). The dict
+    methods the index uses, plus :meth:`or_bits` and :meth:`clear_bits` for its bulk updates.
+    ``parts[route[k & SLOT]]`` is the dict holding ``k``; a hot loop may use it directly (``ROUTE``
+    for a map of ``SHARDS``)."""
 
-    __slots__ = ("parts", "route", "share")
+    __slots__ = ("parts", "route")
 
     def __init__(self, items: Iterable[tuple[int, V]] = (), shards: int = SHARDS) -> None:
         if not 1 <= shards <= SLOTS:
             raise ValueError(f"shards must be 1 to {SLOTS}")
         self.parts: list[dict[int, V]] = [{} for _ in range(shards)]
-        self.route, self.share = (ROUTE, _SHARE) if shards == SHARDS else _route(shards)
+        self.route = ROUTE if shards == SHARDS else _route(shards)
         for k, v in items:
             self.parts[self.route[k & SLOT]][k] = v
 
@@ -134,21 +133,6 @@ class ShardedMap(Generic[V]):
                 p[k] = m
             else:
                 p.pop(k, None)
-
-    def oldest(self, n: int) -> list[int]:
-        """About the ``n`` oldest keys: the oldest of the fullest shard for its share of the slots,
-        then of the next, so the shards keep their shares. Each shard is in insertion order and keys
-        spread over them by their shares, so this is the oldest overall give or take a shard's part
-        of ``n``; exact with one shard. Taking them from few shards matters: a dict walks its deleted
-        entries from the front, and one shard holds a part of them."""
-        out: list[int] = []
-        share = self.share
-        order = sorted(range(len(self.parts)), key=lambda i: len(self.parts[i]) / share[i], reverse=True)
-        for p in (self.parts[i] for i in order):
-            if len(out) >= n:
-                break
-            out.extend(islice(p, n - len(out)))
-        return out
 
 
 class ChunkedOrder:

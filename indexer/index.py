@@ -3,13 +3,19 @@
 Layout (chosen for a fast all-pods lookup and a small footprint in pure Python):
 
 * every event source (a pod, or one data-parallel rank of a pod) owns one **bit**;
-* per tier (``GPU``, ``CPU``, ...) one dict ``key -> bitmask of sources holding that block``;
-  with a single tier that dict is also the "any tier" dict, so nothing is stored twice;
+* per tier (``GPU``, ``CPU``, ...) one map ``key -> bitmask of sources holding that block``;
+  with a single tier that map is also the "any tier" map, so nothing is stored twice;
 * per source one insertion-ordered dict ``engine hash -> key``: it maps BlockRemoved (engine
   hashes only) to keys, resolves ``parent_block_hash`` of the next BlockStored, joins hash-only
   offload events to known blocks, and its order is the LRU order for the per-source cap;
 * predicted entries (speculative credit after a routing decision, and the approximate mode for
-  pods without events) live in a separate ``key -> bitmask`` dict with per-entry expiry.
+  pods without events) live in a separate ``key -> bitmask`` map, and per source in a
+  :class:`~indexer.bigmap.ChunkedOrder` ``key -> expiry`` in refresh order.
+
+The maps that hold every pod's keys (tiers, any, predicted) are :class:`~indexer.bigmap.ShardedMap`
+and the predicted order is chunked: a dict of a million entries is rebuilt at once when it fills,
+which held the event loop for 140-170 ms (``bench/index_churn.py``). A source's engine-hash dict
+stays one dict, sized by what its engine holds, so BlockStored keeps its C-level bulk update.
 
 ``match(keys)`` with one tier (the common case) bisects the prompt for each source's depth: a pod's
 blocks along a prompt are a leading run (``_depths_by_bisection``), so a lookup at the middle says
@@ -31,11 +37,11 @@ import time
 import types
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import accumulate, takewhile
+from itertools import accumulate, islice, takewhile
 from operator import and_, neg, or_
 from typing import Any, cast
 
-from indexer.bigmap import ROUTE, SHARDS, SLOT, ChunkedOrder, ShardedMap
+from indexer.bigmap import ROUTE, SLOT, ChunkedOrder, ShardedMap
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.keys import block_keys, key_seed
 from indexer.recency import EVICT_BATCH, BlockRecency
@@ -87,16 +93,17 @@ NO_MATCH = PodMatch(0, types.MappingProxyType({}), 0.0, None)
 class _Source:
     """One event publisher: a pod, or one data-parallel rank of a pod."""
 
-    __slots__ = ("pod", "rank", "bit", "blocks", "held", "copies", "group", "pred", "stored", "removed",
-                 "evicted", "orphans", "dead")
+    __slots__ = ("pod", "rank", "bit", "blocks", "copies", "group", "pred", "stored", "removed", "evicted",
+                 "orphans", "dead")
 
-    def __init__(self, pod: _Pod, rank: int, bit: int, shards: int):
+    def __init__(self, pod: _Pod, rank: int, bit: int):
         self.pod = pod
         self.rank = rank
         self.bit = bit
-        # engine hash -> key, each shard oldest first (the cap's order: see ShardedMap.oldest)
-        self.blocks: ShardedMap[int] = ShardedMap(shards=shards)
-        self.held = 0   # len(blocks), kept as it changes: a sum over the shards on every event costs
+        # engine hash -> key, oldest first. One dict, not a ShardedMap: it holds what one engine caches
+        # (its BlockRemoved events keep it there), and C-level updates of one dict keep BlockStored
+        # fast; sharding it made a 2,057-block BlockStored ~1 ms slower (docs/indexer.md)
+        self.blocks: dict[int, int] = {}
         # (tier, engine hash) -> physical copies, only while there are two or more: vLLM announces a
         # BlockStored for every block that computed the hash (two requests with one prompt in flight)
         # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes
@@ -168,8 +175,6 @@ class PrefixIndex:
             "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
             "copies_removed", "skipped_group")}
         self.recency = BlockRecency(clock, max_blocks_per_pod, counters=self.counters)
-        # a source's blocks in shards of 16k-32k at the cap (one below 32k blocks: the cap's order is exact)
-        self._block_shards = min(SHARDS, 1 << max(0, (max_blocks_per_pod // 16384).bit_length() - 1))
 
     # --- fleet ------------------------------------------------------------------------------------
     def add_pod(self, pod_id: str, model: str, approximate: bool = False) -> None:
@@ -225,7 +230,7 @@ class PrefixIndex:
             else:
                 bit = 1 << self._next_bit
                 self._next_bit += 1
-            src = _Source(pod, rank, bit, self._block_shards)
+            src = _Source(pod, rank, bit)
             pod.sources[rank] = src
             self._bits[bit] = src
             self._alive |= bit
@@ -375,32 +380,26 @@ class PrefixIndex:
         bit = src.bit
         blocks = src.blocks
         n = len(keys)
-        bparts, broute = blocks.parts, blocks.route
         if n == 1:  # blocks filled while decoding come one per event: skip the iterator set-up
             h, k = hashes[0], keys[0]
-            bp = bparts[broute[h & SLOT]]
-            old = bp.pop(h, None)   # a hash stored again goes to the back
-            if old is None:
-                src.held += 1
-            else:
+            old = blocks.pop(h, None)
+            if old is not None:
                 self._again(src, tier, d, h, k, old)
-            bp[h] = k
+            blocks[h] = k
             p = d.parts[ROUTE[k & SLOT]]
             p[k] = p.get(k, 0) | bit
             if anyd is not d:
                 p = anyd.parts[ROUTE[k & SLOT]]
                 p[k] = p.get(k, 0) | bit
+        elif blocks.keys().isdisjoint(hashes):
+            blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
         else:
-            again = []
-            for h, k in zip(hashes, keys):
-                bp = bparts[broute[h & 4095]]   # & SLOT, a literal: a global is looked up per key
-                old = bp.pop(h, None)
+            pop = blocks.pop
+            for h, k in zip(hashes, keys):     # re-announced (another copy): refresh the LRU position
+                old = pop(h, None)
                 if old is not None:
-                    again.append((h, k, old))   # re-announced (another copy): to the back
-                bp[h] = k
-            src.held += n - len(again)
-            for h, k, old in again:
-                self._again(src, tier, d, h, k, old)
+                    self._again(src, tier, d, h, k, old)
+                blocks[h] = k
         if n > 1:
             d.or_bits(keys, bit)
             if anyd is not d:
@@ -410,7 +409,7 @@ class PrefixIndex:
         primary = src.pod.primary
         if primary is not None and primary.pred:
             self._confirm_predicted(primary, keys)
-        if src.held > self.max_blocks_per_pod:
+        if len(blocks) > self.max_blocks_per_pod:
             self._evict(src)
 
     def _again(self, src: _Source, tier: str, d: ShardedMap[int], h: int, k: int, old: int) -> None:
@@ -454,19 +453,17 @@ class PrefixIndex:
         tier = tier_name(ev.medium, ev.locality, ev.ownership)
         d = self._tiers.get(tier)
         bit = src.bit
-        bparts, broute = src.blocks.parts, src.blocks.route   # inlined: thousands per event
+        blocks = src.blocks
         dparts = d.parts if d is not None else None
         multi = len(self._tiers) > 1
         gone: list[int] | None = [] if tier == DEFAULT_TIER else None
-        removed = 0
         route = ROUTE
         for h in cast(list[int], ev.block_hashes):  # uint64 ints once decoded, as in _store
-            bp = bparts[broute[h & 4095]]   # & SLOT, a literal: a global is looked up per key
-            k = bp.get(h)
+            k = blocks.get(h)
             if k is None or dparts is None:
                 self.counters["unknown_removals"] += 1
                 continue
-            dp = dparts[route[k & 4095]]
+            dp = dparts[route[k & 4095]]   # & SLOT, a literal: a global is looked up per key
             m = dp.get(k, 0)
             if not m & bit:
                 self.counters["unknown_removals"] += 1
@@ -497,9 +494,7 @@ class PrefixIndex:
                     self._any[k] = m
                 else:
                     self._any.pop(k, None)
-            del bp[h]
-            removed += 1
-        src.held -= removed
+            del blocks[h]
         if gone:
             self.recency.removed(src.pod.pod_id, gone)
         return True
@@ -529,22 +524,21 @@ class PrefixIndex:
     def _evict(self, src: _Source) -> None:
         blocks = src.blocks
         target = self.max_blocks_per_pod - min(self.max_blocks_per_pod // 16, EVICT_BATCH)
+        n = len(blocks) - target
+        victims = list(islice(blocks.items(), n))
         copies = src.copies
-        victims = blocks.oldest(src.held - target)
-        for h in victims:
-            self._drop_key(src, blocks.pop(h))
+        for h, k in victims:
+            del blocks[h]
+            self._drop_key(src, k)
             if copies:
                 self._forget_copies(src, h)
-        n = len(victims)
-        src.held -= n
         src.evicted += n
         self.counters["blocks_evicted"] += n
 
     def _clear_source(self, src: _Source, predicted: bool) -> None:
         for k in src.blocks.values():
             self._drop_key(src, k)
-        src.blocks = ShardedMap(shards=len(src.blocks.parts))
-        src.held = 0
+        src.blocks = {}
         src.copies = {}
         if predicted and src.pred:
             self._pred.clear_bits(src.pred, src.bit)
@@ -721,7 +715,7 @@ class PrefixIndex:
             "block_size": self.block_size,
             "keys": len(self._any),
             "keys_by_tier": {t: len(d) for t, d in self._tiers.items()},
-            "entries": sum(s.held for s in self._bits.values()),
+            "entries": sum(len(s.blocks) for s in self._bits.values()),
             "predicted_keys": len(self._pred),
             **self.counters,
         }
@@ -736,7 +730,7 @@ class PrefixIndex:
             "model": pod.model,
             "approximate": pod.approximate,
             "dp_ranks": sorted(pod.sources),
-            "blocks": sum(s.held for s in srcs),
+            "blocks": sum(len(s.blocks) for s in srcs),
             "copies": sum(n - 1 for s in srcs for n in s.copies.values()),
             "predicted": sum(len(s.pred) for s in srcs),
             "stored": sum(s.stored for s in srcs),

@@ -600,21 +600,6 @@ def test_long_prompts_across_walk_chunk_boundaries_match_brute_force():
     assert ix.match(k)["p0"].blocks == 90
 
 
-def test_a_cap_of_many_shards_evicts_each_shards_oldest_and_keeps_the_newest_prompts():
-    """Past 32k blocks a source's map is sharded (bigmap.ShardedMap): the cap takes the oldest of
-    the fullest shards, so about the oldest overall. Here 4 shards at a 65,536-block cap."""
-    ix = new_index(max_blocks_per_pod=65_536)
-    assert len(ix._pods["a"].primary.blocks.parts) == 4
-    prompts = [toks(2000, base=100_000 * i) for i in range(35)]   # 70,000 blocks in all
-    for i, t in enumerate(prompts):
-        ix.apply_event("a", stored(range(i * 2000, (i + 1) * 2000), None, t))
-    held = ix.pod_stats("a")["blocks"]
-    assert 65_536 - 1024 <= held <= 65_536 and ix.counters["blocks_evicted"] == 70_000 - held
-    assert ix.match(keys_of(prompts[0]))["a"].blocks == 0          # the oldest prompt: gone
-    assert all(ix.match(keys_of(t))["a"].blocks == 2000 for t in prompts[5:])
-    assert len(ix.blocks_of("a")) == held
-
-
 def test_past_the_cap_at_most_a_batch_goes_at_once(monkeypatch):
     """One eviction is one stall of the event loop: a sixteenth of a 1M-block cap is 62,500 entries
     (tens of ms). Past the cap, the oldest go a batch at a time (``EVICT_BATCH``), for confirmed
