@@ -23,9 +23,11 @@ Keys are ints (block keys and engine block hashes are 64-bit hashes; their low b
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
+from operator import and_
 from typing import Any, Generic, TypeVar, overload
 
 SHARDS = 64
@@ -144,13 +146,14 @@ class ChunkedOrder:
     into a dict of its own size (and again at an eighth of that), so keys that stay for long (a
     conversation's prefix credited again every turn) do not each hold a whole chunk's room."""
 
-    __slots__ = ("where", "chunks", "room", "tail", "tail_used", "n", "size")
+    __slots__ = ("where", "chunks", "room", "low", "tail", "tail_used", "n", "size")
 
     def __init__(self, chunk: int | None = None) -> None:
         self.size = CHUNK if chunk is None else chunk   # insertions per chunk
         self.where: ShardedMap[int] = ShardedMap()   # key -> number of the chunk holding it
         self.chunks: dict[int, dict[int, float]] = {0: {}}   # chunk number -> key -> value, oldest first
         self.room = {0: self.size}            # chunk number -> the entries its dict was built for
+        self.low = {0: math.inf}              # chunk number -> no value in it is lower
         self.tail = 0                         # the chunk taking new keys
         self.tail_used = 0                    # insertions into it so far
         self.n = 0
@@ -197,6 +200,7 @@ class ChunkedOrder:
         if not left:
             del self.chunks[c]
             del self.room[c]
+            del self.low[c]
         elif left * 8 <= self.room[c]:
             self.chunks[c] = dict(chunk)      # same order, a dict sized to what is left
             self.room[c] = left
@@ -208,12 +212,20 @@ class ChunkedOrder:
         pass: the locator's slot read and written once, new entries into the tail chunk (small, in
         cache), the mark set in the same loop."""
         parts, chunks, route = self.where.parts, self.chunks, ROUTE
+        # which chunk holds each key (-1: none), without a Python-level loop: a follow-up credits its
+        # whole history again, and most of it sits in chunks whose oldest value is fresh enough
+        at = list(map(dict.get, map(parts.__getitem__, map(route.__getitem__, map(and_, keys, repeat(4095)))),
+                      keys, repeat(-1)))
+        if at.count(-1) != len(at):
+            low = self.low
+            keys = [k for k, c in zip(keys, at) if c < 0 or low[c] < fresh]
         mparts, mroute = marks.parts, marks.route
         new = 0
         touched: set[int] = set()
         tail, used, size = self.tail, self.tail_used, self.size
         chunk = chunks[tail]
-        moved = 0
+        if keys and value < self.low[tail]:
+            self.low[tail] = value
         for k in keys:
             i = k & 4095
             wp = parts[route[i]]
@@ -229,12 +241,12 @@ class ChunkedOrder:
                 del old[k]
                 if c != tail:
                     touched.add(c)
-                moved += 1
             if used >= size:
                 self.tail_used = used
                 self._new_tail()
                 tail, used = self.tail, 0
                 chunk = chunks[tail]
+                self.low[tail] = value
             chunk[k] = value
             wp[k] = tail
             used += 1
@@ -262,9 +274,11 @@ class ChunkedOrder:
                 taken = list(chunk)
                 if c == self.tail:
                     chunks[c] = {}
+                    self.low[c] = math.inf
                 else:
                     del chunks[c]
                     del self.room[c]
+                    del self.low[c]
             else:
                 taken = list(islice(chunk, want))
                 for k in taken:
@@ -295,6 +309,7 @@ class ChunkedOrder:
         self.tail += 1
         self.chunks[self.tail] = {}
         self.room[self.tail] = self.size
+        self.low[self.tail] = math.inf
         self.tail_used = 0
 
     def items(self) -> Iterator[tuple[int, float]]:

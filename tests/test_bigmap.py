@@ -31,6 +31,8 @@ def check_invariants(co: ChunkedOrder, model: dict) -> None:
         assert chunk or c == co.tail                         # an emptied chunk is dropped unless it takes new keys
         for k in chunk:
             assert co.where.get(k) == c
+        assert all(v >= co.low[c] for v in chunk.values())  # the bound that lets fresh chunks be skipped
+    assert set(co.low) == set(co.chunks) == set(co.room)
     assert len(co.where) == len(model)
 
 
