@@ -12,11 +12,17 @@ A plain dict of a million entries costs the event loop in two ways that its aver
   walked past every entry evicted before it.
 
 :class:`ShardedMap` (unordered) splits the entries over ``SHARDS`` dicts by the key's low bits, so
-one rebuild moves a 64th of them. :class:`ChunkedOrder` (insertion order, for the per-source LRU and
-expiry orders) keeps its values in chunks of at most ``CHUNK`` insertions, oldest chunk first, and a
-``ShardedMap`` from key to chunk: a chunk never grows past ``CHUNK`` entries, a chunk that empties is
-dropped whole, and the oldest entries are found without walking an old chunk's holes. The order is
-exact, unlike sharding an ordered dict (each shard's own order is only roughly the global one).
+one rebuild moves a 64th of them or so. :class:`ChunkedOrder` (insertion order, for a pod's
+predicted entries and their expiry) keeps its values in chunks of at most ``CHUNK`` insertions,
+oldest chunk first, and a ``ShardedMap`` from key to chunk: a chunk never grows past ``CHUNK``
+entries, a chunk that empties is dropped whole, and the oldest entries are found without walking an
+old chunk's holes. The order is exact, unlike sharding an ordered dict (each shard's own order is
+only roughly the global one).
+
+The price is Python-level work per key where one dict had C-level bulk updates: about a fifth more
+per credited block, and half as much again for the any-tier masks of a 2,000-block BlockStored
+(``bench/index_churn.py``; docs/indexer.md, "Maps that do not stall"). A source's engine-hash dict in
+the index stays one dict for that reason.
 
 Keys are ints (block keys and engine block hashes are 64-bit hashes; their low bits spread evenly).
 """
@@ -120,7 +126,7 @@ class ShardedMap(Generic[V]):
     def or_bits(self: ShardedMap[int], keys: Sequence[int], bit: int) -> None:
         """``self[k] |= bit`` for every key (absent keys start at 0)."""
         parts, route = self.parts, self.route
-        for k in keys:   # as fast as dict.update over map()s here: the time is the memory, not the loop
+        for k in keys:   # a loop: chains of map() over the shards measured no faster
             p = parts[route[k & 4095]]
             p[k] = p.get(k, 0) | bit
 
