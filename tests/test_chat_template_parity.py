@@ -270,6 +270,23 @@ def test_chat_template_jinja_beside_tokenizer_json_wins_and_named_templates_pick
     assert tok.apply_chat_template(msgs, chat_template="tool_use", tools=[]) == "TOOLS 0"
 
 
+def test_loading_a_tokenizer_compiles_its_templates_and_a_broken_one_fails_only_its_request(tmp_path):
+    from indexer.tokens import _compiled
+
+    folder = make_folder(tmp_path)
+    (folder / "chat_template.jinja").write_text("LOADED {{ messages[0].content }}")
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("BROKEN {% if %}")
+    _compiled.cache_clear()
+    tok = HFTokenizer(folder)   # the default and the named templates, compiled at load
+    assert _compiled.cache_info().currsize == 1   # the broken one was tried and is not cached
+    misses = _compiled.cache_info().misses
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "LOADED hi"
+    assert _compiled.cache_info().misses == misses   # the first request compiled nothing
+    with pytest.raises(ChatTemplateError, match="failed to compile"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[])
+
+
 def test_special_tokens_map_json_fills_in_for_an_old_config(tmp_path):
     folder = make_folder(tmp_path, config_template="{{ pad_token }}{{ bos_token }}")
     (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": {"content": "</s>"}, "bos_token": "<s>"}))
