@@ -40,6 +40,7 @@ SHARDS = 64
 SLOTS = 4096        # a key's low 12 bits pick its slot, and the slot its shard (``route``)
 SLOT = SLOTS - 1    # hot loops write it as the literal 4095 (a global costs a lookup per key)
 CHUNK = 4096  # insertions per chunk of a ChunkedOrder: a rebuild of a chunk moves at most this many
+ABSENT = 1 << 62  # "in no chunk", above every chunk number
 
 V = TypeVar("V")
 
@@ -152,7 +153,7 @@ class ChunkedOrder:
     into a dict of its own size (and again at an eighth of that), so keys that stay for long (a
     conversation's prefix credited again every turn) do not each hold a whole chunk's room."""
 
-    __slots__ = ("where", "chunks", "room", "low", "tail", "tail_used", "n", "size")
+    __slots__ = ("where", "chunks", "room", "low", "tail", "tail_used", "n", "size", "cut")
 
     def __init__(self, chunk: int | None = None) -> None:
         self.size = CHUNK if chunk is None else chunk   # insertions per chunk
@@ -163,6 +164,7 @@ class ChunkedOrder:
         self.tail = 0                         # the chunk taking new keys
         self.tail_used = 0                    # insertions into it so far
         self.n = 0
+        self.cut = -1                         # the newest chunk pop_oldest has taken entries from
 
     def __len__(self) -> int:
         return self.n
@@ -211,20 +213,23 @@ class ChunkedOrder:
             self.chunks[c] = dict(chunk)      # same order, a dict sized to what is left
             self.room[c] = left
 
-    def refresh(self, keys: Sequence[int], value: float, fresh: float, marks: ShardedMap[int], bit: int) -> int:
+    def refresh(self, keys: Sequence[int], value: float, fresh: float, marks: ShardedMap[int],
+                bit: int) -> tuple[int, int]:
         """Set each key to ``value`` at the back, in order, except a key whose value is ``fresh`` or
         later already (it keeps its place), and set ``bit`` in ``marks`` for each key that was not
-        there before (the index's any-pod map of predicted keys); returns how many those were. One
-        pass: the locator's slot read and written once, new entries into the tail chunk (small, in
-        cache), the mark set in the same loop."""
+        there before (the index's any-pod map of predicted keys). Returns how many those were, and a
+        chunk number that no chunk holding one of the keys afterwards is older than (see
+        :meth:`intact_since`). One pass: the locator's slot read and written once, new entries into
+        the tail chunk (small, in cache), the mark set in the same loop."""
         parts, chunks, route = self.where.parts, self.chunks, ROUTE
-        # which chunk holds each key (-1: none), without a Python-level loop: a follow-up credits its
+        # which chunk holds each key (ABSENT: none), without a Python-level loop: a follow-up credits its
         # whole history again, and most of it sits in chunks whose oldest value is fresh enough
         at = list(map(dict.get, map(parts.__getitem__, map(route.__getitem__, map(and_, keys, repeat(4095)))),
-                      keys, repeat(-1)))
-        if at.count(-1) != len(at):
+                      keys, repeat(ABSENT)))
+        oldest = min(self.tail, min(at, default=ABSENT))
+        if at.count(ABSENT) != len(at):
             low = self.low
-            keys = [k for k, c in zip(keys, at) if c < 0 or low[c] < fresh]
+            keys = [k for k, c in zip(keys, at) if c == ABSENT or low[c] < fresh]
         mparts, mroute = marks.parts, marks.route
         new = 0
         touched: set[int] = set()
@@ -262,7 +267,12 @@ class ChunkedOrder:
         for c in touched:
             if c in chunks:
                 self._shrunk(c, chunks[c])
-        return new
+        return new, oldest
+
+    def intact_since(self, chunk: int) -> bool:
+        """No entry has been taken from chunk number ``chunk`` or a later one (other than by
+        :meth:`remove_many`): :meth:`pop_oldest` goes through the chunks oldest first."""
+        return chunk > self.cut
 
     def pop_oldest(self, n: int, marks: ShardedMap[int], bit: int) -> int:
         """Remove the ``n`` oldest keys (fewer if there are fewer), clearing ``bit`` in ``marks`` for
@@ -276,6 +286,7 @@ class ChunkedOrder:
             if want <= 0:
                 break
             chunk = chunks[c]
+            self.cut = c
             if len(chunk) <= want:
                 taken = list(chunk)
                 if c == self.tail:

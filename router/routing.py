@@ -13,10 +13,11 @@ calibrator, the planners) and exposes the steps of a request (``router/lifecycle
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from router.scheduling import (
 )
 from router.scheduling.scorers import Scoring
 
+log = logging.getLogger(__name__)
 CREDIT_NOW_BLOCKS = 256  # a routed prompt's blocks credited in one piece (Router.speculate)
 
 
@@ -331,32 +333,34 @@ class Router:
         arrived meanwhile waited for it. A request routed between the pieces sees the first 4,096
         tokens credited (enough to send a sibling after it). Without a running loop (``kvroute
         simulate``) it is all credited at once."""
-        if len(keys) <= CREDIT_NOW_BLOCKS:
-            self._credit(pod_id, keys)
-            return
         try:
-            loop = asyncio.get_running_loop()
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            self._credit(pod_id, keys)
+            loop = None
+        if pod_id in self._with_events:
+            steps: Iterator[None] = self._speculate_steps(pod_id, keys, loop is not None)
+        else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
+            steps = self.index.credit_steps(pod_id, keys, self._kv_blocks(pod_id),
+                                            CREDIT_NOW_BLOCKS if loop is not None else 0)
+        self._credit_step(loop, steps)
+
+    def _speculate_steps(self, pod_id: str, keys: list[int], in_pieces: bool) -> Iterator[None]:
+        step = CREDIT_NOW_BLOCKS if in_pieces else len(keys)
+        for i in range(0, len(keys), step):
+            if i:
+                yield
+            self.index.speculate(pod_id, keys[i:i + step])
+
+    def _credit_step(self, loop: asyncio.AbstractEventLoop | None, steps: Iterator[None]) -> None:
+        try:
+            next(steps)
+        except StopIteration:
             return
-        self._credit(pod_id, keys[:CREDIT_NOW_BLOCKS])
-        loop.call_soon(self._credit_from, loop, pod_id, keys, CREDIT_NOW_BLOCKS)
-
-    def _credit_from(self, loop: asyncio.AbstractEventLoop, pod_id: str, keys: list[int], start: int) -> None:
-        end = start + CREDIT_NOW_BLOCKS
-        self._credit(pod_id, keys[start:end])
-        if end < len(keys):
-            loop.call_soon(self._credit_from, loop, pod_id, keys, end)
-
-    def _credit(self, pod_id: str, keys: list[int]) -> None:
-        if keys:
-            try:
-                if pod_id in self._with_events:
-                    self.index.speculate(pod_id, keys)
-                else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
-                    self.index.record_route(pod_id, keys, self._kv_blocks(pod_id))
-            except Exception:  # the index is advisory; never fail a request over it
-                pass
+        except Exception:  # the index is advisory; never fail a request over it
+            log.exception("crediting a route to the index failed")
+            return
+        if loop is not None:
+            loop.call_soon(self._credit_step, loop, steps)
 
     def _kv_blocks(self, pod_id: str) -> int | None:
         """The pod's KV cache in the index's blocks (its ``num_gpu_blocks`` are of its own block size)."""

@@ -54,7 +54,7 @@ def test_a_chunked_order_is_an_insertion_ordered_dict(size, ops):
                     continue          # fresh enough: keeps its place and value
                 model.pop(k, None)
                 model[k] = value
-            assert co.refresh(keys, value, fresh, marks, 1) == len(expect)
+            assert co.refresh(keys, value, fresh, marks, 1)[0] == len(expect)
         elif o[0] == "pop":
             assert co.pop(o[1], "absent") == model.pop(o[1], "absent")
             marks.clear_bits([o[1]], 1)

@@ -466,6 +466,95 @@ def test_a_credit_repeated_within_a_sixteenth_of_the_ttl_keeps_the_first_expiry(
     assert ix.match(k[2:])["n"].blocks == 0 and ix.stats()["predicted_keys"] == 0
 
 
+def _refreshed(monkeypatch):
+    """The keys each ChunkedOrder.refresh is handed, in order of calls."""
+    seen: list[list[int]] = []
+    real = bigmap.ChunkedOrder.refresh
+
+    def spy(self, keys, *rest):
+        seen.append(list(keys))
+        return real(self, keys, *rest)
+    monkeypatch.setattr(bigmap.ChunkedOrder, "refresh", spy)
+    return seen
+
+
+def test_a_follow_up_credits_only_past_its_credited_head_while_the_note_holds(monkeypatch):
+    """A prompt credited whole leaves a note on its last key; the next turn of the conversation skips
+    the keys before it without looking each up, for as long as the note vouches for them (credited
+    within TTL/16: none of them expires sooner than 7/8 of a TTL from now)."""
+    seen = _refreshed(monkeypatch)
+    clock = Clock()
+    ix = PrefixIndex(block_size=BS, approximate_ttl_s=160.0, clock=clock)
+    ix.add_pod("n", MODEL, approximate=True)
+    k = keys_of(toks(12))
+    ix.record_route("n", k[:4])
+    clock.t += 5.0
+    ix.record_route("n", k[:8])                  # the turn after: only the new keys are handed on
+    assert seen == [k[:4], k[4:8]]
+    clock.t += 5.0                                # 10 s since the first four were credited: still fresh
+    for _ in ix.credit_steps("n", k, None, piece=3):
+        pass
+    assert seen[2:] == [k[8:11], k[11:]]          # the head skipped, the rest a piece a step
+    clock.t += 11.0                               # 21 s: past 160/16 since the head was looked at
+    ix.record_route("n", k)
+    assert seen[-1] == k                          # the note no longer vouches: every key looked up
+    assert ix.match(k)["n"].blocks == 12
+    assert all(ix._pods["n"].primary.pred.get(x) >= clock.t + 160.0 * 7 / 8 for x in k)
+
+
+def test_a_note_does_not_vouch_for_a_head_that_lost_a_key(monkeypatch):
+    """A key evicted from the middle of a credited run (it kept an older place: it was fresh when
+    the run was credited) leaves a hole that the bisection can step over; the note's oldest chunk
+    is gone by then, so the next turn looks every key up and credits the hole again."""
+    monkeypatch.setattr(bigmap, "CHUNK", 4)
+    ix = PrefixIndex(block_size=BS, clock=Clock())
+    ix.add_pod("n", MODEL, approximate=True)
+    src = ix._pods["n"].primary
+    k = keys_of(toks(9))
+    ix.record_route("n", [k[2]])      # k2 first, alone: the oldest entry
+    ix.record_route("n", k[:8])       # k2 fresh, kept in the oldest chunk; the note on k7
+    src.pred.pop_oldest(1, ix._pred, src.bit)   # evicts k2 alone (as the cap would)
+    assert k[2] not in src.pred and ix.match(k)["n"].blocks == 8   # the bisection steps over the hole
+    seen = _refreshed(monkeypatch)
+    ix.record_route("n", k)
+    assert seen == [k] and k[2] in src.pred
+
+
+TTL = 64.0
+credit_op = st.one_of(
+    st.tuples(st.just("credit"), st.integers(0, 2), st.integers(0, 3), st.integers(1, 8)),
+    st.tuples(st.just("tick"), st.sampled_from([0.0, TTL / 64, TTL / 24, TTL / 12, TTL / 3, TTL])),
+    st.tuples(st.just("evict"), st.integers(1, 3)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(credit_op, max_size=40), st.sampled_from([4096, 1, 3]), st.sampled_from([0, 2]))
+def test_after_a_credit_every_key_is_there_with_seven_eighths_of_a_ttl_or_more(ops, chunk, piece):
+    """Whatever came before (follow-ups, partial repeats, expiry, evictions from the front), a credit
+    that evicted nothing leaves each of its keys credited, expiring no sooner than 7/8 of a TTL on."""
+    docs = [[(d + 1) * 1000 + i for i in range(8)] for d in range(3)]
+    with mock.patch.object(bigmap, "CHUNK", chunk):
+        clock = Clock()
+        ix = PrefixIndex(block_size=BS, approximate_ttl_s=TTL, max_blocks_per_pod=10, clock=clock)
+        ix.add_pod("n", MODEL, approximate=True)
+        src = ix._pods["n"].primary
+        for o in ops:
+            if o[0] == "tick":
+                clock.t += o[1]
+            elif o[0] == "evict":
+                src.pred.pop_oldest(o[1], ix._pred, src.bit)
+            else:
+                _, d, start, end = o
+                keys = docs[d][start:max(start + 1, end)]
+                evicted = ix.counters["blocks_evicted"]
+                for _ in ix.credit_steps("n", keys, None, piece):
+                    pass
+                if ix.counters["blocks_evicted"] == evicted:
+                    assert src.pred.present(keys) == keys
+                    assert all(src.pred.get(x) >= clock.t + TTL * 7 / 8 for x in keys)
+
+
 def test_match_restricted_to_some_pods_includes_unknown_ones_as_zero():
     ix = new_index()
     t = toks(2)
