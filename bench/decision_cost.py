@@ -12,13 +12,14 @@ Each figure is the best of ``--repeats`` timed passes of ``--requests`` decision
 pass), in microseconds per decision, with the garbage collector off while timing. The last line
 printed is the headline.
 
-    python bench/decision_cost.py --prompt-sizes 8000,32000 [--pods 1,8] [--json PATH]
+    python bench/decision_cost.py --prompt-sizes 8000,32000 [--pods 1,8] [--no-events] [--json PATH]
 
 times the decision at real prompt sizes instead (``sized_cost_us``): ``bench/overhead.py``'s
 multi-turn chat requests with the real-vLLM tier's tokenizer, replayed in order, the chosen pod's
 KV events for each prompt applied between requests (so a follow-up's history is held by events),
-medians over the follow-ups and the new conversations of one pass each. The last line printed is
-the headline.
+medians over the follow-ups and the new conversations of one pass each. With ``--no-events`` the
+pods publish no KV events, as ``bench/overhead.py``'s backend, so a follow-up's history is the
+router's own credit of the turns before. The last line printed is the headline.
 
     python bench/decision_cost.py --instructions [--pods 1,32] [--json PATH]
 
@@ -57,10 +58,22 @@ BODY = {"model": "sim-model", "max_tokens": 16,
         "prompt": "Say hello to the router, please: one two three four five six seven eight nine"}
 
 
-def build_router(pods: int) -> Router:
+def build_router(pods: int, events: bool = True) -> Router:
     """``kvroute simulate``'s router for ``pods`` aggregated pods, on the real clock (no objective:
-    nothing is rejected)."""
-    return _build_router(SimConfig(pods=pods, objective_s=None), cast(Any, time.monotonic))
+    nothing is rejected). ``events=False``: pods that publish no KV events (approximate in the index,
+    credited every routed block for ``approximate_ttl_s``), their KV capacity unknown, as
+    ``bench/overhead.py``'s backend is to the router."""
+    cfg = SimConfig(pods=pods, objective_s=None)
+    if not events:
+        from router.config import PodConfig
+
+        cfg.router = {"pods": [PodConfig(id=pid, url=f"http://{pid}.simulated:8000", role=role, model=cfg.model)
+                               for pid, role in cfg.pod_ids()]}
+    router = _build_router(cfg, cast(Any, time.monotonic))
+    if not events:
+        for state in router.registry.pods.values():
+            state.num_gpu_blocks = None
+    return router
 
 
 def cost_us(pods: int, requests: int, repeats: int) -> float:
@@ -90,13 +103,14 @@ def cost_us(pods: int, requests: int, repeats: int) -> float:
     return best
 
 
-def sized_cost_us(pods: int, size: int, count: int) -> dict[str, Any]:
+def sized_cost_us(pods: int, size: int, count: int, events: bool = True) -> dict[str, Any]:
     """The decision for ``bench/overhead.py``'s multi-turn chat requests of about ``size`` tokens (the
     real-vLLM tier's tokenizer), replayed in order as a router meets them: ``plan`` (with the prompt's
     length and block keys, as the tokenize process hands them over), ``book``, and after the engine's
     KV events for the prompt's blocks have reached the index (applied here, not timed, as BlockStored
     from the chosen pod: the next turn finds its history held by events) ``ended``. Medians in
-    microseconds over the follow-ups and over the new conversations."""
+    microseconds over the follow-ups and over the new conversations. ``events=False``: pods without
+    KV events (:func:`build_router`), so the history a follow-up finds is the router's own credit."""
     import statistics
 
     from bench import overhead as ov
@@ -109,7 +123,7 @@ def sized_cost_us(pods: int, size: int, count: int) -> dict[str, Any]:
         raise SystemExit(2)
     tok = HFTokenizer(folder)
     reqs, mean = ov.chat_requests(tok, size, count=count, sample=20)
-    router = build_router(pods)
+    router = build_router(pods, events)
     bs = router.block_size
     prompts = []
     for raw in reqs:
@@ -128,15 +142,16 @@ def sized_cost_us(pods: int, size: int, count: int) -> dict[str, Any]:
         booking = router.book(plan, chosen)
         t1 = time.perf_counter()
         n = len(keys)
-        router.index.apply_event(chosen.pod_id, BlockStored(block_hashes=list(keys), parent_block_hash=None,
-                                                             token_ids=list(ids[:n * bs]), block_size=bs))
+        if events:
+            router.index.apply_event(chosen.pod_id, BlockStored(block_hashes=list(keys), parent_block_hash=None,
+                                                                 token_ids=list(ids[:n * bs]), block_size=bs))
         t2 = time.perf_counter()
         router.ended(booking)
         took[follow_up].append((t1 - t0 + time.perf_counter() - t2) * 1e6)
         seen.update(keys[:1])
     held = router.index.match(prompts[-1][2])
-    assert max(m.blocks for m in held.values()) == len(prompts[-1][2]), "the events did not reach the index"
-    return {"pods": pods, "size": size, "mean_prompt_tokens": mean, "blocks": len(prompts[-1][2]),
+    assert max(m.blocks for m in held.values()) == len(prompts[-1][2]), "the prompt is not held in the index"
+    return {"pods": pods, "size": size, "events": events, "mean_prompt_tokens": mean, "blocks": len(prompts[-1][2]),
             "follow_ups": len(took[True]), "us_follow_up_median": round(statistics.median(took[True][20:]), 1),
             "us_new_conversation_median": round(statistics.median(took[False]), 1) if took[False] else None}
 
@@ -186,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=3000, help="decisions per timed pass")
     ap.add_argument("--repeats", type=int, default=7, help="timed passes; the best is kept")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--no-events", action="store_true",
+                    help="with --prompt-sizes: pods without KV events (the router's own credit is the history)")
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per decision under callgrind instead of timing (slow, repeatable)")
     ap.add_argument("--prompt-sizes", default="",
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.pods.split(",") if n.strip()]
     if args.prompt_sizes:
         return sized_main(sizes, [int(n) for n in args.prompt_sizes.split(",") if n.strip()], args.json,
-                          argv if argv is not None else sys.argv[1:])
+                          argv if argv is not None else sys.argv[1:], events=not args.no_events)
     if args.instructions:
         return count_main(sizes, args.json, argv if argv is not None else sys.argv[1:])
     print(f"decision cost: Python {platform.python_version()}, {os.cpu_count()} CPUs, best of {args.repeats} "
@@ -217,15 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sized_main(pods: list[int], sizes: list[int], json_path: str | None, argv: list[str]) -> int:
+def sized_main(pods: list[int], sizes: list[int], json_path: str | None, argv: list[str], events: bool = True) -> int:
     print(f"decision cost at prompt sizes: Python {platform.python_version()}, {os.cpu_count()} CPUs, medians of "
-          "one pass over each size's requests (plan + book + ended; the pods' events applied between)")
+          "one pass over each size's requests (plan + book + ended; " +
+          ("the pods' events applied between)" if events else "pods without KV events)"))
     rows = []
     for size in sizes:
         for n in pods:
             # no more blocks than the index keeps per pod (1M; 600 prompts of 32k tokens would pass it and
             # its cap would drop the oldest conversations' first blocks, which no engine does)
-            row = sized_cost_us(n, size, max(100, min(600, 800_000 * 16 // size)))
+            row = sized_cost_us(n, size, max(100, min(600, 800_000 * 16 // size)), events)
             rows.append(row)
             print(f"  {row['mean_prompt_tokens']:>8,.0f} tokens, {n:>2} pods: {row['us_follow_up_median']:8.1f} us per "
                   f"follow-up, {row['us_new_conversation_median']:8.1f} us per new conversation", flush=True)
