@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -502,7 +503,8 @@ def test_a_follow_up_credits_only_past_its_credited_head_while_the_note_holds(mo
     assert all(ix._pods["n"].primary.pred.get(x) >= clock.t + 160.0 * 7 / 8 for x in k)
 
 
-def test_a_note_does_not_vouch_for_a_head_that_lost_a_key(monkeypatch):
+@pytest.mark.parametrize("first", [[2], [2, 0]], ids=["head new", "head known"])
+def test_a_note_does_not_vouch_for_a_head_that_lost_a_key(monkeypatch, first):
     """A key evicted from the middle of a credited run (it kept an older place: it was fresh when
     the run was credited) leaves a hole that the bisection can step over; the note's oldest chunk
     is gone by then, so the next turn looks every key up and credits the hole again."""
@@ -511,7 +513,8 @@ def test_a_note_does_not_vouch_for_a_head_that_lost_a_key(monkeypatch):
     ix.add_pod("n", MODEL, approximate=True)
     src = ix._pods["n"].primary
     k = keys_of(toks(9))
-    ix.record_route("n", [k[2]])      # k2 first, alone: the oldest entry
+    ix.record_route("n", [k[i] for i in first])   # k2 first: the oldest entry (k0 after it, or not yet)
+    ix.record_route("n", [1, 2, 3, 4])   # its chunk full and one more: the prompt starts in a later chunk
     ix.record_route("n", k[:8])       # k2 fresh, kept in the oldest chunk; the note on k7
     src.pred.pop_oldest(1, ix._pred, src.bit)   # evicts k2 alone (as the cap would)
     assert k[2] not in src.pred and ix.match(k)["n"].blocks == 8   # the bisection steps over the hole
