@@ -50,7 +50,7 @@ from indexer.recency import EVICT_BATCH, BlockRecency
 log = logging.getLogger("kvroute.indexer")
 
 DEFAULT_TIER = "GPU"
-MAX_SPANS = 65_536  # notes of prompts credited whole, per source (PrefixIndex.credit_steps)
+MAX_SPANS = 8_192  # notes of prompts credited whole, per source (~150 bytes each and its key; PrefixIndex.credit_steps)
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5, "FS": 0.5, "OBJ": 0.4, "DISK": 0.5}
 # KV-cache group kinds whose blocks are a real prefix cache; sliding-window/mamba groups are not.
 INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
