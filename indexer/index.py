@@ -601,6 +601,7 @@ class PrefixIndex:
         if capacity is not None and capacity > 0:
             pod.capacity = capacity
         src = pod.primary
+        pred = src.pred
         ttl = self.approximate_ttl_s if pod.approximate else self.speculative_ttl_s
         start, floor, oldest = self._credited_head(src, keys, ttl)
         floor = min(floor, self.clock() + ttl * 15 / 16)   # what a key credited (or kept fresh) now is left with
@@ -611,6 +612,8 @@ class PrefixIndex:
                 if self._pods.get(pod_id) is not pod or pod.primary is not src:
                     return   # the pod left or was added again between the steps
             oldest = min(oldest, self._add_predicted(src, keys[i:i + step], ttl))
+        if src.pred is not pred:
+            return   # the pod's cache was cleared between the steps: the pieces before it are gone
         spans = src.spans
         if len(spans) >= MAX_SPANS:
             spans.clear()   # starts over: the next follow-up of each conversation looks its keys up once

@@ -523,6 +523,19 @@ def test_a_note_does_not_vouch_for_a_head_that_lost_a_key(monkeypatch, first):
     assert seen == [k] and k[2] in src.pred
 
 
+def test_no_note_for_a_prompt_whose_credit_a_cache_reset_cut_in_two():
+    ix = PrefixIndex(block_size=BS, clock=Clock())
+    ix.add_pod("n", MODEL, approximate=True)
+    k = keys_of(toks(6))
+    steps = ix.credit_steps("n", k, None, piece=2)
+    next(steps)                      # the first two credited
+    ix.clear_pod("n")                # the engine restarted: they are gone
+    for _ in steps:
+        pass                         # the other four credited after it
+    src = ix._pods["n"].primary
+    assert src.pred.present(k) == k[2:] and not src.spans
+
+
 TTL = 64.0
 credit_op = st.one_of(
     st.tuples(st.just("credit"), st.integers(0, 2), st.integers(0, 3), st.integers(1, 8)),
