@@ -345,7 +345,7 @@ class Router:
         self._credit_step(loop, steps)
 
     def _speculate_steps(self, pod_id: str, keys: list[int], in_pieces: bool) -> Iterator[None]:
-        step = CREDIT_NOW_BLOCKS if in_pieces else len(keys)
+        step = CREDIT_NOW_BLOCKS if in_pieces else max(1, len(keys))
         for i in range(0, len(keys), step):
             if i:
                 yield

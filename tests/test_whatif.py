@@ -350,3 +350,26 @@ def test_plan_bad_split_is_a_clear_error(capsys: Any) -> None:
 
     assert plan_main(["multiturn", "--rate", "5", "--pods", "4", "--splits", "1:2"]) == 2
     assert "does not use the budget of 4 pods" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("events", [True, False], ids=["events", "no events"])
+def test_a_routers_credit_off_the_event_loop_is_whole_and_an_empty_prompt_is_no_error(events, caplog) -> None:
+    """Without a running loop (``kvroute simulate``) a long prompt is credited in one step, with or
+    without KV events; a prompt under one block credits nothing and logs nothing."""
+    import logging
+    import time
+
+    from router.config import PodConfig
+    from whatif.simulate import _build_router
+
+    cfg = SimConfig(pods=1, objective_s=None)
+    (pid, role), = cfg.pod_ids()
+    if not events:
+        cfg.router = {"pods": [PodConfig(id=pid, url=f"http://{pid}.simulated:8000", role=role, model=cfg.model)]}
+    router = _build_router(cfg, time.monotonic)
+    keys = list(range(1, 601))   # more than one 256-block piece
+    with caplog.at_level(logging.ERROR, logger="router.routing"):
+        router.speculate(pid, [])
+        router.speculate(pid, keys)
+    assert not caplog.records
+    assert router.index.match(keys)[pid].blocks == 600
