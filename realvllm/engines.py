@@ -197,6 +197,8 @@ class Engine:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+        if self.nixl:  # vLLM's AMX attention dies after a NIXL transfer: realvllm/no_amx/sitecustomize.py
+            env["PYTHONPATH"] = str(Path(__file__).resolve().parent / "no_amx")
         return env
 
     def start(self) -> Engine:

@@ -22,6 +22,7 @@ engines themselves report:
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 import uuid
@@ -206,6 +207,17 @@ def chat_or_prompt(kind: str, seed: int, stream: bool) -> dict[str, Any]:
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body
+
+
+def test_pd_engines_tell_vllm_there_is_no_amx(real_env, tmp_path):
+    """vLLM's AMX attention kernel killed the decode engine after a NIXL transfer (docs/real-vllm.md,
+    workaround 4): a P/D engine's processes see no AMX, an aggregated engine's are left as they are."""
+    probe = "import torch; print(torch.cpu._is_amx_tile_supported())"
+    pd_env = Engine(real_env, "probe-pd", tmp_path, nixl=True).environment()
+    out = subprocess.run([str(real_env.python), "-c", probe], env=pd_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+    assert "PYTHONPATH" not in Engine(real_env, "probe-agg", tmp_path).environment()
 
 
 @pytest.mark.parametrize("kind,stream", [("completions", False), ("completions", True), ("chat", False),
