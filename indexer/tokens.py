@@ -91,9 +91,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox (as transformers renders chat templates), with its verdict on an
+    attribute remembered per (type of the object, name): the verdict depends on nothing else
+    (``is_internal_attribute`` and ``modifies_known_mutable`` test the object's type and the name),
+    and a template asks the same few for every message (``message.get``). On an 8k-token chat
+    follow-up of 16 messages the checks were about a third of the render (67 µs). Only attributes
+    that exist get here, so the names are those of the types' own attributes; at most
+    ``MAX_VERDICTS`` are kept all the same."""
+
+    MAX_VERDICTS = 4096
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) < self.MAX_VERDICTS:
+                self._verdicts[key] = verdict
+        return verdict
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -55,6 +55,29 @@ def test_environment_has_strftime_now_loop_controls_generation_and_raise_excepti
         render("{{ raise_exception('no <tools> here') }}")
 
 
+def test_the_sandbox_remembers_its_verdicts_and_still_refuses_what_it_refused():
+    """The sandbox's verdict on an attribute is kept per (type, name): the same answers as jinja2's
+    own sandbox, the second time as the first, for a safe method, a mutating one and an internal one."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from indexer.tokens import _ENV
+
+    plain = ImmutableSandboxedEnvironment()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for obj, attr in [({}, "get"), ({}, "update"), ([], "append"), ("s", "upper"), ({}, "__class__"),
+                      (render, "__globals__"), (int, "mro")]:
+        value = getattr(obj, attr)
+        for _ in range(2):
+            assert _ENV.is_safe_attribute(obj, attr, value) == plain.is_safe_attribute(obj, attr, value)
+    for _ in range(2):  # a template that reads with .get renders, every time
+        assert render("{% for m in messages %}{{ m.get('role') }}{% endfor %}", messages) == "userassistant"
+        with pytest.raises(ChatTemplateError):  # a mutation is refused, the second time too
+            render("{{ messages.append(1) }}", messages)
+        with pytest.raises(ChatTemplateError):
+            render("{{ messages.__class__.__mro__ }}", messages)
+        assert render("{{ ''.__class__ }}") == ""  # an internal attribute reads as undefined
+
+
 def test_tools_and_documents_are_defined_as_none_when_absent_and_continue_final_message_is_not_a_variable():
     assert render("{{ tools is none }}{{ documents is none }}{{ continue_final_message is defined }}") == \
         "TrueTrueFalse"
