@@ -322,12 +322,16 @@ def conversation(messages: Any, content_format: str = "string") -> list[dict[str
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ChatTemplateError(f"{where} must be an object with a string 'role'")
         role = m["role"]
-        parts = _content_parts(m.get("content"), where)
-        if role == "system":
-            parts = _strip_billing_header(parts)
-        items = [p for p in (_parse_part(p, openai, f"{where}.content[{j}]") for j, p in enumerate(parts))
-                 if p is not None]
-        msg: dict[str, Any] = {"role": role, "content": items if openai else "\n".join(items)}
+        content = m.get("content")
+        if not openai and isinstance(content, str) and not content.startswith(_BILLING_HEADER):
+            msg: dict[str, Any] = {"role": role, "content": content}  # what the parts below make of it
+        else:
+            parts = _content_parts(content, where)
+            if role == "system":
+                parts = _strip_billing_header(parts)
+            items = [p for p in (_parse_part(p, openai, f"{where}.content[{j}]") for j, p in enumerate(parts))
+                     if p is not None]
+            msg = {"role": role, "content": items if openai else "\n".join(items)}
         if role == "assistant":
             calls = m.get("tool_calls")
             if calls is not None:

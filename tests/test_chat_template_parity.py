@@ -115,6 +115,21 @@ def test_messages_keep_only_vllms_fields_with_text_parts_joined_by_newlines():
     assert openai[3]["content"] == "t1\nt2"
 
 
+def test_string_content_is_what_its_one_text_part_makes_and_a_systems_billing_line_goes():
+    """A message's string content takes a shorter path than content parts: the same conversation either way,
+    vLLM's dropped first line of a system text that starts with Claude Code's billing header included."""
+    header = "x-anthropic-billing-header: cc_version=1; cc_entrypoint=cli"
+    texts = ["plain", "", "two\nlines", f"{header}\nthe real system prompt", header, f"{header}\n"]
+    for role in ("system", "user", "assistant", "developer", "tool"):
+        for text in texts:
+            as_string = conversation([{"role": role, "content": text, "name": "n"}])
+            as_parts = conversation([{"role": role, "content": [{"type": "text", "text": text}], "name": "n"}])
+            assert as_string == as_parts, (role, text)
+    assert conversation([{"role": "system", "content": f"{header}\nthe real system prompt"}])[0]["content"] == \
+        "the real system prompt"
+    assert conversation([{"role": "user", "content": f"{header}\nkept"}])[0]["content"] == f"{header}\nkept"
+
+
 @pytest.mark.parametrize("arguments,parsed", [("not json", {}), ("[1]", {}), ("", {}), (None, {}),
                                               ({"k": "v"}, {"k": "v"}), ("{\"k\": [1]}", {"k": [1]})])
 def test_tool_call_arguments_become_an_object(arguments, parsed):
