@@ -94,6 +94,11 @@ MIN_CHARS = 2048  # shorter texts are tokenized whole: the bookkeeping would cos
 MAX_KEY_PROBES = 64  # earlier chunk ends looked up for remembered block keys when the last one has none
 
 
+class NotCached(Exception):
+    """``encode_cached(..., max_new_chars=n)``: more than ``n`` characters of the text are not in the
+    cache (nothing was tokenized or stored)."""
+
+
 @dataclass
 class CacheStats:
     hits: int = 0            # texts that reused at least one chunk
@@ -416,9 +421,15 @@ class PrefixTokenCache:
         got = self.encode_cached(text, add_special_tokens)
         return got.tolist() if isinstance(got, CachedTokens) else got
 
-    def encode_cached(self, text: str, add_special_tokens: bool = True) -> CachedTokens | list[int]:
+    def encode_cached(self, text: str, add_special_tokens: bool = True,
+                      max_new_chars: int | None = None) -> CachedTokens | list[int]:
         """The tokens of ``text``: ``CachedTokens`` when the cache took part (no list built until one is
-        asked for), else the tokenizer's list."""
+        asked for), else the tokenizer's list. With ``max_new_chars``, raises ``NotCached`` instead when
+        more than that many characters would be tokenized (past the cached prefix; the whole text when
+        it is too short for the cache or the cache is off): the router then gives it to its tokenize
+        process rather than holding its event loop (router/api.py)."""
+        if max_new_chars is not None and len(text) > max_new_chars and (self.disabled or len(text) < self.min_chars):
+            raise NotCached
         if self.disabled or len(text) < self.min_chars:
             whole = self._encode(text, add_special_tokens)
             if self._twin is not None:
@@ -428,9 +439,11 @@ class PrefixTokenCache:
             return whole
         around = self._around(add_special_tokens)
         if around is None:
+            if max_new_chars is not None and len(text) > max_new_chars:
+                raise NotCached
             return self._encode(text, add_special_tokens)
         lead, trail = around
-        tokens = self._assemble(text, add_special_tokens, lead, trail)
+        tokens = self._assemble(text, add_special_tokens, lead, trail, max_new_chars)
         if self._should_verify():
             self._submit_check(text, add_special_tokens, tokens)
         return tokens
@@ -484,7 +497,8 @@ class PrefixTokenCache:
         """The tokens of ``text`` without special tokens."""
         return self._assemble(text, False, [], []).tolist()
 
-    def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int]) -> CachedTokens:
+    def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int],
+                  max_new_chars: int | None = None) -> CachedTokens:
         ends = boundaries(text, self.chunk_chars)
         keys = chain_keys(text, ends)
         chunks: list[array[int]] = []
@@ -500,6 +514,8 @@ class PrefixTokenCache:
                 reused += len(chunk)
                 known += 1
         offset = ends[known - 1] if known else 0
+        if max_new_chars is not None and len(text) - offset > max_new_chars:
+            raise NotCached
         cuts = ends[known:]  # the new chunks, then the rest after the last chunk end: one batch call
         pieces = [text[a:b] for a, b in zip([offset, *cuts], [*cuts, len(text)], strict=True)]
         ids = self._pieces(pieces)

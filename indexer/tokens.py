@@ -683,13 +683,24 @@ def chat_text(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
     return text, req.add_special_tokens
 
 
-def routing_encoder(tokenizer: Tokenizer) -> Callable[[str, bool], Sequence[int]]:
+def routing_encoder(tokenizer: Tokenizer, max_new_chars: int | None = None) -> Callable[[str, bool], Sequence[int]]:
     """``(text, add_special_tokens) -> tokens`` for routing: the prefix token cache's ``encode_cached``
-    where the tokenizer has one (``HFTokenizer.cache_prefixes``), else ``encode``."""
+    where the tokenizer has one (``HFTokenizer.cache_prefixes``), else ``encode``. With
+    ``max_new_chars``, it raises ``indexer.prefix_tokens.NotCached`` rather than tokenize more than
+    that many characters."""
     cache = getattr(tokenizer, "prefix_cache", None)
-    if cache is not None:
-        return cache.encode_cached  # type: ignore[no-any-return]
-    return tokenizer.encode
+    if max_new_chars is None:
+        return cache.encode_cached if cache is not None else tokenizer.encode
+    from indexer.prefix_tokens import NotCached
+
+    def bounded(text: str, add_special_tokens: bool) -> Sequence[int]:
+        if cache is not None:
+            return cache.encode_cached(text, add_special_tokens, max_new_chars)  # type: ignore[no-any-return]
+        if len(text) > max_new_chars:
+            raise NotCached
+        return tokenizer.encode(text, add_special_tokens)
+
+    return bounded
 
 
 def completion_add_special_tokens(body: dict[str, Any]) -> bool:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from indexer.prefix_tokens import NotCached
 from kvcommon.asgi import read_body
 from router.auth import Caller, Gate, install_reload
 from router.costs import estimate_prompt_tokens
@@ -149,20 +150,43 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(503, "router is starting")
         return r
 
+    offloaded = [0]  # prompts being tokenized off the event loop now
+
     async def prompt_ids(r: Router, kind: str, body: dict[str, Any], raw: bytes) -> dict[str, Any]:
-        """tokenizer remote: the pod-tokenized prompt for plan; a large body: tokenized in the tokenize
-        process (router/tokenize_proc.py), or a tokenize thread (router/prompts.py TokenizePool) when
-        that cannot answer; otherwise plan tokenizes it on the spot."""
+        """tokenizer remote: the pod-tokenized prompt for plan. A large body: tokenized here when no
+        other prompt is being tokenized and its new part is short (``tokenize_inline_chars`` past the
+        prefix token cache: a follow-up turn), else in the tokenize process (router/tokenize_proc.py),
+        or a tokenize thread (router/prompts.py TokenizePool) when that cannot answer. Otherwise plan
+        tokenizes it on the spot.
+
+        Here, a follow-up pays no round trip to the tokenize process: on this 2-core VM its write,
+        the child's wake-up, the answer's write and the router's wake-up took ~190 µs of an 8k-token
+        chat follow-up's ~650 µs there (docs/router.md, "Overhead at real prompt sizes"). Only when
+        nothing else is being tokenized: under load the process's core does the work, and the event
+        loop the routing."""
         if services.remote_prompts is None:
             if len(raw) < settings.tokenize_offload_bytes:
                 return {}
-            got = None
-            if services.tokenize_process is not None:
-                model = r.resolve_model(body)
-                got = await services.tokenize_process.run(kind, raw, r.block_size, r.key_seed(model),
-                                                          r.target(model)[1], cache_salt(body), r.chars_per_token)
-            if got is None:
-                got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
+            if settings.tokenize_inline_chars and services.prefix_tokens is not None and not offloaded[0]:
+                try:
+                    tokens, rest, keys = r.prompt_and_keys(kind, body, settings.tokenize_inline_chars)
+                except NotCached:
+                    metrics.tokenize_inline.labels("too-new").inc()
+                else:
+                    metrics.tokenize_inline.labels("done").inc()
+                    return {"tokens": tokens, "rest": rest, "keys": keys}
+            offloaded[0] += 1
+            try:
+                got = None
+                if services.tokenize_process is not None:
+                    model = r.resolve_model(body)
+                    got = await services.tokenize_process.run(kind, raw, r.block_size, r.key_seed(model),
+                                                              r.target(model)[1], cache_salt(body),
+                                                              r.chars_per_token)
+                if got is None:
+                    got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
+            finally:
+                offloaded[0] -= 1
             tokens, rest, keys = got
             return {"tokens": tokens, "rest": rest, "keys": keys}
         got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))

@@ -206,6 +206,10 @@ class RouterSettings(BaseSettings):
                                               "answered by then goes to the threads, and the process is restarted")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
                                         "in the tokenize threads, so they do not delay small requests")
+    tokenize_inline_chars: int = Field(4096, ge=0, description="a large body is tokenized on the event loop "
+                                       "when no other prompt is being tokenized and at most this many characters "
+                                       "of its prompt are past what the prefix token cache holds (a follow-up "
+                                       "turn): it then pays no round trip to the tokenize process (0: never)")
     gil_switch_interval_ms: float = Field(0.5, gt=0, description="how long a Python thread (a tokenize thread "
                                           "hashing a big prompt) may hold the GIL before the event loop gets it "
                                           "(sys.setswitchinterval; Python's default is 5 ms)")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from indexer.keys import block_keys
-from indexer.prefix_tokens import CachedTokens
+from indexer.prefix_tokens import CachedTokens, NotCached
 from indexer.tokens import (
     ChatRequest,
     ChatTemplateError,
@@ -79,26 +79,33 @@ def add_special_tokens(body: dict[str, Any]) -> bool:
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
-def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
+def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None) -> Sequence[int]:
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
-        return routing_encoder(tokenizer)(prompt, add_special_tokens(body))
+        if max_new_chars is not None and isinstance(body.get("prompt"), list):
+            raise NotCached  # a batch of texts: the others are tokenized whole (router/costs.py)
+        return routing_encoder(tokenizer, max_new_chars)(prompt, add_special_tokens(body))
     return prompt
 
 
-def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
+def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None) -> Sequence[int]:
     chat_messages(body)
     try:
         text, special = chat_text(body, tokenizer)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
-    return routing_encoder(tokenizer)(text, special)
+    return routing_encoder(tokenizer, max_new_chars)(text, special)
 
 
-def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer) -> Sequence[int]:
+def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer,
+                  max_new_chars: int | None = None) -> Sequence[int]:
     """``kind`` is "chat" or "completion". With a prefix token cache the answer may be a
-    ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap."""
-    return chat_tokens(body, tokenizer) if kind == "chat" else completion_tokens(body, tokenizer)
+    ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap. With
+    ``max_new_chars``, ``NotCached`` is raised rather than tokenize more than that many characters
+    past the cached prefix (or any batch of prompts)."""
+    if kind == "chat":
+        return chat_tokens(body, tokenizer, max_new_chars)
+    return completion_tokens(body, tokenizer, max_new_chars)
 
 
 def prompt_block_keys(tokens: Sequence[int], block_size: int, seed: int, adapter: str | None,

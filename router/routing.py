@@ -269,17 +269,19 @@ class Router:
         return take_snapshot(model, pods, keys, tokens, index=self.index, ledger=self.ledger,
                              calibrator=self.calibrator, block_size=self.block_size, salts=self._salts)
 
-    def prompt(self, kind: str, body: Mapping[str, Any]) -> tuple[Sequence[int], int]:
+    def prompt(self, kind: str, body: Mapping[str, Any], max_new_chars: int | None = None) -> tuple[Sequence[int], int]:
         """The prompt's token ids with the local tokenizer, and the tokens of the other prompts of a
         completion batch. Touches no routing state, so it may run in a tokenize thread (see
-        ``prompt_and_keys``)."""
-        tokens = prompt_tokens(kind, body, self.tokenizer)  # type: ignore[arg-type]
+        ``prompt_and_keys``). ``max_new_chars``: ``router.prompts.prompt_tokens``'s bound."""
+        tokens = prompt_tokens(kind, body, self.tokenizer, max_new_chars)  # type: ignore[arg-type]
         rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         return tokens, rest
 
-    def prompt_and_keys(self, kind: str, body: Mapping[str, Any]) -> tuple[Sequence[int], int, list[int]]:
-        """``prompt`` and the prompt's block keys: the CPU-heavy part of ``plan``, for a tokenize thread."""
-        tokens, rest = self.prompt(kind, body)
+    def prompt_and_keys(self, kind: str, body: Mapping[str, Any],
+                        max_new_chars: int | None = None) -> tuple[Sequence[int], int, list[int]]:
+        """``prompt`` and the prompt's block keys: the CPU-heavy part of ``plan``, for a tokenize thread
+        (or, bounded by ``max_new_chars``, on the event loop: router/api.py)."""
+        tokens, rest = self.prompt(kind, body, max_new_chars)
         return tokens, rest, self.keys_for(self.resolve_model(body), tokens, cache_salt(body))
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,

@@ -64,8 +64,9 @@ class Services:
             self.tokenize_process = TokenizeProcess(settings.tokenizer, settings.tokenize_cache_tokens,
                                                     settings.tokenize_process_timeout_s,
                                                     tiktoken=settings.tokenize_tiktoken)
-        if self.bus is not None and self.prefix_tokens is not None and settings.tokenize_cache_share:
-            share_tokens(self.bus, self.prefix_tokens, self.tokenize_process)
+        if self.prefix_tokens is not None and (self.tokenize_process is not None or self.bus is not None):
+            share_tokens(self.bus if settings.tokenize_cache_share else None, self.prefix_tokens,
+                         self.tokenize_process)
         self.tokenize_pool = TokenizePool(settings.tokenize_threads)
         units = [u for p in settings.pods for u in data_parallel_ranks(p, settings.data_parallel_steering)]
         self.registry = PodRegistry(units, scrape_interval_s=settings.scrape_interval_s,
@@ -243,15 +244,31 @@ class Services:
 
 
 def share_tokens(bus: Any, cache: Any, process: TokenizeProcess | None = None) -> None:
-    """Workers and replicas share the chunks they tokenize over the booking bus (its "t" messages):
-    what one process stored (here or in its tokenize process, which loads the same tokenizer) is
-    published, and another's is taken (by both) if it was cut by the same tokenizer
+    """The router's prefix token cache and its tokenize process's keep each other's chunks (a
+    conversation's turns may be tokenized in either: router/api.py). With workers or replicas
+    (``bus`` not None) the chunks are shared over the booking bus too (its "t" messages): what one
+    process stored (here or in its tokenize process, which loads the same tokenizer) is published,
+    and another's is taken (by both) if it was cut by the same tokenizer
     (``PrefixTokenCache.fingerprint``, read once here)."""
-    fingerprint = cache.fingerprint
-    cache.on_stored = lambda chunks: bus.share_tokens(fingerprint, chunks)
+    fingerprint = cache.fingerprint if bus is not None else ""
+
+    def stored_here(chunks: Any) -> None:  # on the event loop or in a tokenize thread
+        if process is not None:
+            process.adopt(chunks)
+        if bus is not None:
+            bus.share_tokens(fingerprint, chunks)
+
+    def stored_there(chunks: Any) -> None:  # in the tokenize process
+        cache.adopt(chunks)
+        if bus is not None:
+            bus.share_tokens(fingerprint, chunks)
+
+    cache.on_stored = stored_here
     if process is not None:
         process.share = True
-        process.on_stored = cache.on_stored
+        process.on_stored = stored_there
+    if bus is None:
+        return
 
     def take(fp: str, chunks: Any) -> bool:
         if fp != fingerprint:

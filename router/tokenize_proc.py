@@ -31,9 +31,12 @@ ready, up to 5 minutes) and when a job runs past ``timeout_s`` (the child is kil
 again, since a job cannot be taken back from it). The child exits when the router's end of the
 socket closes. ``kvroute_tokenize_process_jobs`` counts the outcomes.
 
-**Chunk sharing.** With workers or replicas on the booking bus, the chunks the child stores come
-back with each answer and are published as the router's own; chunks heard from the bus go to the
-child as well as to the router's cache (which keeps serving the prompts tokenized on the loop).
+**Chunk sharing.** The router and its child each keep a prefix token cache, and a conversation's
+turns may be tokenized in either (a follow-up whose new part is short is tokenized on the event loop
+when no other prompt is being tokenized: router/api.py), so each keeps the other's chunks: those the
+child stores come back with each answer and go into the router's cache, and those the router stores
+go to the child ahead of its next job (``adopt``). With workers or replicas on the booking bus, both
+are published as well, and chunks heard from the bus go to both caches.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ MAX_JOBS = 16  # admitted at once; the rest wait their turn (each waits at most 
 RESTART_AFTER_S = 5.0  # the least time between two starts of the child
 MAX_RESTART_AFTER_S = 300.0  # doubled up to this while the child dies before it is ever ready
 MAX_FRAME = 1 << 30  # the stream reader's limit
-MAX_ADOPT_BUFFER = 64 << 20  # chunks from the bus are dropped while this much waits to reach the child
+MAX_ADOPT_BUFFER = 16 << 20  # chunks for the child are dropped while this much waits to reach it
 _LEN = struct.Struct(">I")
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -227,6 +230,8 @@ class TokenizeProcess:
         self._ready = False
         self._started_at = -restart_after_s
         self._slots: asyncio.Semaphore | None = None
+        self._adopt: list[bytes] = []  # frames of chunks for the child, sent ahead of its next job
+        self._adopt_bytes = 0
 
     @property
     def ready(self) -> bool:
@@ -325,8 +330,10 @@ class TokenizeProcess:
                     fut = asyncio.get_running_loop().create_future()
                     self._pending[job_id] = fut
                     payload = _encode(["t", job_id, kind, raw, block_size, seed, adapter, salt, chars_per_token])
+                    frames, self._adopt, self._adopt_bytes = self._adopt, [], 0
+                    frames += (_LEN.pack(len(payload)), payload)
                     try:
-                        writer.write(_LEN.pack(len(payload)) + payload)
+                        writer.write(b"".join(frames))
                         submitted = True
                         answer = await fut
                     finally:
@@ -361,10 +368,14 @@ class TokenizeProcess:
         return (tokens if tokens is not None else PromptLength(count)), rest, keys.tolist()
 
     def adopt(self, chunks: list[tuple[int, array]]) -> None:
-        """Chunks another router process tokenized (the booking bus): the child takes them too."""
-        if self._writer is not None and self._writer.transport.get_write_buffer_size() < MAX_ADOPT_BUFFER:
-            payload = _encode(["a", _chunks_out(chunks)])
-            self._writer.write(_LEN.pack(len(payload)) + payload)
+        """Chunks tokenized elsewhere (in the router itself, or by another router process on the
+        booking bus): the child takes them before its next job, in the same write (a write of their
+        own would wake it for nothing). Past ``MAX_ADOPT_BUFFER`` waiting, they are dropped: the
+        child then tokenizes those texts again. Callable from a tokenize thread."""
+        payload = _encode(["a", _chunks_out(chunks)])
+        if self._adopt_bytes + len(payload) <= MAX_ADOPT_BUFFER:
+            self._adopt.append(_LEN.pack(len(payload)) + payload)
+            self._adopt_bytes += len(payload) + _LEN.size
 
 
 class TokenizeProcessCollector(Collector):

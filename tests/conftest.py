@@ -126,7 +126,8 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_keys.py": frozenset({"test_keys_are_stable_across_processes"}),
     "test_prefix_tokens.py": frozenset({"test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the_loop",
                                         "test_chain_keys_are_the_same_in_every_process",
-                                        "test_replicas_share_the_chunks_they_tokenize"}),
+                                        "test_replicas_share_the_chunks_they_tokenize",
+                                        "test_a_follow_up_is_tokenized_on_the_loop_from_chunks_the_tokenize_process_stored"}),
     "test_replay_cli.py": frozenset({
         "test_mooncake_replay_writes_table_json_and_plots",
         "test_comma_separated_targets_share_the_requests",

@@ -6,12 +6,13 @@ from __future__ import annotations
 import random
 import re
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.keys import block_keys
-from indexer.prefix_tokens import PROBE, CachedTokens, PrefixTokenCache, boundaries, cut_problem
+from indexer.prefix_tokens import PROBE, CachedTokens, NotCached, PrefixTokenCache, boundaries, cut_problem
 from tests.helpers import ROOT
 
 WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
@@ -204,6 +205,52 @@ def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     assert b.stats.hits == 1 and b.stats.misses == 0 and b.stats.reused_tokens > 0.7 * len(got)
     assert b.held_tokens <= 2000
     a.on_stored = None
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE (GPT-2)", "WordPiece"])
+def test_a_bound_on_new_characters_refuses_before_tokenizing_anything(name):
+    """``max_new_chars``: a text with more than that past its cached prefix raises ``NotCached`` and
+    leaves the cache as it was; a follow-up within it is tokenized exactly, as without the bound."""
+    hf = TOKENIZERS[name]
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=200, verify_every=0)
+    text = " ".join(corpus(40, seed=5))
+    with pytest.raises(NotCached):
+        cache.encode_cached(text, True, max_new_chars=500)
+    assert cache.held_tokens == 0 and cache.stats.misses == 0 and cache.stats.tokenized_tokens == 0
+    cache.encode_cached(text, True)  # the first turn, unbounded: stored
+    held = cache.held_tokens
+    added = " " + " ".join(corpus(2, seed=31))
+    follow_up = text + added
+    with pytest.raises(NotCached):  # a bound below what is new
+        cache.encode_cached(follow_up, True, max_new_chars=len(added) // 2)
+    assert cache.held_tokens == held and cache.stats.hits == 0
+    got = cache.encode_cached(follow_up, True, max_new_chars=len(added) + 64)  # the new part and the last chunk's rest
+    assert got == hf.encode(follow_up, add_special_tokens=True).ids
+    assert cache.stats.hits == 1
+    short = "a few words"  # too short for the cache: tokenized whole, if within the bound
+    assert cache.encode_cached(short, True, max_new_chars=len(short)) == hf.encode(short).ids
+    with pytest.raises(NotCached):
+        cache.encode_cached(short, True, max_new_chars=len(short) - 1)
+
+
+def test_a_bounded_prompt_refuses_a_batch_of_texts_and_a_text_with_too_much_new(tmp_path):
+    """``prompt_tokens(..., max_new_chars)``: a batch of texts is refused (its other prompts would be
+    tokenized whole), token ids are not (nothing to tokenize), a text within the bound is tokenized."""
+    from indexer.tokens import HFTokenizer
+    from router.prompts import prompt_tokens
+
+    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    tok.cache_prefixes(verify_every=0)
+    text = " ".join(corpus(40, seed=8))
+    with pytest.raises(NotCached):
+        prompt_tokens("completion", {"prompt": [text, "two"]}, tok, max_new_chars=10 * len(text))
+    with pytest.raises(NotCached):
+        prompt_tokens("completion", {"prompt": text}, tok, max_new_chars=100)
+    assert list(prompt_tokens("completion", {"prompt": [[1, 2], [3]]}, tok, max_new_chars=1)) == [1, 2]
+    assert list(prompt_tokens("completion", {"prompt": text}, tok, max_new_chars=len(text))) == tok.encode(text)
+    with pytest.raises(NotCached):
+        prompt_tokens("chat", {"messages": [{"role": "user", "content": text}]}, tok, max_new_chars=100)
 
 
 def test_a_turn_after_one_another_process_served_hashes_only_the_blocks_after_its_own_last_turn(monkeypatch):
@@ -401,7 +448,8 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
     messages = [{"role": "system", "content": " ".join(corpus(60, seed=9))}]
     async with pods_running(1) as pods:
         for offload in (0, 10**9):  # every body in the threads; none
-            settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload)
+            settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=offload,
+                                    tokenize_inline_chars=0)  # not on the loop when nothing else is: below
             async with running_router(settings) as (base, services):
                 if offload == 0:  # bodies go to the tokenize process once it is up (before: the threads)
                     from tests.test_tokenize_process import until_ready
@@ -443,11 +491,62 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                     assert rate == pytest.approx(cache.hit_rate()) and rate > 0.5
 
 
+async def test_a_follow_up_is_tokenized_on_the_loop_from_chunks_the_tokenize_process_stored(tmp_path):
+    """One connection, every body large: a conversation's first turn goes to the tokenize process (its
+    new part is all of it), each follow-up is tokenized on the event loop from the chunks the process
+    sent back, and the process gets the chunks the loop stored with its next job, so a follow-up it
+    tokenizes later reuses them. The keys are the full tokenization's either way."""
+    import httpx
+
+    from indexer.keys import key_seed
+    from indexer.tokens import HFTokenizer, chat_request_ids
+    from tests.test_router_api import pods_running, running_router, settings_for
+    from tests.test_tokenize_process import until_ready
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(folder / "tokenizer.json"))
+    plain = HFTokenizer(folder / "tokenizer.json")
+
+    def inline(text: str, outcome: str) -> float:
+        found = re.search(rf'^kvroute_tokenize_inline_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    async with pods_running(1) as pods:
+        settings = settings_for(pods, tokenizer=str(folder / "tokenizer.json"), tokenize_offload_bytes=0,
+                                tokenize_inline_chars=2000)
+        async with running_router(settings) as (base, services):
+            proc = services.tokenize_process
+            await until_ready(proc)
+            history = [{"role": "system", "content": " ".join(corpus(60, seed=21))}]
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                for turn in range(4):
+                    history.append({"role": "user", "content": " ".join(corpus(3, seed=40 + turn))})
+                    body = {"model": "m", "messages": history, "max_tokens": 2}
+                    explained = (await c.post("/debug/route", json=body)).json()
+                    assert explained["prompt_tokens"] == len(chat_request_ids(body, plain))
+                    history.append({"role": "assistant", "content": " ".join(corpus(1, seed=60 + turn))})
+                metrics = (await c.get("/metrics")).text
+            # the first turn in the process (too new for the loop), the three follow-ups on the loop
+            assert proc.jobs["done"] == 1 and inline(metrics, "too-new") == 1 and inline(metrics, "done") == 3
+            assert services.prefix_tokens.stats.hits == 3  # from the chunks the process sent back
+            # the process gets the loop's chunks ahead of its next job: a follow-up it tokenizes reuses them
+            history.append({"role": "user", "content": " ".join(corpus(3, seed=44))})
+            body = {"model": "m", "messages": history, "max_tokens": 2}
+            before = proc.cache.reused
+            got = await proc.run("chat", orjson.dumps(body), 16, key_seed("m"), None, None, 4.0)
+            want = chat_request_ids(body, plain)
+            assert got is not None and len(got[0]) == len(want)
+            assert proc.cache.adopted > 0
+            assert proc.cache.reused - before > 0.8 * len(want)  # it tokenized only the last turn
+
+
 @pytest.mark.parametrize("offload", [None, 0])
 async def test_replicas_share_the_chunks_they_tokenize(tmp_path, offload):
     """Two `kvroute serve` replicas on the booking bus: a conversation's first turn goes through A, its
     follow-up through B, and B tokenizes only the new part, from the chunks A sent it (exactly). With
-    ``tokenize_offload_bytes: 0`` both are tokenized in the replicas' tokenize processes."""
+    ``tokenize_offload_bytes: 0`` (and never on the event loop) both are tokenized in the replicas'
+    tokenize processes."""
     import asyncio
     import contextlib
 
@@ -476,7 +575,7 @@ async def test_replicas_share_the_chunks_they_tokenize(tmp_path, offload):
                 "port": port, "pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}],
                 "tokenizer": str(folder / "tokenizer.json"), "booking_bus_bind": f"tcp://127.0.0.1:{mine}",
                 "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.2,
-                **({} if offload is None else {"tokenize_offload_bytes": offload})}))
+                **({} if offload is None else {"tokenize_offload_bytes": offload, "tokenize_inline_chars": 0})}))
             stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
                                                 ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
             bases.append(f"http://127.0.0.1:{port}")
