@@ -16,7 +16,8 @@ machine (32k tokens, block 16; see docs/indexer.md): tuple ``hash()`` ~200-360 n
 xxhash ``xxh3_64`` over the packed block ~450 ns/block (the per-block Python call and buffer
 slicing dominate), ``hashlib.blake2b`` ~1,240 ns/block. Tuple hashing of ints is deterministic
 across processes (only str/bytes hashing is salted), but it is not a wire format: keys are
-only ever compared within one router process, never stored or sent.
+only ever compared within one router process (its tokenize process, the same Python, sends it
+keys it computed: router/tokenize_proc.py), never stored or sent further.
 """
 
 from __future__ import annotations
