@@ -24,10 +24,13 @@ text, as Llama 2's does, fails here). A tokenizer that fails is used without the
 texts and chat histories for byte-level BPE, WordPiece and Unigram tokenizers, and at run time one
 cache hit in ``verify_every`` is also tokenized whole, in a background thread (so no request waits
 for it), and compared: on a mismatch the cache turns itself off and the router goes on with full
-tokenization. The checks take at most ``verify_share`` of the tokenizer's work (the tokens they
-re-tokenize against those the cache tokenized): a check re-tokenizes the whole prompt, so at
-8k-token follow-ups one in 64 cost more CPU than the new words of all 64 (18 ms against ~1 ms
-each).
+tokenization. The checks take at most ``verify_share`` of the tokenizing's CPU time (each thread's
+own, ``time.thread_time``: the checks' against the cache's new pieces'): a check re-tokenizes the
+whole prompt, so at 8k-token follow-ups one in 64 cost more CPU than the new words of all 64 (18 ms
+against ~1 ms each). Until 2026-12-05 the share was counted in tokens; with tiktoken's twin doing
+the cache's tokenizing (145 ns a token) and the tokenizers library the checks' (726 ns), a tenth
+of the tokens was half as much CPU again as the tokenizing (docs/router.md, "The checks' share in
+CPU time").
 
 **Off the GIL.** ``Tokenizer.encode`` holds the GIL for the whole encode (about 50 ms for a
 35k-token text on the build machine: ``bench/gil_hold.py``), so a big prompt tokenized in a thread
@@ -84,6 +87,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
+from time import thread_time
 from typing import Any, overload
 
 import xxhash
@@ -107,6 +111,8 @@ class CacheStats:
     tokenized_tokens: int = 0
     verified: int = 0
     verified_tokens: int = 0  # tokens tokenized again by the checks
+    tokenize_seconds: float = 0.0  # CPU time (its thread's) spent tokenizing the cache's new pieces
+    verify_seconds: float = 0.0    # CPU time the checks spent (re-tokenizing and comparing)
     mismatches: int = 0
     key_hits: int = 0        # cached texts whose prefix's block keys were remembered (or an earlier prefix's)
     key_misses: int = 0
@@ -457,11 +463,14 @@ class PrefixTokenCache:
     def check(self, text: str, add_special_tokens: bool, tokens: Sequence[int]) -> bool:
         """Compare ``tokens`` with the tokenizers library's whole tokenization of ``text``. On a mismatch
         the twin goes if the twin alone tokenizes the text otherwise, else the cache is turned off."""
+        began = thread_time()
         try:
             whole = self._reference(text, add_special_tokens)
             self.stats.verified += 1
             self.stats.verified_tokens += len(whole)
-            if whole == (tokens.tolist() if isinstance(tokens, CachedTokens) else list(tokens)):
+            same = whole == (tokens.tolist() if isinstance(tokens, CachedTokens) else list(tokens))
+            self.stats.verify_seconds += thread_time() - began
+            if same:
                 return True
             self.stats.mismatches += 1
             twin = self._twin
@@ -490,7 +499,7 @@ class PrefixTokenCache:
     def _should_verify(self) -> bool:
         st = self.stats
         return (self.verify_every > 0 and not self._checking and st.hits > 0 and st.hits % self.verify_every == 0
-                and (self.verify_share is None or st.verified_tokens <= self.verify_share * st.tokenized_tokens))
+                and (self.verify_share is None or st.verify_seconds <= self.verify_share * st.tokenize_seconds))
 
     # ---- the body: cached chunks, then the rest ----------------------------------------------
     def body(self, text: str) -> list[int]:
@@ -524,7 +533,9 @@ class PrefixTokenCache:
             raise NotCached
         cuts = ends[known:]  # the new chunks, then the rest after the last chunk end: one batch call
         pieces = [text[a:b] for a, b in zip([offset, *cuts], [*cuts, len(text)], strict=True)]
+        began = thread_time()
         ids = self._pieces(pieces)
+        self.stats.tokenize_seconds += thread_time() - began
         rest: list[int] = ids[0] if len(ids) == 1 else list(chain.from_iterable(ids))
         if known:
             self.stats.hits += 1

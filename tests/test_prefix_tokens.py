@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import orjson
 import pytest
@@ -344,15 +345,59 @@ def test_the_checks_take_at_most_their_share_of_the_tokenizers_work():
     the checks would cost many times the new words; the share caps them and still checks some."""
     hf = TOKENIZERS["byte-level BPE (GPT-2)"]
     cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1, verify_share=0.1)
+    started = []  # the CPU times spent checking and tokenizing when each check was started
+    submit = cache._submit_check
+
+    def record(*args: object) -> None:
+        started.append((cache.stats.verify_seconds, cache.stats.tokenize_seconds))
+        submit(*args)
+
+    cache._submit_check = record  # type: ignore[method-assign]
     history = " ".join(corpus(600, seed=1))
     for turn in range(40):
         history += " " + " ".join(corpus(6, seed=200 + turn))
         assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
         cache.wait_checked()
     st = cache.stats
-    whole = len(hf.encode(history, add_special_tokens=False).ids)
     assert st.hits == 39 and 1 <= st.verified < 10, st
-    assert st.verified_tokens <= 0.1 * st.tokenized_tokens + whole, st  # at most one check past the share
+    # the share is of CPU time, not tokens: a check starts only while the checks so far are within it
+    assert len(started) == st.verified and st.tokenize_seconds > 0 and st.verify_seconds > 0, st
+    assert all(checking <= 0.1 * tokenizing for checking, tokenizing in started), started
+
+
+def test_the_share_is_of_cpu_time_so_a_costly_check_waits_for_more_tokenizing():
+    """A check re-tokenizes the whole text with the tokenizers library, which costs several times
+    what the cache's tokenizing of as many tokens costs (tiktoken's twin: 726 against 145 ns a token
+    at 8k on the real tier's model). Counted in tokens, a share of 1 lets a second check start at
+    the next hit; counted in CPU time, a check that costs 20 ms waits for 20 ms of tokenizing."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1, verify_share=1.0)
+    reference = cache._reference
+
+    def costly(text: str, special: bool) -> list[int]:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return reference(text, special)
+
+    cache._reference = costly  # type: ignore[method-assign]
+    started = []
+    submit = cache._submit_check
+
+    def record(*args: object) -> None:
+        started.append((cache.stats.verify_seconds, cache.stats.tokenize_seconds))
+        submit(*args)
+
+    cache._submit_check = record  # type: ignore[method-assign]
+    history = " ".join(corpus(600, seed=1))
+    for turn in range(12):
+        history += " " + " ".join(corpus(30, seed=300 + turn))
+        assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
+        cache.wait_checked()
+    st = cache.stats
+    assert st.hits == 11 and st.verified == len(started) >= 1 and st.mismatches == 0, st
+    assert st.verify_seconds >= 0.02 * st.verified, st
+    assert all(checking <= tokenizing for checking, tokenizing in started), started
 
 
 def test_memory_is_bounded_and_a_mismatch_turns_the_cache_off():
