@@ -313,6 +313,89 @@ def test_chunk_ends_and_their_keys_are_what_their_definitions_say(text, chunk_ch
     assert chain_keys(ascii_only, ends) == chain_keys(ascii_only + "é", ends)  # the same keys either path
 
 
+edits = st.tuples(st.sampled_from(["extend", "change", "space", "cut"]), st.floats(0.0, 1.0),
+                  st.text(alphabet=st.sampled_from(list("ab9 _.\n-é東 ")), min_size=1, max_size=60))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab9 _.\n\t-é東\u00a0 ")), min_size=1, max_size=300),
+       st.lists(edits, min_size=1, max_size=8), st.integers(1, 24), st.booleans())
+def test_a_text_cut_from_a_noted_prefix_has_the_ends_and_keys_of_a_whole_cut(base, steps, chunk_chars, ascii_only):
+    """``PrefixTokenCache._cut`` takes an earlier text's ends and keys where that text is a prefix of
+    this one through its last chunk end, and cuts only the rest. Texts that extend one another, or
+    differ from a noted one anywhere (also at the space after its last chunk end, or only inside
+    it, where its tail still matches), or are shorter: always the ends and keys of the whole text."""
+    from indexer.prefix_tokens import chain_keys
+
+    cache = PrefixTokenCache(TOKENIZERS["byte-level BPE (GPT-2)"], chunk_chars=chunk_chars, min_chars=0)
+    text = base.encode("ascii", "ignore").decode() or "x" if ascii_only else base
+    texts = [text]
+    for kind, where, piece in steps:
+        if ascii_only:
+            piece = piece.encode("ascii", "ignore").decode() or "y"
+        at = int(where * len(text))
+        if kind == "extend":
+            text = text + piece
+        elif kind == "change":  # the same length and tail: only the hash can tell
+            text = text[:at] + ("Q" if text[at:at + 1] != "Q" else "R") + text[at + 1:] if text else piece
+        elif kind == "space":  # the character after a noted text's last chunk end
+            ends = boundaries(text, chunk_chars)
+            if ends:
+                text = text[:ends[-1]] + "Z" + text[ends[-1] + 1:] + piece
+        else:
+            text = text[:at] + piece
+        texts.append(text)
+    for t in texts + texts[::-1]:
+        ends = boundaries(t, chunk_chars)
+        assert cache._cut(t) == (ends, chain_keys(t, ends))
+    assert cache._notes_held == sum(len(n.ends) for notes in cache._notes.values() for n in notes)
+
+
+def test_notes_are_bounded_and_a_follow_up_takes_its_conversations_note():
+    """At most ``NOTES_PER_HEAD`` per first chunk and ``max_tokens // 16`` chunk ends in all; a
+    follow-up finds the note of its own conversation among others that share its first chunk."""
+    from indexer.prefix_tokens import NOTES_PER_HEAD, chain_keys
+
+    cache = PrefixTokenCache(TOKENIZERS["byte-level BPE (GPT-2)"], chunk_chars=16, min_chars=0)
+    system = " ".join(corpus(20, seed=3))
+    convs = [system + " " + " ".join(corpus(3, seed=10 + i)) for i in range(NOTES_PER_HEAD)]
+    for c in convs:
+        cache._cut(c)
+    assert len(cache._notes) == 1 and len(next(iter(cache._notes.values()))) == NOTES_PER_HEAD
+    taken = []
+    real = chain_keys
+    import indexer.prefix_tokens as pt
+
+    def counting(text, ends, start=0, key=0):
+        taken.append(start)
+        return real(text, ends, start, key)
+
+    pt.chain_keys = counting
+    try:
+        follow = convs[2] + " and more words " * 4
+        ends = boundaries(follow, 16)
+        assert cache._cut(follow) == (ends, real(follow, ends))
+        assert taken == [boundaries(convs[2], 16)[-1]]  # hashed only past conversation 2's last end
+        # the same length, first chunk and tail as conversation 3, one character changed between
+        at = len(system) // 2
+        changed = convs[3][:at] + ("Q" if convs[3][at] != "Q" else "R") + convs[3][at + 1:] + " more words"
+        ends = boundaries(changed, 16)
+        taken.clear()
+        assert cache._cut(changed) == (ends, real(changed, ends)) and taken == [0]
+    finally:
+        pt.chain_keys = real
+    small = PrefixTokenCache(TOKENIZERS["byte-level BPE (GPT-2)"], chunk_chars=16, min_chars=0, max_tokens=16 * 400)
+    for i in range(200):  # conversations, each its own first chunk: the least recently used notes go
+        small._cut(f"conversation {i} " + " ".join(corpus(4, seed=100 + i)))
+        assert small._notes_held == sum(len(n.ends) for notes in small._notes.values() for n in notes)
+        assert small._notes_held <= 400 or len(small._notes) == 1
+    assert 0 < small._notes_held <= 400 and len(small._notes) > 1
+    for c in convs[:3]:  # one first chunk, texts longer than the bound together: its latest note stays
+        small._cut(c)
+    assert list(small._notes)[-1] == next(iter(cache._notes))
+    assert small._notes_held <= 400 or len(small._notes) == 1
+
+
 def test_chain_keys_are_the_same_in_every_process():
     """Workers and replicas share chunks by their keys: another interpreter (another string-hash seed)
     gives the same keys."""
