@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from typing import Any
 
 import orjson
 import pytest
@@ -423,24 +424,36 @@ def test_boundaries_are_spaces_after_a_letter_or_digit_at_least_chunk_chars_apar
     assert all(text[p] == " " and text[p - 1].isalnum() for p in ends)
 
 
+def check_starts(cache: PrefixTokenCache) -> list[tuple[float, float]]:
+    """The CPU times spent checking and tokenizing when each of ``cache``'s checks started."""
+    started: list[tuple[float, float]] = []
+    submit = cache._submit_check
+
+    def record(*args: Any) -> None:
+        started.append((cache.stats.verify_seconds, cache.stats.tokenize_seconds))
+        submit(*args)
+
+    cache._submit_check = record  # type: ignore[method-assign]
+    return started
+
+
+def follow_ups(cache: PrefixTokenCache, hf: Any, turns: int, words: int, seed: int) -> None:
+    """A 600-line history and ``turns`` follow-ups of ``words`` lines each, every text exact, each
+    check waited for."""
+    history = " ".join(corpus(600, seed=1))
+    for turn in range(turns):
+        history += " " + " ".join(corpus(words, seed=seed + turn))
+        assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
+        cache.wait_checked()
+
+
 def test_the_checks_take_at_most_their_share_of_the_tokenizers_work():
     """Follow-ups of a long history: each check re-tokenizes all of it, so with a check at every hit
     the checks would cost many times the new words; the share caps them and still checks some."""
     hf = TOKENIZERS["byte-level BPE (GPT-2)"]
     cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=1, verify_share=0.1)
-    started = []  # the CPU times spent checking and tokenizing when each check was started
-    submit = cache._submit_check
-
-    def record(*args: object) -> None:
-        started.append((cache.stats.verify_seconds, cache.stats.tokenize_seconds))
-        submit(*args)
-
-    cache._submit_check = record  # type: ignore[method-assign]
-    history = " ".join(corpus(600, seed=1))
-    for turn in range(40):
-        history += " " + " ".join(corpus(6, seed=200 + turn))
-        assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
-        cache.wait_checked()
+    started = check_starts(cache)
+    follow_ups(cache, hf, turns=40, words=6, seed=200)
     st = cache.stats
     assert st.hits == 39 and 1 <= st.verified < 10, st
     # the share is of CPU time, not tokens: a check starts only while the checks so far are within it
@@ -464,19 +477,8 @@ def test_the_share_is_of_cpu_time_so_a_costly_check_waits_for_more_tokenizing():
         return reference(text, special)
 
     cache._reference = costly  # type: ignore[method-assign]
-    started = []
-    submit = cache._submit_check
-
-    def record(*args: object) -> None:
-        started.append((cache.stats.verify_seconds, cache.stats.tokenize_seconds))
-        submit(*args)
-
-    cache._submit_check = record  # type: ignore[method-assign]
-    history = " ".join(corpus(600, seed=1))
-    for turn in range(12):
-        history += " " + " ".join(corpus(30, seed=300 + turn))
-        assert cache.encode(history, False) == hf.encode(history, add_special_tokens=False).ids
-        cache.wait_checked()
+    started = check_starts(cache)
+    follow_ups(cache, hf, turns=12, words=30, seed=300)
     st = cache.stats
     assert st.hits == 11 and st.verified == len(started) >= 1 and st.mismatches == 0, st
     assert st.verify_seconds >= 0.02 * st.verified, st
