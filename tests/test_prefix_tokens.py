@@ -348,7 +348,7 @@ def test_a_text_cut_from_a_noted_prefix_has_the_ends_and_keys_of_a_whole_cut(bas
         texts.append(text)
     for t in texts + texts[::-1]:
         ends = boundaries(t, chunk_chars)
-        assert cache._cut(t) == (ends, chain_keys(t, ends))
+        assert cache._cut(t, cache._first_key(t)) == (ends, chain_keys(t, ends))
     assert cache._notes_held == sum(len(n.ends) for notes in cache._notes.values() for n in notes)
 
 
@@ -361,38 +361,47 @@ def test_notes_are_bounded_and_a_follow_up_takes_its_conversations_note():
     system = " ".join(corpus(20, seed=3))
     convs = [system + " " + " ".join(corpus(3, seed=10 + i)) for i in range(NOTES_PER_HEAD)]
     for c in convs:
-        cache._cut(c)
+        cache._cut(c, cache._first_key(c))
     assert len(cache._notes) == 1 and len(next(iter(cache._notes.values()))) == NOTES_PER_HEAD
     taken = []
     real = chain_keys
     import indexer.prefix_tokens as pt
 
     def counting(text, ends, start=0, key=0):
-        taken.append(start)
+        taken.append(len(text) - start)  # the characters it hashes from
         return real(text, ends, start, key)
 
     pt.chain_keys = counting
     try:
         follow = convs[2] + " and more words " * 4
         ends = boundaries(follow, 16)
-        assert cache._cut(follow) == (ends, real(follow, ends))
-        assert taken == [boundaries(convs[2], 16)[-1]]  # hashed only past conversation 2's last end
+        assert cache._cut(follow, cache._first_key(follow)) == (ends, real(follow, ends))
+        assert taken == [len(follow) - boundaries(convs[2], 16)[-1]]  # only past conversation 2's last end
         # the same length, first chunk and tail as conversation 3, one character changed between
         at = len(system) // 2
         changed = convs[3][:at] + ("Q" if convs[3][at] != "Q" else "R") + convs[3][at + 1:] + " more words"
         ends = boundaries(changed, 16)
         taken.clear()
-        assert cache._cut(changed) == (ends, real(changed, ends)) and taken == [0]
+        assert cache._cut(changed, cache._first_key(changed)) == (ends, real(changed, ends))
+        assert taken == [len(changed)]
+        # all of conversation 4 before its last chunk end, but not the space there: cut whole too
+        end = boundaries(convs[4], 16)[-1]
+        moved = convs[4][:end] + "_" + convs[4][end + 1:] + " and more words"
+        ends = boundaries(moved, 16)
+        taken.clear()
+        assert cache._cut(moved, cache._first_key(moved)) == (ends, real(moved, ends))
+        assert taken == [len(moved)]
     finally:
         pt.chain_keys = real
     small = PrefixTokenCache(TOKENIZERS["byte-level BPE (GPT-2)"], chunk_chars=16, min_chars=0, max_tokens=16 * 400)
     for i in range(200):  # conversations, each its own first chunk: the least recently used notes go
-        small._cut(f"conversation {i} " + " ".join(corpus(4, seed=100 + i)))
+        text = f"conversation {i} " + " ".join(corpus(4, seed=100 + i))
+        small._cut(text, small._first_key(text))
         assert small._notes_held == sum(len(n.ends) for notes in small._notes.values() for n in notes)
         assert small._notes_held <= 400 or len(small._notes) == 1
     assert 0 < small._notes_held <= 400 and len(small._notes) > 1
     for c in convs[:3]:  # one first chunk, texts longer than the bound together: its latest note stays
-        small._cut(c)
+        small._cut(c, small._first_key(c))
     assert list(small._notes)[-1] == next(iter(cache._notes))
     assert small._notes_held <= 400 or len(small._notes) == 1
 
