@@ -39,6 +39,7 @@ from router.errors import APIError, error_response, from_exc
 from router.explain import explain
 from router.lifecycle import POD_HEADER, Lifecycle
 from router.openapi import openapi_body
+from router.prompts import LoopLoad, usable_cpus
 from router.routing import Router, cache_salt
 from router.service import Services
 
@@ -150,43 +151,47 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(503, "router is starting")
         return r
 
-    offloaded = [0]  # prompts being tokenized off the event loop now
+    load = LoopLoad(settings.tokenize_crowded_share, spare_core=usable_cpus() >= 2 * settings.workers)
 
     async def prompt_ids(r: Router, kind: str, body: dict[str, Any], raw: bytes) -> dict[str, Any]:
-        """tokenizer remote: the pod-tokenized prompt for plan. A large body: tokenized here when no
-        other prompt is being tokenized and its new part is short (``tokenize_inline_chars`` past the
-        prefix token cache: a follow-up turn), else in the tokenize process (router/tokenize_proc.py),
-        or a tokenize thread (router/prompts.py TokenizePool) when that cannot answer. Otherwise plan
-        tokenizes it on the spot.
+        """tokenizer remote: the pod-tokenized prompt for plan. Off the event loop, in the tokenize
+        process (router/tokenize_proc.py; a tokenize thread, router/prompts.py TokenizePool, when
+        that cannot answer): a body of ``tokenize_crowded_bytes`` or more when the loop is crowded
+        (``LoopLoad``, router/prompts.py), and one of ``tokenize_offload_bytes`` or more unless its
+        new part is short (``tokenize_inline_chars`` past the prefix token cache: a follow-up turn).
+        Otherwise here: plan tokenizes it on the spot.
 
-        Here, a follow-up pays no round trip to the tokenize process: on this 2-core VM its write,
-        the child's wake-up, the answer's write and the router's wake-up took ~190 µs of an 8k-token
-        chat follow-up's ~650 µs there (docs/router.md, "Overhead at real prompt sizes"). Only when
-        nothing else is being tokenized: under load the process's core does the work, and the event
-        loop the routing."""
+        On the loop, a follow-up pays no round trip to the tokenize process: on this 2-core VM its
+        write, the child's wake-up, the answer's write and the router's wake-up took ~190 µs of an
+        8k-token chat follow-up's ~650 µs there (docs/router.md, "Overhead at real prompt sizes").
+        On a crowded loop, every request waits for a prompt tokenized there, while the process's
+        core could do the work."""
         if services.remote_prompts is None:
-            if len(raw) < settings.tokenize_offload_bytes:
-                return {}
-            if settings.tokenize_inline_chars and services.prefix_tokens is not None and not offloaded[0]:
-                try:
-                    tokens, rest, keys = r.prompt_and_keys(kind, body, settings.tokenize_inline_chars)
-                except NotCached:
-                    metrics.tokenize_inline.labels("too-new").inc()
-                else:
-                    metrics.tokenize_inline.labels("done").inc()
-                    return {"tokens": tokens, "rest": rest, "keys": keys}
-            offloaded[0] += 1
-            try:
-                got = None
-                if services.tokenize_process is not None:
-                    model = r.resolve_model(body)
-                    got = await services.tokenize_process.run(kind, raw, r.block_size, r.key_seed(model),
-                                                              r.target(model)[1], cache_salt(body),
-                                                              r.chars_per_token)
-                if got is None:
-                    got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
-            finally:
-                offloaded[0] -= 1
+            size = len(raw)
+            # the process's core, not the threads (they share the loop's GIL), takes a crowded loop's work
+            crowded = (size >= settings.tokenize_crowded_bytes and services.tokenize_process is not None
+                       and load.crowded())
+            if not crowded:
+                if size < settings.tokenize_offload_bytes:
+                    return {}
+                if settings.tokenize_inline_chars and services.prefix_tokens is not None:
+                    try:
+                        tokens, rest, keys = r.prompt_and_keys(kind, body, settings.tokenize_inline_chars)
+                    except NotCached:
+                        metrics.tokenize_inline.labels("too-new").inc()
+                    else:
+                        metrics.tokenize_inline.labels("done").inc()
+                        return {"tokens": tokens, "rest": rest, "keys": keys}
+            else:
+                metrics.tokenize_crowded.inc()
+            got = None
+            if services.tokenize_process is not None:
+                model = r.resolve_model(body)
+                got = await services.tokenize_process.run(kind, raw, r.block_size, r.key_seed(model),
+                                                          r.target(model)[1], cache_salt(body),
+                                                          r.chars_per_token)
+            if got is None:
+                got = await services.tokenize_pool.run(r.prompt_and_keys, kind, body)
             tokens, rest, keys = got
             return {"tokens": tokens, "rest": rest, "keys": keys}
         got = await services.remote_prompts.prompt_ids(kind, body, r.resolve_model(body))
@@ -277,29 +282,33 @@ def create_app(services: Services) -> FastAPI:
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
         """Admit, plan, then hand over to the lifecycle (router/lifecycle.py)."""
-        headers = header_map(request.scope["headers"])
-        rid = _request_id(headers)
-        raw = None
+        load.active += 1  # requests being handled now: LoopLoad's first half
         try:
-            # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
-            caller = gate.admit(headers)
-            raw, body, _, charged = await admitted_body(request, caller, kind)
-            stream = body.get("stream")
-            if stream is not None and not isinstance(stream, bool):
-                raise APIError(400, "'stream' must be a boolean", param="stream")
-            r = router()
-            prompt = await prompt_ids(r, kind, body, raw)
-            plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
-            gate.settle(caller, charged, plan.request.prompt_tokens)
-            raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
-        except APIError as exc:
-            metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
-            extra = {"x-request-id": rid}
-            if raw is None:  # refused before its body was read: close rather than read and discard it
-                extra["connection"] = "close"
-            return from_exc(exc, extra)
-        fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
-        return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
+            headers = header_map(request.scope["headers"])
+            rid = _request_id(headers)
+            raw = None
+            try:
+                # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
+                caller = gate.admit(headers)
+                raw, body, _, charged = await admitted_body(request, caller, kind)
+                stream = body.get("stream")
+                if stream is not None and not isinstance(stream, bool):
+                    raise APIError(400, "'stream' must be a boolean", param="stream")
+                r = router()
+                prompt = await prompt_ids(r, kind, body, raw)
+                plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
+                gate.settle(caller, charged, plan.request.prompt_tokens)
+                raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+            except APIError as exc:
+                metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
+                extra = {"x-request-id": rid}
+                if raw is None:  # refused before its body was read: close rather than read and discard it
+                    extra["connection"] = "close"
+                return from_exc(exc, extra)
+            fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
+            return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
+        finally:
+            load.active -= 1
 
     @app.post("/v1/completions", openapi_extra=openapi_body("completion"))
     async def completions(request: Request) -> Response:

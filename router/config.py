@@ -205,9 +205,16 @@ class RouterSettings(BaseSettings):
     tokenize_process_timeout_s: float = Field(10.0, gt=0, description="a prompt the tokenize process has not "
                                               "answered by then goes to the threads, and the process is restarted")
     tokenize_offload_bytes: int = Field(16384, ge=0, description="request bodies at least this large are tokenized "
-                                        "in the tokenize threads, so they do not delay small requests")
+                                        "in the tokenize process (else the threads), so they do not delay small "
+                                        "requests; but see tokenize_inline_chars")
+    tokenize_crowded_bytes: int = Field(2048, ge=0, description="on a crowded event loop, request bodies at least "
+                                        "this large are tokenized in the tokenize process too, whose core would "
+                                        "idle otherwise (router/prompts.py LoopLoad)")
+    tokenize_crowded_share: float = Field(0.5, ge=0, le=1, description="the event loop is crowded when another "
+                                          "request is being handled, its thread was busy for this share of the "
+                                          "last 100 ms, and there is a core for each worker's tokenize process")
     tokenize_inline_chars: int = Field(4096, ge=0, description="a large body is tokenized on the event loop "
-                                       "when no other prompt is being tokenized and at most this many characters "
+                                       "when the loop is not crowded and at most this many characters "
                                        "of its prompt are past what the prefix token cache holds (a follow-up "
                                        "turn): it then pays no round trip to the tokenize process (0: never)")
     gil_switch_interval_ms: float = Field(0.5, gt=0, description="how long a Python thread (a tokenize thread "

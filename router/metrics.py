@@ -47,10 +47,12 @@ class RouterMetrics:
         self.tokenize_failures = Counter("kvroute_tokenize_failures", "Prompts a pod's /tokenize could not "
                                          "tokenize (tokenizer: remote), routed on load alone, by reason",
                                          ["reason"], registry=r)
-        self.tokenize_inline = Counter("kvroute_tokenize_inline", "Large prompts offered to the event loop (no "
-                                       "other prompt was being tokenized) by outcome: done, or too-new (more than "
+        self.tokenize_inline = Counter("kvroute_tokenize_inline", "Large prompts offered to the event loop (it "
+                                       "was not crowded) by outcome: done, or too-new (more than "
                                        "tokenize_inline_chars past the cached prefix: tokenized off the loop)",
                                        ["outcome"], registry=r)
+        self.tokenize_crowded = Counter("kvroute_tokenize_crowded", "Prompts sent to the tokenize process because "
+                                        "the event loop was crowded (tokenize_crowded_bytes and _share)", registry=r)
         self.client_disconnects = Counter("kvroute_client_disconnects", "Streams the client left early", registry=r)
         self.gc_frozen_objects = Gauge("kvroute_gc_frozen_objects", "Objects alive at start-up that kvroute serve "
                                        "moved out of the garbage collector's full collections (gc.freeze)",

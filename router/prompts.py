@@ -12,6 +12,9 @@ with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one
 from __future__ import annotations
 
 import asyncio
+import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -149,3 +152,53 @@ class TokenizePool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
+    CPU limit, ``cpu_max``: "QUOTA PERIOD" or "max PERIOD") where one is set."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+class LoopLoad:
+    """Whether the event loop is crowded: another request is being handled, and the loop's thread
+    was busy for at least ``busy_share`` of the last ``window_s`` seconds (its CPU time over the
+    wall time, measured at most once a window, when asked). Never with ``spare_core`` false.
+
+    What it decides (``router/api.py``, ``prompt_ids``): a prompt tokenized on a crowded loop makes
+    every other request wait for it while the tokenize process's core idles, so it goes to that
+    process instead; on a quiet loop it is tokenized on the spot, where it pays no round trip. Both
+    halves matter: one client sending back to back keeps the loop as busy as many do, but nothing
+    waits behind its requests; many clients with answers streaming from slow pods keep many
+    requests in flight on a loop with time to spare. And the tokenize process needs a core of its
+    own to take the work: with as many router workers as CPUs (``usable_cpus() < 2 * workers``)
+    each worker and its tokenize process share one, and sending it prompts only adds the round trips.
+    """
+
+    def __init__(self, busy_share: float = 0.5, spare_core: bool = True, window_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
+        self.busy_share = busy_share
+        self.spare_core = spare_core
+        self.window_s = window_s
+        self.active = 0  # requests being handled now (router/api.py counts them in and out)
+        self.share = 0.0  # the loop thread's share of one core over the last whole window
+        self._clock, self._cpu = clock, cpu
+        self._since, self._cpu_since = clock(), cpu()
+
+    def crowded(self) -> bool:
+        if self.active < 2 or not self.spare_core:
+            return False
+        now = self._clock()
+        if now - self._since >= self.window_s:
+            spent = self._cpu()
+            self.share = (spent - self._cpu_since) / (now - self._since)
+            self._since, self._cpu_since = now, spent
+        return self.share >= self.busy_share

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -169,3 +170,85 @@ async def test_a_child_that_never_comes_up_is_started_again_less_and_less_often(
         await asyncio.sleep(0.02)
     assert proc._wait_s == 2 * RESTART_AFTER_S
     proc.stop()
+
+
+def test_the_loop_is_crowded_when_busy_with_another_request_and_a_core_is_spare():
+    """``LoopLoad``: crowded only with another request being handled, the loop's thread busy for at
+    least the share of the last window (measured once a window), and a core for the tokenize process."""
+    from router.prompts import LoopLoad
+
+    now, spent = [100.0], [5.0]
+    load = LoopLoad(0.5, window_s=1.0, clock=lambda: now[0], cpu=lambda: spent[0])
+    load.active = 2
+    now[0] += 1.0
+    spent[0] += 0.75  # 75 % of the window
+    assert load.crowded() and load.share == 0.75
+    load.active = 1  # one client back to back: nothing waits behind its request
+    assert not load.crowded()
+    load.active = 5
+    now[0] += 0.5
+    spent[0] += 0.0  # within the window: the last window's share stands
+    assert load.crowded() and load.share == 0.75
+    now[0] += 0.5  # the window closes at 0.5 s of CPU in 1 s: half, the threshold
+    spent[0] += 0.5
+    assert load.crowded() and load.share == 0.5
+    now[0] += 2.0
+    spent[0] += 0.25  # many requests in flight on a loop with time to spare (1/8)
+    assert not load.crowded() and load.share == 0.125
+    spare = LoopLoad(0.0, spare_core=False, clock=lambda: now[0], cpu=lambda: spent[0])
+    spare.active = 10
+    assert not spare.crowded()  # no core for the tokenize process: never
+
+
+def test_usable_cpus_are_capped_by_a_cgroup_quota(tmp_path):
+    from router.prompts import usable_cpus
+
+    mine = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cpus(str(tmp_path / "absent")) == mine
+    for text, want in (("max 100000\n", mine), ("150000 100000\n", min(mine, 2)), ("50000 100000\n", 1),
+                       ("garbage\n", mine)):
+        cpu_max.write_text(text)
+        assert usable_cpus(str(cpu_max)) == want
+
+
+async def test_a_crowded_loop_sends_mid_size_prompts_to_the_tokenize_process(tokenizer_file):
+    """Chat bodies of a few KB (at least ``tokenize_crowded_bytes``, under ``tokenize_offload_bytes``):
+    one client's are tokenized on the event loop; with several in flight at once on a busy loop (here
+    any share is busy) they go to the tokenize process; and never when the workers leave no core for
+    it. Every answer is a 200 either way."""
+    import httpx
+
+    from router.prompts import usable_cpus
+    from tests.test_router_api import pods_running, running_router, settings_for
+
+    def crowded(metrics: str) -> float:
+        return float(re.search(r"^kvroute_tokenize_crowded_total (\S+)$", metrics, re.M).group(1))
+
+    def body(i: int) -> dict:
+        return {"model": "m", "max_tokens": 2,
+                "messages": conversation(3) + [{"role": "user", "content": f"question {i}"}]}
+
+    assert 2048 <= len(orjson.dumps(body(0))) < 16384
+    async with pods_running(1) as pods:
+        for workers in (1, usable_cpus()):
+            settings = settings_for(pods, tokenizer=str(tokenizer_file), tokenize_crowded_share=0.0,
+                                    workers=workers)
+            async with running_router(settings) as (base, services):
+                proc = services.tokenize_process
+                await until_ready(proc)
+                async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                    for i in range(4):  # one client
+                        assert (await c.post("/v1/chat/completions", json=body(i))).status_code == 200
+                    assert crowded((await c.get("/metrics")).text) == 0 and proc.jobs["done"] == 0
+                    for r in range(5):  # eight at once, until some overlap
+                        answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body(10 * r + i))
+                                                         for i in range(8)))
+                        assert all(a.status_code == 200 for a in answers)
+                        sent = crowded((await c.get("/metrics")).text)
+                        if sent:
+                            break
+                    if workers == 1:
+                        assert sent > 0 and proc.jobs["done"] == sent
+                    else:
+                        assert sent == 0 and proc.jobs["done"] == 0
