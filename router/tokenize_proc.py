@@ -1,6 +1,7 @@
 """Big prompts tokenized in a child process, so their Python work never holds the router's GIL.
 
-A request body of ``tokenize_offload_bytes`` or more is tokenized off the event loop. The tokenizer's
+A request body of ``tokenize_offload_bytes`` or more is tokenized off the event loop, and one of
+``tokenize_crowded_bytes`` or more when the loop is crowded (router/api.py). The tokenizer's
 Rust encode lets go of the GIL, but the Python around it does not: rendering the chat template,
 finding the chunk ends and hashing chunks and blocks for the prefix token cache, copying ids. For
 a cold 32k-token prompt that is about 17 ms of Python, and while a tokenize *thread* runs it every
@@ -33,7 +34,7 @@ socket closes. ``kvroute_tokenize_process_jobs`` counts the outcomes.
 
 **Chunk sharing.** The router and its child each keep a prefix token cache, and a conversation's
 turns may be tokenized in either (a follow-up whose new part is short is tokenized on the event loop
-when no other prompt is being tokenized: router/api.py), so each keeps the other's chunks: those the
+when the loop is not crowded: router/api.py), so each keeps the other's chunks: those the
 child stores come back with each answer and go into the router's cache, and those the router stores
 go to the child ahead of its next job (``adopt``). With workers or replicas on the booking bus, both
 are published as well, and chunks heard from the bus go to both caches.
