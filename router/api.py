@@ -282,29 +282,29 @@ def create_app(services: Services) -> FastAPI:
     # ---- proxy ---------------------------------------------------------------------------------
     async def proxy(request: Request, kind: str, path: str) -> Response:
         """Admit, plan, then hand over to the lifecycle (router/lifecycle.py)."""
+        headers = header_map(request.scope["headers"])
+        rid = _request_id(headers)
+        raw = None
         load.active += 1  # requests being handled now: LoopLoad's first half
         try:
-            headers = header_map(request.scope["headers"])
-            rid = _request_id(headers)
-            raw = None
-            try:
-                # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
-                caller = gate.admit(headers)
-                raw, body, _, charged = await admitted_body(request, caller, kind)
-                stream = body.get("stream")
-                if stream is not None and not isinstance(stream, bool):
-                    raise APIError(400, "'stream' must be a boolean", param="stream")
-                r = router()
-                prompt = await prompt_ids(r, kind, body, raw)
-                plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
-                gate.settle(caller, charged, plan.request.prompt_tokens)
-                raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
-            except APIError as exc:
-                metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
-                extra = {"x-request-id": rid}
-                if raw is None:  # refused before its body was read: close rather than read and discard it
-                    extra["connection"] = "close"
-                return from_exc(exc, extra)
+            # authenticate -> request bucket -> body size and estimated prompt tokens -> full cost
+            caller = gate.admit(headers)
+            raw, body, _, charged = await admitted_body(request, caller, kind)
+            stream = body.get("stream")
+            if stream is not None and not isinstance(stream, bool):
+                raise APIError(400, "'stream' must be a boolean", param="stream")
+            r = router()
+            prompt = await prompt_ids(r, kind, body, raw)
+            plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
+            gate.settle(caller, charged, plan.request.prompt_tokens)
+            raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+        except APIError as exc:
+            metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
+            extra = {"x-request-id": rid}
+            if raw is None:  # refused before its body was read: close rather than read and discard it
+                extra["connection"] = "close"
+            return from_exc(exc, extra)
+        else:
             fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
             return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
         finally:
