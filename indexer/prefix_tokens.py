@@ -89,7 +89,7 @@ from __future__ import annotations
 import threading
 from array import array
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -321,32 +321,36 @@ class CachedTokens(Sequence[int]):
         ``first .. first + blocks - 1`` (None for none)."""
         cache = self._cache
         memo = (block_size, seed, tag, self._special)
-        base: list[int] = []
+        found: array[int] | None = None
         exact = False
         if self._known_key is not None:
             found = cache._keys_of((*memo, self._known_key))
-            exact = bool(found)
-            if not found:
+            exact = found is not None
+            if found is None:
                 # the keys of an earlier prefix of this one: with workers or replicas, the turns another
                 # process served come as adopted chunks, without their keys (a 32k-token prefix's
                 # ~2,000 keys took ~0.5 ms to hash again)
                 known = len(self._chunks)
                 for j in range(known - 2, max(known - 2 - MAX_KEY_PROBES, -1), -1):
                     found = cache._keys_of((*memo, self._chain[j]))
-                    if found:
+                    if found is not None:
                         break
-            if found:
-                base = found
+            if found is not None:
                 cache.stats.key_hits += 1
             else:
                 cache.stats.key_misses += 1
-        first = len(base)
+        keys = found.tolist() if found is not None else []
+        first = len(keys)
         rest = self._from(first * block_size)
-        keys = base
         keys.extend(block_keys(rest, block_size, keys[-1] if first else seed,
                                extra_for(len(rest) // block_size, first) if extra_for is not None else None))
         if self._stored_key is not None and not (exact and self._stored_key == self._known_key):
-            cache._remember_keys((*memo, self._stored_key), keys[:self._stored_len // block_size])
+            upto = self._stored_len // block_size
+            # the remembered keys as they are, then the new ones packed: packing every key again took
+            # 17 of a follow-up's ~50 µs of keys at 8k tokens
+            packed = found + array("Q", keys[first:upto]) if found is not None and first <= upto \
+                else array("Q", keys[:upto])
+            cache._remember_keys((*memo, self._stored_key), packed)
         return keys
 
 
@@ -357,10 +361,9 @@ class _Note:
 
     __slots__ = ("digest", "ends", "keys", "length", "tail")
 
-    def __init__(self, length: int, tail: str, digest: int, ends: list[int], keys: list[int]):
+    def __init__(self, length: int, tail: str, digest: int, ends: array[int], keys: array[int]):
         self.length, self.tail, self.digest = length, tail, digest
-        self.ends = array("Q", ends)
-        self.keys = array("Q", keys)
+        self.ends, self.keys = ends, keys
 
 
 def _prefix_digest(text: str, raw: memoryview | None, length: int) -> int:
@@ -550,16 +553,13 @@ class PrefixTokenCache:
             # (~0.2 ms for a cold 32k-token prompt, on the event loop: router/api.py)
             raise NotCached
         ends, keys = self._cut(text, first)
-        chunks: list[array[int]] = []  # the cache's own arrays: never changed once stored
         with self._lock:
-            get, touch, append = self._chunks.get, self._chunks.move_to_end, chunks.append
-            for k in keys:
-                chunk = get(k)
-                if chunk is None:
-                    break
-                touch(k)
-                append(chunk)
-        known = len(chunks)
+            # the cached chunks up to the first missing one (the cache's own arrays: never changed once
+            # stored), looked up and touched in C-level loops: ~170 chunks at 8k tokens
+            found = list(map(self._chunks.get, keys))
+            known = found.index(None) if None in found else len(found)
+            chunks: list[array[int]] = found[:known]  # type: ignore[assignment]
+            deque(map(self._chunks.move_to_end, keys[:known]), maxlen=0)
         reused = sum(map(len, chunks))
         offset = ends[known - 1] if known else 0
         if max_new_chars is not None and len(text) - offset > max_new_chars:
@@ -619,17 +619,19 @@ class PrefixTokenCache:
         if found is None:
             ends = boundaries(text, cc)
             keys = chain_keys(text, ends)
+            noted_ends, noted_keys = array("Q", ends), array("Q", keys)
         else:
             at = found.length
             more = boundaries(text, cc, at)
-            ends = found.ends.tolist()
-            keys = found.keys.tolist()
-            keys += chain_keys(text[at:], [p - at for p in more], 0, keys[-1])  # the new part alone
-            ends += more
             if not more:
-                return ends, keys  # nothing past the note: it is this text's note already
+                return found.ends.tolist(), found.keys.tolist()  # nothing past the note: it is this text's note
+            added = chain_keys(text[at:], [p - at for p in more], 0, found.keys[-1])  # the new part alone
+            # the note's arrays as they are, then the new part packed (not every end and key again)
+            noted_ends, noted_keys = found.ends + array("Q", more), found.keys + array("Q", added)
+            ends, keys = found.ends.tolist() + more, found.keys.tolist() + added
         last = ends[-1]
-        note = _Note(last, text[max(0, last + 1 - NOTE_TAIL):last + 1], _prefix_digest(text, raw, last), ends, keys)
+        note = _Note(last, text[max(0, last + 1 - NOTE_TAIL):last + 1], _prefix_digest(text, raw, last),
+                     noted_ends, noted_keys)
         self._note(first, note, found)
         return ends, keys
 
@@ -688,18 +690,18 @@ class PrefixTokenCache:
         self.stats.adopted += len(added)
         return len(added)
 
-    def _keys_of(self, memo: tuple[Any, ...]) -> list[int] | None:
+    def _keys_of(self, memo: tuple[Any, ...]) -> array[int] | None:
+        """The keys remembered under ``memo`` (the cache's own array: not to be changed), or None."""
         with self._lock:
             got = self._keys.get(memo)
-            if got is None:
+            if got is None or not got:
                 return None
             self._keys.move_to_end(memo)
-        return got.tolist()
+        return got
 
-    def _remember_keys(self, memo: tuple[Any, ...], keys: list[int]) -> None:
-        if not keys:
+    def _remember_keys(self, memo: tuple[Any, ...], packed: array[int]) -> None:
+        if not packed:
             return
-        packed = array("Q", keys)
         with self._lock:
             if memo in self._keys:
                 return
