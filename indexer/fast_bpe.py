@@ -33,6 +33,7 @@ tiktoken's encode lets go of the GIL while Rust works, as ``encode_batch_fast`` 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -138,9 +139,16 @@ def twin(hf: Any) -> tuple[Callable[[str], list[int]] | None, str]:
     except Exception as exc:  # a regex tiktoken's engine does not take
         return None, f"tiktoken cannot take it ({type(exc).__name__}: {exc})"
     allowed = frozenset(special)
-    core = enc.encode
+    core, ordinary = enc.encode, enc.encode_ordinary
+    # a text without any special token's string gives the same ids either way; ``encode`` hands its
+    # set of allowed specials to tiktoken's Rust core on every call (3.4 µs a call here, so the 100
+    # chunks of a cold 6k-token chat prompt took 1.36 ms against 1.02 ms whole): a regex search of
+    # the text (0.15 µs for 256 characters, with 3 or 256 specials) spares most calls that
+    find_special = re.compile("|".join(map(re.escape, contents))).search if contents else None
 
     def encode(text: str) -> list[int]:
+        if find_special is None or find_special(text) is None:
+            return ordinary(text)
         return core(text, allowed_special=allowed, disallowed_special=())
 
     # every entry's own text (where rank and merge order part, a whole word is where it shows) and
