@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,11 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Port runs this process has handed out, oldest first. A caller usually picks several runs (a fleet's
+# HTTP ports, then its event ports) before any child binds them, so "free a moment ago" alone lets
+# the second pick land on the first; a run handed out recently is never handed out again.
+_HANDED_OUT: deque[range] = deque(maxlen=512)
+
+
 def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A base port P such that P..P+n-1 were all free a moment ago (for ``--count`` and event ports)."""
+    """A base port P such that P..P+n-1 were all free a moment ago and overlap no run this process
+    handed out recently (for ``--count`` and event ports)."""
     rng = random.Random()
     for _ in range(attempts):
         base = rng.randrange(20000, 32000 - n)  # below the usual ephemeral range (32768+)
+        if any(base < r.stop and r.start < base + n for r in _HANDED_OUT):
+            continue
         socks = []
         try:
             for i in range(n):
@@ -43,6 +53,7 @@ def consecutive_free_ports(n: int, host: str = "127.0.0.1", attempts: int = 200)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 socks.append(s)
                 s.bind((host, base + i))
+            _HANDED_OUT.append(range(base, base + n))
             return base
         except OSError:
             continue

@@ -175,3 +175,12 @@ def test_prompt_tokens_total_counts_the_whole_prompt_cached_or_not(pods):
     assert metric(pods[0], "vllm:prefix_cache_hits_total") == hits + 96  # the second: (100 - 1) // 16 blocks
     assert metric(pods[0], "vllm:prompt_tokens_total") == before + 200
     assert metric(pods[0], "vllm:prompt_tokens_by_source_total") == sources + 200
+
+
+def test_port_runs_picked_before_anything_binds_them_never_overlap():
+    # A test picks a fleet's HTTP ports and its event ports before either process binds them; two runs
+    # "free a moment ago" must still not share a port (a ZeroMQ publisher once took a pod's HTTP port).
+    runs = [consecutive_free_ports(n) for n in (6, 2, 8, 1, 4) * 40]
+    sizes = (6, 2, 8, 1, 4) * 40
+    taken = [p for base, n in zip(runs, sizes) for p in range(base, base + n)]
+    assert len(taken) == len(set(taken))
