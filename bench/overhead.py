@@ -18,12 +18,17 @@ throughput and p99. The last line is the headline.
 
 With ``--sizes`` the requests are of about that many prompt tokens (a real BPE tokenizer,
 ``--tokenizer``: by default the real-vLLM tier's model if it is built), as multi-turn traffic sends
-them: 40 conversations, each request 90 % a follow-up (the conversation so far plus ~300 new
-tokens) and 10 % new, as chat requests and as completions of the same text; kvroute is given the
-same tokenizer. Each row has thousands of distinct requests (``distinct_count``), sent in their
-order by all connections together, so kvroute sends none twice in a row and a follow-up comes after
-the turns it follows; a faster peer may wrap around (each row's JSON has ``sent`` and
-``distinct``). vllm-router and sglang-router (``cache_aware``) run in the same pass. A last
+them: each request 90 % a follow-up (the conversation so far plus ~300 new tokens) and 10 % new,
+as chat requests and as completions of the same text; kvroute is given the same tokenizer. Each row
+has thousands of distinct requests (``distinct_count``), sent in their order by all connections
+together, so kvroute sends none twice in a row. A follow-up stands at least twice ``--connections``
+places after its conversation's previous turn (with up to that many + 36 conversations open), so the
+turn it follows has been answered before it is sent, as a user's next turn comes after the answer it
+quotes; until 2026-12-05 40 conversations were open and 70 % of the 8k follow-ups stood within 32
+places of the turn before them, so went out while it was still in flight, which no client does (a
+second worker then met a conversation whose last turn the other worker had not yet tokenized:
+``follow_up_gap``). A faster peer may wrap around (each row's JSON has ``sent`` and ``distinct``).
+vllm-router and sglang-router (``cache_aware``) run in the same pass. A last
 measurement runs one connection of cold prompts of the largest size beside one connection of
 small requests, in ``--mixed-windows`` windows of ``--seconds`` one after the other, and reports the
 small requests' p99 over all windows together and each window's (``cold_count`` distinct prompts:
@@ -429,10 +434,13 @@ def tier_model() -> Path | None:
 
 def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 40, seed: int = 0,
                   follow_up: float = 0.9, turn_words: int = 280, kind: str = "chat",
-                  sample: int = 0, turns: int = 10) -> tuple[list[bytes], float]:
+                  sample: int = 0, turns: int = 10, gap: int = 0) -> tuple[list[bytes], float]:
     """``count`` requests of about ``size`` prompt tokens, as multi-turn traffic sends them: each a
     follow-up (with probability ``follow_up``) of one of at most ``conversations`` open conversations,
     that is all of it so far plus an answer and a new turn (~300 words), or else a new conversation.
+    With ``gap``, a follow-up continues only a conversation whose latest request is at least ``gap``
+    places back (a new conversation opens when none is, or the longest idle continues when the
+    ``conversations`` are all open): ``follow_up_gap``.
     A conversation closes after ``turns`` follow-ups, so its prompts grow by whole turns and every
     follow-up's prefix is exactly an earlier request's. ``kind`` "chat" sends the messages,
     "completion" the same conversation as one prompt string ("role: content" lines). Returns the
@@ -452,13 +460,21 @@ def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 4
         system_words = max(int(size * 0.9) - turn_words - (turns // 2) * (turn_words + 40), 50)
         convs: list[list[dict]] = []
         histories = []
-        for _ in range(count):
-            if not convs or (rng.random() > follow_up and len(convs) < conversations):
+        last: dict[int, int] = {}  # id(conversation) -> position of its latest request
+        for i in range(count):
+            history = None
+            if convs and not (rng.random() > follow_up and len(convs) < conversations):
+                ready = [c for c in convs if i - last[id(c)] >= gap] if gap else convs
+                if ready:
+                    history = rng.choice(ready)
+                elif len(convs) >= conversations:
+                    history = min(convs, key=lambda c: last[id(c)])
+            if history is None:
                 convs.append([{"role": "system", "content": _words(rng, system_words)}])
                 history = convs[-1]
             else:
-                history = rng.choice(convs)
                 history.append({"role": "assistant", "content": _words(rng, 40)})
+            last[id(history)] = i
             history.append({"role": "user", "content": _words(rng, turn_words)})
             histories.append([dict(m) for m in history])
             if len(history) >= 2 * turns + 2:  # system + the first turn + ``turns`` follow-ups
@@ -474,6 +490,22 @@ def chat_requests(tokenizer, size: int, count: int = 200, conversations: int = 4
     counted = [len(chat_request_ids(b, tokenizer)) if kind == "chat" else len(tokenizer.encode(b["prompt"]))
                for b in bodies[::step]]
     return [http_request(path, json.dumps(b).encode()) for b in bodies], sum(counted) / len(counted)
+
+
+def follow_up_gap(connections: int) -> int:
+    """How many places a follow-up stands after its conversation's previous turn in a sized row's list:
+    twice the connections. The connections take the list in order, one request each at a time, so
+    the turn before is still in flight only if it took longer than the ~``2 * connections`` requests
+    sent after it, twice the mean time a request is in flight. With 40 conversations and no gap (the
+    list before 2026-12-05), a follow-up of the 8k row came a median 16 places after its previous
+    turn, 70 % of them within 32: sent beside it, before its answer, which no chat client does (with
+    the gap: a median 83, none within 64). Two
+    workers then tokenized ~37 % of the 8k-token requests in their tokenize processes, every
+    follow-up whose last turn the other worker had not yet tokenized among them, where ~10 % (the new
+    conversations) went there with the gap (a throwaway harness at 32 connections: 917 against
+    1,120 req/s, 2,001 against 1,623 µs of CPU per request; one process within noise, 1,369 and 1,252
+    req/s)."""
+    return 2 * connections
 
 
 def distinct_count(size: int, budget_bytes: int = 600_000_000) -> int:
@@ -598,7 +630,9 @@ def sized(args) -> int:
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     kinds = [k for k in args.kinds.split(",") if k.strip()]
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
-    workload = {(kind, size): chat_requests(tok, size, count=distinct_count(size), kind=kind, sample=100)
+    gap = follow_up_gap(args.connections)
+    workload = {(kind, size): chat_requests(tok, size, count=distinct_count(size), kind=kind, sample=100,
+                                            gap=gap, conversations=gap + 36)
                 for kind in kinds for size in sizes}
     procs: list[subprocess.Popen] = []
     out: dict = {"tokenizer": str(folder), "seconds": args.seconds, "connections": args.connections,
