@@ -96,6 +96,7 @@ MAX_FORGOTTEN = 1024
 RECV_BATCH = 256  # messages handled per event-loop turn before yielding
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less than a full "m" message)
+MAX_PENDING_TOKENS = 32 * TOKENS_PER_MESSAGE  # token ids queued for the next flush (1 MiB)
 _BIG_ENDIAN = sys.byteorder == "big"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -313,6 +314,13 @@ class BookingBus:
         self.bound: list[str] = []  # the endpoints really bound (a port 0 resolved)
         self._seq = 0
         self._pending: list[list[Any]] = []   # books and releases not yet sent
+        # chunks not yet sent (``share_tokens``, from any thread): (fingerprint, chunks), at most
+        # ``MAX_PENDING_TOKENS`` token ids in all; ``_tokens_wake``: a flush is asked for already
+        self._pending_tokens: list[tuple[str, list[tuple[int, array[int]]]]] = []
+        self._pending_token_count = 0
+        self._tokens_wake = False
+        self._tokens_lock = threading.Lock()
+        self._loop_thread: int | None = None
         self._flush_handle: asyncio.Handle | None = None
         self.min_interval_s = min_interval_s
         self._flushed_at = -float("inf")  # the loop's time of the last message of changes
@@ -347,22 +355,34 @@ class BookingBus:
             self._pending.append(["r", pod, ticket, _RES[resource]])
         if len(self._pending) >= MAX_OPS:
             self.flush()
-        elif self._flush_handle is None:
+        else:
             try:
-                loop = asyncio.get_running_loop()
+                asyncio.get_running_loop()
             except RuntimeError:  # no loop running (a synchronous caller): send now
                 self.flush()
                 return
+            self._flush_later()
+
+    def _flush_later(self) -> None:
+        """On the loop: ask for a flush at the end of this turn, or at the end of ``min_interval_s``
+        after the last message if that is later (nothing if one is asked for already)."""
+        if self._flush_handle is None:
+            loop = asyncio.get_running_loop()
             wait = self._flushed_at + self.min_interval_s - loop.time()
             self._flush_handle = loop.call_soon(self.flush) if wait <= 0 else loop.call_later(wait, self.flush)
 
     def flush(self) -> None:
-        """Send the queued changes: one as its own message, several as one "m" message."""
+        """Send the queued changes (one as its own message, several as one "m" message), then the
+        queued chunks ("t" messages of at most ``TOKENS_PER_MESSAGE`` token ids each)."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         ops, self._pending = self._pending, []
-        if ops and self._loop is not None and not self._loop.is_closed():
+        with self._tokens_lock:
+            shared, self._pending_tokens = self._pending_tokens, []
+            self._pending_token_count = 0
+            self._tokens_wake = False
+        if (ops or shared) and self._loop is not None and not self._loop.is_closed():
             self._flushed_at = self._loop.time()
         if len(ops) == 1:
             op = ops[0]
@@ -371,32 +391,55 @@ class BookingBus:
             self._send("m", ops)
             for op in ops:
                 self.stats.count(KINDS[op[0]], "sent")
+        by_fingerprint: dict[str, list[tuple[int, array[int]]]] = {}
+        for fingerprint, chunks in shared:
+            by_fingerprint.setdefault(fingerprint, []).extend(chunks)
+        for fingerprint, chunks in by_fingerprint.items():
+            batch: list[list[Any]] = []
+            n = 0
+            for key, ids in chunks:
+                if n + len(ids) > TOKENS_PER_MESSAGE:
+                    self._send("t", [fingerprint, batch])
+                    batch, n = [], 0
+                if _BIG_ENDIAN:
+                    ids = array("I", ids)
+                    ids.byteswap()
+                batch.append([key, ids.tobytes()])
+                n += len(ids)
+            if batch:
+                self._send("t", [fingerprint, batch])
 
     def share_tokens(self, fingerprint: str, chunks: list[tuple[int, array[int]]]) -> None:
         """Publish chunks this process tokenized (``PrefixTokenCache.on_stored``); callable from any
-        thread: the messages are sent from the event loop."""
+        thread. They are queued and leave with the next flush of books and releases, at most one a
+        ``min_interval_s``: one "t" message per ~8k token ids where each stored batch (about one per
+        request) was a message of its own, each costing far more than its bytes (docs/router.md,
+        "Chunks ride with the bookings"). Past ``MAX_PENDING_TOKENS`` queued, chunks are dropped and
+        counted (``kind="tokens", direction="dropped"``): a peer then tokenizes them itself."""
         loop = self._loop
         if loop is None or self._pub is None:
             return
-        batch: list[list[Any]] = []
-        n = 0
-        for key, ids in chunks:
-            if len(ids) > TOKENS_PER_MESSAGE:
-                continue  # a chunk is a few hundred characters: never this long
-            if n + len(ids) > TOKENS_PER_MESSAGE:
-                self._send_soon(loop, [fingerprint, batch])
-                batch, n = [], 0
-            if _BIG_ENDIAN:
-                ids = array("I", ids)
-                ids.byteswap()
-            batch.append([key, ids.tobytes()])
-            n += len(ids)
-        if batch:
-            self._send_soon(loop, [fingerprint, batch])
-
-    def _send_soon(self, loop: asyncio.AbstractEventLoop, body: list[Any]) -> None:
+        with self._tokens_lock:
+            room = MAX_PENDING_TOKENS - self._pending_token_count
+            kept = []
+            for key, ids in chunks:
+                if len(ids) > room or len(ids) > TOKENS_PER_MESSAGE:  # a chunk is a few hundred characters
+                    self.stats.count("tokens", "dropped")
+                    continue
+                kept.append((key, ids))
+                room -= len(ids)
+            if not kept:
+                return
+            self._pending_tokens.append((fingerprint, kept))
+            self._pending_token_count = MAX_PENDING_TOKENS - room
+            wake, self._tokens_wake = not self._tokens_wake, True
+        if not wake:
+            return  # a flush is asked for already: it takes these too
+        if threading.get_ident() == self._loop_thread:
+            self._flush_later()
+            return
         try:
-            loop.call_soon_threadsafe(self._send, "t", body)
+            loop.call_soon_threadsafe(self._flush_later)
         except RuntimeError:  # the loop has closed: we are stopping
             pass
 
@@ -531,6 +574,7 @@ class BookingBus:
             self.key.dial(sub)
         self._pub, self._sub = pub, sub
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.set_peers([])
         if self.resolve_peers is not None:
             await self._resolve_once()

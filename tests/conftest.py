@@ -75,6 +75,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_a_busy_bus_sends_at_most_one_message_of_changes_per_interval",
         "test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working",
         "test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages",
+        "test_chunks_shared_within_an_interval_leave_together_with_the_bookings_and_the_queue_is_bounded",
         "test_a_killed_peer_loses_its_bookings_and_a_restarted_one_does_not_bring_them_back",
         "test_workers_share_bookings_through_the_forwarder",
         "test_serve_with_two_workers_shares_bookings_between_them",

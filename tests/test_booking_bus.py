@@ -241,6 +241,36 @@ async def test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bou
         assert a.stats.get("tokens", "sent") == 3 and b.stats.get("tokens", "received") == 3
 
 
+async def test_chunks_shared_within_an_interval_leave_together_with_the_bookings_and_the_queue_is_bounded():
+    from router.bookbus import MAX_PENDING_TOKENS
+
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0, min_interval_s=2.0) as (a, b):
+        got: list = []
+        b.on_tokens = lambda fp, c: fp == "fp" and not got.extend(c)
+        a.ledger.book("p0", 100)  # after a quiet spell: out at the end of this loop turn
+        await until(lambda: b.ledger.inflight("p0") == 1, 5, "the first booking")
+        before = a.stats.get("tokens", "sent")
+        # one stored batch per request, as a busy router stores them: held back within the interval
+        turns = [[(100 * t + k, array("I", range(k, k + 50))) for k in range(4)] for t in range(30)]
+        for chunks in turns[:20]:
+            a.share_tokens("fp", chunks)
+        for chunks in turns[20:]:
+            await asyncio.to_thread(a.share_tokens, "fp", chunks)  # and from a tokenize thread
+        a.ledger.book("p0", 100)
+        await asyncio.sleep(0.3)
+        assert got == [] and a.stats.get("tokens", "sent") == before
+        await until(lambda: len(got) == 120 and b.ledger.inflight("p0") == 2, 5, "the held chunks and booking")
+        assert got == [c for chunks in turns for c in chunks]   # in order
+        assert a.stats.get("tokens", "sent") == before + 1     # 6,000 token ids: one message
+        # more than the queue holds before the next flush: the rest is dropped and counted
+        big = [(10_000 + k, array("I", range(4096))) for k in range(MAX_PENDING_TOKENS // 4096 + 3)]
+        a.share_tokens("fp", big)
+        assert a.stats.get("tokens", "dropped") == 3
+        await until(lambda: len(got) == 120 + len(big) - 3, 5, "the chunks that fit")
+        assert [k for k, _ in got[120:]] == [k for k, _ in big[:-3]]
+        assert a.stats.get("tokens", "sent") == before + 1 + MAX_PENDING_TOKENS // 8192
+
+
 async def test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working():
     (port,) = free_ports(1)
     bus = BookingBus(Ledger(), sub_connect=[f"tcp://127.0.0.1:{port}"])
