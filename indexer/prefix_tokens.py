@@ -126,6 +126,8 @@ class CacheStats:
     key_hits: int = 0        # cached texts whose prefix's block keys were remembered (or an earlier prefix's)
     key_misses: int = 0
     adopted: int = 0         # chunks taken from other processes (``adopt``)
+    vouched: int = 0         # texts whose reused chunks a note vouched for (not looked up: ``_vouches``)
+    vouched_missing: int = 0  # such chunks found gone after all when their tokens were asked for (never, so far)
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -237,15 +239,18 @@ class CachedTokens(Sequence[int]):
     tokenized rest, ``trail`` specials. Its length and block keys need no token list; indexing or
     iterating builds the list once."""
 
-    __slots__ = ("_cache", "_chain", "_chunks", "_known_key", "_lead", "_list", "_n", "_rest", "_reused",
-                 "_special", "_stored_key", "_stored_len", "_trail")
+    __slots__ = ("_cache", "_chain", "_chunks", "_ends", "_known_key", "_lead", "_list", "_n", "_rest", "_reused",
+                 "_special", "_stored_key", "_stored_len", "_text", "_trail")
 
-    def __init__(self, cache: PrefixTokenCache, special: bool, lead: list[int], chunks: list[array[int]],
+    def __init__(self, cache: PrefixTokenCache, special: bool, lead: list[int], chunks: list[array[int] | None],
                  reused: int, rest: list[int], trail: list[int], known_key: int | None, stored_key: int | None,
-                 stored_len: int, chain: Sequence[int] = ()):
+                 stored_len: int, chain: Sequence[int] = (), text: str = "", ends: Sequence[int] = ()):
         self._cache = cache
         self._special = special
+        # a reused chunk is None where a note vouched for it (``PrefixTokenCache._assemble``): looked up
+        # in the cache (``_chunk``) only if its tokens are asked for
         self._lead, self._chunks, self._reused, self._rest, self._trail = lead, chunks, reused, rest, trail
+        self._text, self._ends = text, ends  # the text and its chunk ends, to look such a chunk up
         self._known_key = known_key    # chain hash of the last reused chunk (None: nothing reused)
         self._chain = chain            # chain hashes of this text's chunks, the reused ones first
         self._stored_key = stored_key  # chain hash of the last chunk now cached for this text
@@ -256,11 +261,18 @@ class CachedTokens(Sequence[int]):
     def __len__(self) -> int:
         return self._n
 
+    def _chunk(self, i: int) -> array[int]:
+        """Reused chunk ``i``'s tokens."""
+        c = self._chunks[i]
+        if c is None:
+            c = self._chunks[i] = self._cache._vouched(self._chain[i], self._text, self._ends, i)
+        return c
+
     def tolist(self) -> list[int]:
         if self._list is None:
             joined: array[int] = array("I")
-            for c in self._chunks:
-                joined.extend(c)
+            for i in range(len(self._chunks)):
+                joined.extend(self._chunk(i))
             out = list(self._lead)
             out.extend(joined.tolist())
             out.extend(self._rest)
@@ -301,9 +313,10 @@ class CachedTokens(Sequence[int]):
         if skip < self._reused:
             need = self._reused - skip
             parts: list[array[int]] = []
-            for c in reversed(self._chunks):
+            for i in range(len(self._chunks) - 1, -1, -1):
                 if need <= 0:
                     break
+                c = self._chunk(i)
                 parts.append(c[-need:] if need < len(c) else c)
                 need -= len(c)
             for part in reversed(parts):
@@ -357,13 +370,19 @@ class CachedTokens(Sequence[int]):
 class _Note:
     """A text's chunk ends and their chain keys through its last chunk end ``length``, told again by
     the ``NOTE_TAIL`` characters through that end (the space that starts the next chunk included)
-    and the xxh3 hash of the text before it."""
+    and the xxh3 hash of the text before it. Once the text's chunks are stored, ``tokens`` is how
+    many tokens they hold (-1 until then), and ``touched`` and ``generation`` say when all of them
+    were last put at the recent end of the cache's order (``PrefixTokenCache._inserted``) and in which
+    life of the cache (``_generation``): ``PrefixTokenCache._vouches``."""
 
-    __slots__ = ("digest", "ends", "keys", "length", "tail")
+    __slots__ = ("digest", "ends", "generation", "keys", "length", "tail", "tokens", "touched")
 
     def __init__(self, length: int, tail: str, digest: int, ends: array[int], keys: array[int]):
         self.length, self.tail, self.digest = length, tail, digest
         self.ends, self.keys = ends, keys
+        self.tokens = -1
+        self.touched = 0
+        self.generation = -1
 
 
 def _prefix_digest(text: str, raw: memoryview | None, length: int) -> int:
@@ -404,6 +423,8 @@ class PrefixTokenCache:
         # ``max_tokens // 16`` chunk ends in all (and the latest text's, whatever its length)
         self._notes: OrderedDict[int, list[_Note]] = OrderedDict()
         self._notes_held = 0
+        self._inserted = 0    # tokens stored so far, ever (the clock of ``_vouches``)
+        self._generation = 0  # one more each time the chunks are thrown away together
         self._lock = threading.Lock()
         self.stats = CacheStats()
         self._specials: dict[bool, tuple[list[int], list[int]]] = {}
@@ -517,6 +538,7 @@ class PrefixTokenCache:
                 self.twin_reason = "a check found tiktoken's tokens of a text differ from the tokenizer's"
                 with self._lock:  # the chunks it tokenized, and their keys, may be wrong too
                     self._chunks.clear()
+                    self._generation += 1  # no note vouches for what is gone
                     self._held = 0
                     self._keys.clear()
                     self._keys_held = 0
@@ -552,15 +574,24 @@ class PrefixTokenCache:
             # a new conversation is told by its first chunk, before the whole text is cut and hashed
             # (~0.2 ms for a cold 32k-token prompt, on the event loop: router/api.py)
             raise NotCached
-        ends, keys = self._cut(text, first)
+        ends, keys, noted, note = self._cut_noted(text, first)
+        skip = head_tokens = 0
+        head_touched = -1
+        if noted is not None and self._vouches(noted, len(text) - noted.length):
+            skip, head_tokens, head_touched = len(noted.ends), noted.tokens, noted.touched
+            self.stats.vouched += 1
         with self._lock:
             # the cached chunks up to the first missing one (the cache's own arrays: never changed once
-            # stored), looked up and touched in C-level loops: ~170 chunks at 8k tokens
-            found = list(map(self._chunks.get, keys))
-            known = found.index(None) if None in found else len(found)
-            chunks: list[array[int]] = found[:known]  # type: ignore[assignment]
-            deque(map(self._chunks.move_to_end, keys[:known]), maxlen=0)
-        reused = sum(map(len, chunks))
+            # stored), looked up and touched in C-level loops: ~170 chunks at 8k tokens, ~80 µs in the
+            # cache's big map; none of those a note vouches for (a follow-up's whole history)
+            found = list(map(self._chunks.get, keys[skip:]))
+            known = skip + (found.index(None) if None in found else len(found))
+            deque(map(self._chunks.move_to_end, keys[skip:known]), maxlen=0)
+            touched, generation = self._inserted, self._generation
+        present: list[array[int]] = found[:known - skip]  # type: ignore[assignment]
+        chunks: list[array[int] | None] = [None] * skip
+        chunks += present
+        reused = head_tokens + sum(map(len, present))
         offset = ends[known - 1] if known else 0
         if max_new_chars is not None and len(text) - offset > max_new_chars:
             raise NotCached
@@ -582,9 +613,38 @@ class PrefixTokenCache:
             if added and self.on_stored is not None:
                 self.on_stored(added)
         last = known + len(new)  # chunks of this text now in the chain
+        if note is not None and last == len(keys):  # every chunk of the noted text is stored
+            note.tokens = reused + sum(len(c) for _, c in new)
+            # the vouched chunks were last touched when the note vouching for them was; the generation
+            # last, so that a thread reading the note meanwhile finds it not vouching yet
+            note.touched = head_touched if skip else touched
+            note.generation = generation
         return CachedTokens(self, special, lead, chunks, reused, rest, trail,
                             keys[known - 1] if known else None, keys[last - 1] if last else None,
-                            len(lead) + reused + len(rest) - len(ids[-1]), keys)
+                            len(lead) + reused + len(rest) - len(ids[-1]), keys, text, ends)
+
+    def _vouches(self, note: _Note, new_chars: int) -> bool:
+        """Whether every chunk of ``note``'s text is surely still in the cache, and stays there while a
+        text that holds it and ``new_chars`` characters more stores its new chunks, so that text can
+        skip looking them up and touching them. When they were all last touched (or stored, in
+        order), at most ``note.tokens`` tokens were put after the first of them in the cache's order;
+        least recently used entries go only while more than ``max_tokens`` are held, so the first goes
+        only after more than ``max_tokens - note.tokens`` tokens have been stored since, the new text's
+        own among them (at most 4 a character: a token holds at least one of the UTF-8 bytes). Nothing
+        else removes a chunk but clearing them all (a new ``_generation``). Another thread storing
+        chunks meanwhile could still push one out before its tokens are asked for: ``_vouched``."""
+        return (note.tokens >= 0 and note.generation == self._generation
+                and self._inserted - note.touched + 4 * new_chars < self.max_tokens - note.tokens)
+
+    def _vouched(self, key: int, text: str, ends: Sequence[int], i: int) -> array[int]:
+        """The tokens of chunk ``i`` of ``text`` (key ``key``), one a note vouched for: from the cache,
+        or (should it be gone after all) tokenized again."""
+        with self._lock:
+            got = self._chunks.get(key)
+        if got is not None:
+            return got
+        self.stats.vouched_missing += 1
+        return array("I", self._pieces([text[ends[i - 1] if i else 0:ends[i]]])[0])
 
     def _first_key(self, text: str) -> int | None:
         """The key of ``text``'s first chunk, if that ends within ``4 * chunk_chars`` characters."""
@@ -592,7 +652,13 @@ class PrefixTokenCache:
         return chain_key(0, text[:head[0]]) if head else None
 
     def _cut(self, text: str, first: int | None) -> tuple[list[int], list[int]]:
-        """``text``'s chunk ends and their chain keys. Where an earlier text noted under the same first
+        """``text``'s chunk ends and their chain keys (``_cut_noted``)."""
+        ends, keys, _, _ = self._cut_noted(text, first)
+        return ends, keys
+
+    def _cut_noted(self, text: str, first: int | None) -> tuple[list[int], list[int], _Note | None, _Note | None]:
+        """``text``'s chunk ends and their chain keys, the note they were taken from (None: none) and
+        the note made for this text (None: none). Where an earlier text noted under the same first
         chunk (an earlier turn of its conversation) is a prefix of this one through its last chunk
         end (the ``NOTE_TAIL`` characters there equal, then the hash of all before them), its ends
         and keys are taken and only the rest is cut and hashed: the ends after a chunk end depend
@@ -603,7 +669,7 @@ class PrefixTokenCache:
         cc = self.chunk_chars
         if first is None:
             ends = boundaries(text, cc)
-            return ends, chain_keys(text, ends)
+            return ends, chain_keys(text, ends), None, None
         with self._lock:
             notes = self._notes.get(first)
             seen = list(notes) if notes else []
@@ -623,8 +689,8 @@ class PrefixTokenCache:
         else:
             at = found.length
             more = boundaries(text, cc, at)
-            if not more:
-                return found.ends.tolist(), found.keys.tolist()  # nothing past the note: it is this text's note
+            if not more:  # nothing past the note: it is this text's note
+                return found.ends.tolist(), found.keys.tolist(), found, None
             added = chain_keys(text[at:], [p - at for p in more], 0, found.keys[-1])  # the new part alone
             # the note's arrays as they are, then the new part packed (not every end and key again)
             noted_ends, noted_keys = found.ends + array("Q", more), found.keys + array("Q", added)
@@ -633,7 +699,7 @@ class PrefixTokenCache:
         note = _Note(last, text[max(0, last + 1 - NOTE_TAIL):last + 1], _prefix_digest(text, raw, last),
                      noted_ends, noted_keys)
         self._note(first, note, found)
-        return ends, keys
+        return ends, keys, found, note
 
     def _note(self, first: int, note: _Note, replaces: _Note | None) -> None:
         """Keep ``note`` first among those of its first chunk (in place of the note it extends)."""
@@ -661,14 +727,18 @@ class PrefixTokenCache:
                     break  # the new note alone: kept, whatever its length
 
     def _store(self, chunks: Iterable[tuple[int, array[int]]]) -> list[tuple[int, array[int]]]:
-        """Put chunks in (least recently used out past ``max_tokens``); those that were not there."""
+        """Put chunks in (least recently used out past ``max_tokens``); those that were not there. One
+        that was is touched (a text's chunk after one that had gone, tokenized again: its note vouches
+        for all of them as of now)."""
         added = []
         with self._lock:
             for key, chunk in chunks:
                 if key in self._chunks:
+                    self._chunks.move_to_end(key)
                     continue
                 self._chunks[key] = chunk
                 self._held += len(chunk)
+                self._inserted += len(chunk)
                 added.append((key, chunk))
             while self._held > self.max_tokens and self._chunks:
                 _, old = self._chunks.popitem(last=False)

@@ -406,6 +406,73 @@ def test_notes_are_bounded_and_a_follow_up_takes_its_conversations_note():
     assert small._notes_held <= 400 or len(small._notes) == 1
 
 
+def test_a_follow_up_does_not_look_up_the_chunks_its_note_vouches_for_and_does_once_it_may_not():
+    """A conversation's next turn takes its history's chunks on the word of its last turn's note (no
+    lookup, no touch: ``PrefixTokenCache._vouches``) while too few tokens were stored since for any
+    of them to be evicted; past that, it looks them up again. Its tokens stay exact either way."""
+    from collections import OrderedDict
+
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+
+    class Counting(OrderedDict):
+        gets = 0
+        moves = 0
+
+        def get(self, key, default=None):
+            Counting.gets += 1
+            return super().get(key, default)
+
+        def move_to_end(self, key, last=True):
+            Counting.moves += 1
+            return super().move_to_end(key, last)
+
+    history = " ".join(corpus(12, seed=5))
+    cache = PrefixTokenCache(hf, chunk_chars=16, min_chars=0, verify_every=0)
+    cache._chunks = Counting()
+    cache.encode_cached(history).block_keys(4, 7)  # the history's keys remembered, as the router's are
+    chunks = len(boundaries(history, 16))
+    follow = history + " and then a new turn with more words"
+    Counting.gets = Counting.moves = 0
+    got = cache.encode_cached(follow)
+    assert isinstance(got, CachedTokens) and got._reused > 0 and cache.stats.vouched == 1
+    assert len(got) == len(hf.encode(follow).ids)
+    assert Counting.moves == 0 and Counting.gets < 3  # only the chunk ends past the note were looked up
+    assert got.block_keys(4, 7) == block_keys(hf.encode(follow).ids, 4, 7)
+    assert Counting.gets < 5   # the keys were hashed from the tokens of the history's last chunks only
+    assert got.tolist() == hf.encode(follow).ids
+    assert Counting.gets >= chunks  # all of them, once the whole list was asked for
+    # more stored since than the cache could hold beside the conversation: looked up (and touched) again
+    small = PrefixTokenCache(hf, chunk_chars=16, min_chars=0, verify_every=0,
+                             max_tokens=len(hf.encode(follow).ids) * 3)
+    small._chunks = Counting()
+    small.encode(history)
+    small.encode(follow)
+    assert small.stats.vouched == 1
+    while small._inserted < small.max_tokens * 2:
+        small.encode(" ".join(corpus(6, seed=small._inserted)))
+    Counting.gets = Counting.moves = 0
+    again = follow + " and one more turn"
+    assert small.encode_cached(again).tolist() == hf.encode(again).ids
+    assert small.stats.vouched == 1 and Counting.gets >= 1
+    assert small.stats.vouched_missing == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.integers(0, 5), st.floats(0.2, 1.0), words), min_size=5, max_size=40),
+       room=st.integers(60, 600))
+def test_vouched_chunks_are_never_gone_in_a_small_cache_under_many_conversations(steps, room):
+    """Six conversations take turns (a next turn, or a branch cut anywhere) in a cache of a few
+    hundred tokens, evicting all the time: every text is tokenized exactly, and no chunk a note
+    vouched for was ever found gone."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=16, min_chars=0, verify_every=0, max_tokens=room)
+    convs = [f"conversation {i} opens here: " for i in range(6)]
+    for i, keep, more in steps:
+        convs[i] = convs[i][:max(int(len(convs[i]) * keep), 30)] + " " + " ".join(more)
+        assert cache.encode(convs[i]) == hf.encode(convs[i]).ids
+    assert cache.stats.vouched_missing == 0 and cache.held_tokens <= room
+
+
 def test_chain_keys_are_the_same_in_every_process():
     """Workers and replicas share chunks by their keys: another interpreter (another string-hash seed)
     gives the same keys."""
