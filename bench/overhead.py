@@ -630,13 +630,13 @@ def sized(args) -> int:
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     kinds = [k for k in args.kinds.split(",") if k.strip()]
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
-    gap = follow_up_gap(args.connections)
+    gap = follow_up_gap(args.connections) if args.follow_up_gap < 0 else args.follow_up_gap
     workload = {(kind, size): chat_requests(tok, size, count=distinct_count(size), kind=kind, sample=100,
-                                            gap=gap, conversations=gap + 36)
+                                            gap=gap, conversations=gap + 36 if gap else 40)
                 for kind in kinds for size in sizes}
     procs: list[subprocess.Popen] = []
     out: dict = {"tokenizer": str(folder), "seconds": args.seconds, "connections": args.connections,
-                 "kinds": kinds, "rows": [], "mixed": {}}
+                 "follow_up_gap": gap, "kinds": kinds, "rows": [], "mixed": {}}
     venv = Path(args.peers_venv)
     try:
         bport, upstream = start_backend(procs)
@@ -744,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="", help="comma-separated prompt sizes in tokens: chat requests at real sizes")
     ap.add_argument("--tokenizer", default="", help="model folder with tokenizer.json for --sizes")
     ap.add_argument("--kinds", default="chat,completion", help="with --sizes: chat, completion or both")
+    ap.add_argument("--follow-up-gap", type=int, default=-1,
+                    help="with --sizes: places between a follow-up and its previous turn (default twice "
+                         "--connections; 0: the list before 2026-12-05, 40 conversations and no gap)")
     ap.add_argument("--mixed-windows", type=int, default=3, help="with --sizes: windows of --seconds of the last "
                     "measurement (small requests beside cold prompts), pooled")
     ap.add_argument("--stream", type=int, default=0,

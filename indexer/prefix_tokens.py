@@ -78,6 +78,17 @@ the cache took). So each text's ends and keys are noted under its first chunk (`
 text that holds a noted one through its last chunk end (its last 64 characters there equal, and
 then the hash of all before them) takes them and cuts and hashes only what follows.
 
+**And takes its history's chunks on that note's word.** Looking up and touching (least recently
+used order) the ~170 chunks of an 8k-token history took ~80 µs of a follow-up's ~350 in the cache's
+big map. Once a noted text's chunks are stored, its note records how many tokens they hold and the
+count of tokens ever stored when they were all last touched; until enough have been stored since for
+eviction to reach the first of them (``_vouches``: ``max_tokens`` less the note's tokens, less four
+a character of the new text), a text that holds the note skips them: its length comes from the
+note, and a chunk's tokens are looked up only if asked for (the key memo usually makes only the
+last one needed). A new note keeps the older touch for the chunks it was vouched for. Clearing the
+chunks starts a new ``_generation`` that no note vouches in; a chunk found gone anyway (another
+thread storing meanwhile) is tokenized again and counted (``vouched_missing``).
+
 Memory is bounded by ``max_tokens`` (tokens held, as 4-byte arrays), the keys by
 ``max_tokens // 4`` (8-byte arrays), each with least-recently-used eviction, and the notes by
 ``max_tokens // 16`` chunk ends (16 bytes each) and eight per first chunk; a missing link ends the
