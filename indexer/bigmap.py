@@ -137,11 +137,9 @@ class ShardedMap(Generic[V]):
         keep = ~bit
         for k in keys:
             p = parts[route[k & 4095]]
-            m = p.get(k, 0) & keep
+            m = p.pop(k, 0) & keep   # one lookup where no other bit is set (the usual case)
             if m:
                 p[k] = m
-            else:
-                p.pop(k, None)
 
 
 class ChunkedOrder:
@@ -312,11 +310,9 @@ class ChunkedOrder:
                 i = k & 4095
                 del parts[route[i]][k]
                 mp = mparts[mroute[i]]
-                m = mp.get(k, 0) & keep
+                m = mp.pop(k, 0) & keep   # one lookup where no other pod holds it (the usual case)
                 if m:
                     mp[k] = m
-                else:
-                    mp.pop(k, None)
             gone += len(taken)
         self.n -= gone
         return gone
