@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range: a port the
+    kernel hands out (bind to 0) can be given to some process's outgoing connection before the
+    caller binds it (a test pod once failed to start so), and ``consecutive_free_ports`` also never
+    hands out the same port twice in one process."""
+    return consecutive_free_ports(1)
 
 
 # Port runs this process has handed out, oldest first. A caller usually picks several runs (a fleet's

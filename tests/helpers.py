@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports (``free_port``: none handed out twice in this process)."""
+    return [free_port() for _ in range(n)]
 
 
 _HTTP: httpx.Client | None = None
