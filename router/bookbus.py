@@ -262,10 +262,13 @@ class BusStats:
     peer_timeouts: int = 0
     repaired: int = 0  # bookings a snapshot added or released (their message was lost)
     last_latency_s: float | None = None
+    # a tokenize thread counts the chunks it drops while the loop counts others of the same key
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, kind: str, direction: str, n: int = 1) -> None:
         key = (kind, direction)
-        self.messages[key] = self.messages.get(key, 0) + n
+        with self._lock:
+            self.messages[key] = self.messages.get(key, 0) + n
 
     def get(self, kind: str, direction: str) -> int:
         return self.messages.get((kind, direction), 0)

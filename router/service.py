@@ -207,6 +207,9 @@ class Services:
                            "tokenize_cache_held_tokens": float(cache.held_tokens + child.held),
                            "tokenize_cache_key_hit_rate": (st.key_hits + child.key_hits) / keyed if keyed else 0.0,
                            "tokenize_cache_adopted_chunks": float(st.adopted + child.adopted),
+                           # follow-ups whose history a note vouched for; chunks found gone after all
+                           "tokenize_cache_vouched_texts": float(st.vouched + child.vouched),
+                           "tokenize_cache_vouched_missing_chunks": float(st.vouched_missing + child.vouched_missing),
                            "tokenize_cache_enabled": 0.0 if cache.disabled or child.disabled else 1.0,
                            # the child's twin counts once it has answered
                            "tokenize_tiktoken": 1.0 if cache.twin and (child.tiktoken or self.tokenize_process is None

@@ -92,6 +92,8 @@ class CacheCounts:
     adopted: int = 0
     disabled: bool = False
     tiktoken: bool = False
+    vouched: int = 0
+    vouched_missing: int = 0
 
 
 class PromptLength(Sequence[int]):
@@ -142,7 +144,7 @@ class _Child:
             return None
         s = c.stats
         return [s.reused_tokens, s.tokenized_tokens, c.held_tokens, s.key_hits, s.key_misses, s.adopted, c.disabled,
-                c.twin]
+                c.twin, s.vouched, s.vouched_missing]
 
     def tokenize(self, job_id: int, kind: str, raw: bytes, block_size: int, seed: int, adapter: str | None,
                  salt: str | None, chars_per_token: float) -> list[Any]:

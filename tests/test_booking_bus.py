@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from array import array
 
 import httpx
@@ -22,7 +23,7 @@ import pytest
 import yaml
 import zmq
 
-from router.bookbus import TOKENS_PER_MESSAGE, TOPIC, BookingBus, BusKey, Forwarder, encode
+from router.bookbus import TOKENS_PER_MESSAGE, TOPIC, BookingBus, BusKey, BusStats, Forwarder, encode
 from router.booking import KV, PREFILL, Ledger
 from simulator.testing import running_sims
 from tests.helpers import ROOT, free_ports, kvroute_process, until
@@ -623,3 +624,25 @@ async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_pat
             _, after = scrape((await c.get(b + "/metrics")).text)
     assert booked_at_b >= burst - 2 and abs(booked_at_b - booked_at_a) <= 1, (booked_at_a, booked_at_b)
     assert after == 0  # the releases reached B too
+
+
+def test_counts_from_tokenize_threads_and_the_loop_are_not_lost():
+    """A tokenize thread counts the chunks it drops (``share_tokens``) while the loop counts others
+    under the same key: every increment lands (without the lock about half were lost here)."""
+    stats = BusStats()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        def bump() -> None:
+            for _ in range(50_000):
+                stats.count("tokens", "dropped")
+
+        threads = [threading.Thread(target=bump) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
+    assert stats.get("tokens", "dropped") == 200_000

@@ -689,6 +689,12 @@ async def test_the_router_reuses_prefix_tokens_and_tokenizes_big_prompts_off_the
                 assert "kvroute_tokenize_tiktoken 1.0" in metrics and services.prefix_tokens.twin
                 assert offload != 0 or services.tokenize_process.cache.tiktoken
                 rate = float(re.search(r"^kvroute_tokenize_cache_hit_rate (\S+)$", metrics, re.M).group(1))
+                # the follow-ups took their history on their last turn's note, and none of it was gone
+                child_counts = services.tokenize_process.cache if offload == 0 else None
+                vouched = services.prefix_tokens.stats.vouched + (child_counts.vouched if child_counts else 0)
+                assert vouched >= 1
+                assert f"kvroute_tokenize_cache_vouched_texts {float(vouched)}" in metrics
+                assert "kvroute_tokenize_cache_vouched_missing_chunks 0.0" in metrics
                 if offload == 0:  # all eight went to the tokenize process, and its cache's counts are in the gauges
                     assert services.tokenize_process.jobs["done"] == 8
                     assert 'kvroute_tokenize_process_jobs_total{outcome="done"} 8.0' in metrics
