@@ -392,8 +392,11 @@ class BookingBus:
             self._send(op[0], op[1:])
         elif ops:
             self._send("m", ops)
-            for op in ops:
-                self.stats.count(KINDS[op[0]], "sent")
+            books = sum(1 for op in ops if op[0] == "b")
+            if books:
+                self.stats.count("book", "sent", books)
+            if books < len(ops):
+                self.stats.count("release", "sent", len(ops) - books)
         by_fingerprint: dict[str, list[tuple[int, array[int]]]] = {}
         for fingerprint, chunks in shared:
             by_fingerprint.setdefault(fingerprint, []).extend(chunks)
@@ -489,9 +492,13 @@ class BookingBus:
         name = KINDS[kind]
         led = self.ledger
         if kind == "m":
+            got = {"b": 0, "r": 0}
             for op, change in body:
                 if self._apply(origin, op, change):
-                    self.stats.count(KINDS[op], "received")
+                    got[op] += 1
+            for op, n in got.items():
+                if n:
+                    self.stats.count(KINDS[op], "received", n)
         elif kind == "t":
             fingerprint, chunks = body
             if self.on_tokens is None or not self.on_tokens(fingerprint, chunks):
