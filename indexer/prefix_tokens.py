@@ -72,6 +72,14 @@ process, so workers and replicas can hand each other what they tokenized: ``on_s
 with each text's newly stored chunks, and ``adopt`` takes another process's (the booking bus
 carries them, checked against this tokenizer's ``fingerprint``: ``router/bookbus.py``).
 
+**A chunk's tokens are bytes**: its token ids as native-order uint32 (``array("I").tobytes()``),
+here, between the router and its tokenize process, and on the booking bus (little-endian there).
+Not ``array`` objects, which the garbage collector tracks on Python 3.11: a cache of 4M tokens holds
+~70,000 chunks, and each full collection walked them all (10 ms over 33,000 objects in a loaded
+router, 7 ms over 65,000 in another: docs/router.md, "Tried on 2026-12-05 (evening)"); ``bytes``
+are never tracked. A chunk whose tokens are asked for (``CachedTokens``: the last one or two of a
+follow-up's history, for its block keys) is copied into an array then.
+
 **A follow-up is cut from its last turn's note.** Finding the cached prefix means cutting the text
 at its chunk ends and chain-hashing every chunk, the known ones too (at 32k tokens most of the time
 the cache took). So each text's ends and keys are noted under its first chunk (``_cut``); a later
@@ -253,7 +261,7 @@ class CachedTokens(Sequence[int]):
     __slots__ = ("_cache", "_chain", "_chunks", "_ends", "_known_key", "_lead", "_list", "_n", "_rest", "_reused",
                  "_special", "_stored_key", "_stored_len", "_text", "_trail")
 
-    def __init__(self, cache: PrefixTokenCache, special: bool, lead: list[int], chunks: list[array[int] | None],
+    def __init__(self, cache: PrefixTokenCache, special: bool, lead: list[int], chunks: list[bytes | None],
                  reused: int, rest: list[int], trail: list[int], known_key: int | None, stored_key: int | None,
                  stored_len: int, chain: Sequence[int] = (), text: str = "", ends: Sequence[int] = ()):
         self._cache = cache
@@ -272,18 +280,24 @@ class CachedTokens(Sequence[int]):
     def __len__(self) -> int:
         return self._n
 
-    def _chunk(self, i: int) -> array[int]:
-        """Reused chunk ``i``'s tokens."""
+    def _raw(self, i: int) -> bytes:
+        """Reused chunk ``i``'s tokens as the cache holds them (bytes: the module's docstring)."""
         c = self._chunks[i]
         if c is None:
             c = self._chunks[i] = self._cache._vouched(self._chain[i], self._text, self._ends, i)
         return c
 
+    def _chunk(self, i: int) -> array[int]:
+        """Reused chunk ``i``'s tokens."""
+        ids = array("I")
+        ids.frombytes(self._raw(i))
+        return ids
+
     def tolist(self) -> list[int]:
         if self._list is None:
             joined: array[int] = array("I")
             for i in range(len(self._chunks)):
-                joined.extend(self._chunk(i))
+                joined.frombytes(self._raw(i))
             out = list(self._lead)
             out.extend(joined.tolist())
             out.extend(self._rest)
@@ -426,7 +440,7 @@ class PrefixTokenCache:
         self.verify_share = verify_share  # None: every ``verify_every``-th hit, whatever it costs
         self.min_chars = min_chars
         self.on_mismatch = on_mismatch
-        self._chunks: OrderedDict[int, array[int]] = OrderedDict()
+        self._chunks: OrderedDict[int, bytes] = OrderedDict()  # chain key -> token ids as uint32 bytes
         self._held = 0
         self._keys: OrderedDict[tuple[Any, ...], array[int]] = OrderedDict()  # see CachedTokens.block_keys
         self._keys_held = 0
@@ -442,7 +456,7 @@ class PrefixTokenCache:
         self._checker: ThreadPoolExecutor | None = None
         self._checking = False  # one check at a time; hits meanwhile are not checked
         # called (from the tokenizing thread) with the chunks this process newly stored, to share them
-        self.on_stored: Callable[[list[tuple[int, array[int]]]], None] | None = None
+        self.on_stored: Callable[[list[tuple[int, bytes]]], None] | None = None
         self._fingerprint: str | None = None
         self.disabled_reason = cut_problem(hf)  # None: texts may be cut at chunk ends
         self.disabled = self.disabled_reason is not None
@@ -599,10 +613,10 @@ class PrefixTokenCache:
             known = skip + (found.index(None) if None in found else len(found))
             deque(map(self._chunks.move_to_end, keys[skip:known]), maxlen=0)
             touched, generation = self._inserted, self._generation
-        present: list[array[int]] = found[:known - skip]  # type: ignore[assignment]
-        chunks: list[array[int] | None] = [None] * skip
+        present: list[bytes] = found[:known - skip]  # type: ignore[assignment]
+        chunks: list[bytes | None] = [None] * skip
         chunks += present
-        reused = head_tokens + sum(map(len, present))
+        reused = head_tokens + (sum(map(len, present)) >> 2)
         offset = ends[known - 1] if known else 0
         if max_new_chars is not None and len(text) - offset > max_new_chars:
             raise NotCached
@@ -618,14 +632,14 @@ class PrefixTokenCache:
             self.stats.misses += 1
         self.stats.reused_tokens += reused
         self.stats.tokenized_tokens += len(rest)
-        new = [(key, array("I", piece)) for key, piece in zip(keys[known:], ids)]  # not the rest: no chunk
+        new = [(key, array("I", piece).tobytes()) for key, piece in zip(keys[known:], ids)]  # the rest: no chunk
         if new:
             added = self._store(new)
             if added and self.on_stored is not None:
                 self.on_stored(added)
         last = known + len(new)  # chunks of this text now in the chain
         if note is not None and last == len(keys):  # every chunk of the noted text is stored
-            note.tokens = reused + sum(len(c) for _, c in new)
+            note.tokens = reused + (sum(len(c) for _, c in new) >> 2)
             # the vouched chunks were last touched when the note vouching for them was; the generation
             # last, so that a thread reading the note meanwhile finds it not vouching yet
             note.touched = head_touched if skip else touched
@@ -647,7 +661,7 @@ class PrefixTokenCache:
         return (note.tokens >= 0 and note.generation == self._generation
                 and self._inserted - note.touched + 4 * new_chars < self.max_tokens - note.tokens)
 
-    def _vouched(self, key: int, text: str, ends: Sequence[int], i: int) -> array[int]:
+    def _vouched(self, key: int, text: str, ends: Sequence[int], i: int) -> bytes:
         """The tokens of chunk ``i`` of ``text`` (key ``key``), one a note vouched for: from the cache,
         or (should it be gone after all) tokenized again."""
         with self._lock:
@@ -655,7 +669,7 @@ class PrefixTokenCache:
         if got is not None:
             return got
         self.stats.vouched_missing += 1
-        return array("I", self._pieces([text[ends[i - 1] if i else 0:ends[i]]])[0])
+        return array("I", self._pieces([text[ends[i - 1] if i else 0:ends[i]]])[0]).tobytes()
 
     def _first_key(self, text: str) -> int | None:
         """The key of ``text``'s first chunk, if that ends within ``4 * chunk_chars`` characters."""
@@ -737,7 +751,7 @@ class PrefixTokenCache:
                 else:
                     break  # the new note alone: kept, whatever its length
 
-    def _store(self, chunks: Iterable[tuple[int, array[int]]]) -> list[tuple[int, array[int]]]:
+    def _store(self, chunks: Iterable[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """Put chunks in (least recently used out past ``max_tokens``); those that were not there. One
         that was is touched (a text's chunk after one that had gone, tokenized again: its note vouches
         for all of them as of now)."""
@@ -748,12 +762,13 @@ class PrefixTokenCache:
                     self._chunks.move_to_end(key)
                     continue
                 self._chunks[key] = chunk
-                self._held += len(chunk)
-                self._inserted += len(chunk)
+                n = len(chunk) >> 2
+                self._held += n
+                self._inserted += n
                 added.append((key, chunk))
             while self._held > self.max_tokens and self._chunks:
                 _, old = self._chunks.popitem(last=False)
-                self._held -= len(old)
+                self._held -= len(old) >> 2
         return added
 
     # ---- chunks from other processes -------------------------------------------------------
@@ -764,7 +779,7 @@ class PrefixTokenCache:
             self._fingerprint = fingerprint(self._hf)
         return self._fingerprint
 
-    def adopt(self, chunks: Iterable[tuple[int, array[int]]]) -> int:
+    def adopt(self, chunks: Iterable[tuple[int, bytes]]) -> int:
         """Take chunks another process of the same tokenizer stored (the booking bus carries them:
         ``router/bookbus.py``); returns how many were new here. They are not passed on again."""
         added = self._store(chunks)

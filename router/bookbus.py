@@ -219,7 +219,7 @@ def _release(body: Any) -> tuple[str, int, str]:
     return body[0], body[1], _RES_BACK[body[2]]
 
 
-def _tokens(body: Any) -> tuple[str, list[tuple[int, array[int]]]]:
+def _tokens(body: Any) -> tuple[str, list[tuple[int, bytes]]]:
     """A "t" message's (fingerprint, [(chain key, token ids)])."""
     if not (isinstance(body, list) and len(body) == 2 and isinstance(body[0], str) and 0 < len(body[0]) <= 64
             and isinstance(body[1], list) and 0 < len(body[1]) <= TOKENS_PER_MESSAGE):
@@ -231,11 +231,13 @@ def _tokens(body: Any) -> tuple[str, list[tuple[int, array[int]]]]:
                 and not isinstance(item[0], bool) and item[0] >= 0 and isinstance(item[1], bytes)
                 and item[1] and len(item[1]) % 4 == 0):
             raise BadFrame("a chunk is not [key, uint32 ids]")
-        ids = array("I")
-        ids.frombytes(item[1])
-        if _BIG_ENDIAN:
-            ids.byteswap()
-        total += len(ids)
+        ids = item[1]
+        if _BIG_ENDIAN:  # little-endian on the wire, native in the caches
+            swapped = array("I")
+            swapped.frombytes(ids)
+            swapped.byteswap()
+            ids = swapped.tobytes()
+        total += len(ids) >> 2
         chunks.append((item[0], ids))
     if total > TOKENS_PER_MESSAGE:
         raise BadFrame(f"more than {TOKENS_PER_MESSAGE} tokens in one message")
@@ -319,7 +321,7 @@ class BookingBus:
         self._pending: list[list[Any]] = []   # books and releases not yet sent
         # chunks not yet sent (``share_tokens``, from any thread): (fingerprint, chunks), at most
         # ``MAX_PENDING_TOKENS`` token ids in all; ``_tokens_wake``: a flush is asked for already
-        self._pending_tokens: list[tuple[str, list[tuple[int, array[int]]]]] = []
+        self._pending_tokens: list[tuple[str, list[tuple[int, bytes]]]] = []
         self._pending_token_count = 0
         self._tokens_wake = False
         self._tokens_lock = threading.Lock()
@@ -329,7 +331,7 @@ class BookingBus:
         self._flushed_at = -float("inf")  # the loop's time of the last message of changes
         self._loop: asyncio.AbstractEventLoop | None = None
         # another origin's tokenized chunks: (fingerprint, chunks) -> taken (False: another tokenizer)
-        self.on_tokens: Callable[[str, list[tuple[int, array[int]]]], bool] | None = None
+        self.on_tokens: Callable[[str, list[tuple[int, bytes]]], bool] | None = None
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._sub: zmq.Socket | None = None
@@ -397,25 +399,28 @@ class BookingBus:
                 self.stats.count("book", "sent", books)
             if books < len(ops):
                 self.stats.count("release", "sent", len(ops) - books)
-        by_fingerprint: dict[str, list[tuple[int, array[int]]]] = {}
+        by_fingerprint: dict[str, list[tuple[int, bytes]]] = {}
         for fingerprint, chunks in shared:
             by_fingerprint.setdefault(fingerprint, []).extend(chunks)
         for fingerprint, chunks in by_fingerprint.items():
             batch: list[list[Any]] = []
             n = 0
             for key, ids in chunks:
-                if n + len(ids) > TOKENS_PER_MESSAGE:
+                count = len(ids) >> 2
+                if n + count > TOKENS_PER_MESSAGE:
                     self._send("t", [fingerprint, batch])
                     batch, n = [], 0
                 if _BIG_ENDIAN:
-                    ids = array("I", ids)
-                    ids.byteswap()
-                batch.append([key, ids.tobytes()])
-                n += len(ids)
+                    swapped = array("I")
+                    swapped.frombytes(ids)
+                    swapped.byteswap()
+                    ids = swapped.tobytes()
+                batch.append([key, ids])
+                n += count
             if batch:
                 self._send("t", [fingerprint, batch])
 
-    def share_tokens(self, fingerprint: str, chunks: list[tuple[int, array[int]]]) -> None:
+    def share_tokens(self, fingerprint: str, chunks: list[tuple[int, bytes]]) -> None:
         """Publish chunks this process tokenized (``PrefixTokenCache.on_stored``); callable from any
         thread. They are queued and leave with the next flush of books and releases, at most one a
         ``min_interval_s``: one "t" message per ~8k token ids where each stored batch (about one per
@@ -428,12 +433,13 @@ class BookingBus:
         with self._tokens_lock:
             room = MAX_PENDING_TOKENS - self._pending_token_count
             kept = []
-            for key, ids in chunks:
-                if len(ids) > room or len(ids) > TOKENS_PER_MESSAGE:  # a chunk is a few hundred characters
+            for key, ids in chunks:  # token ids as uint32 bytes (indexer/prefix_tokens.py)
+                count = len(ids) >> 2
+                if count > room or count > TOKENS_PER_MESSAGE:  # a chunk is a few hundred characters
                     self.stats.count("tokens", "dropped")
                     continue
                 kept.append((key, ids))
-                room -= len(ids)
+                room -= count
             if not kept:
                 return
             self._pending_tokens.append((fingerprint, kept))

@@ -53,7 +53,6 @@ import struct
 import subprocess
 import sys
 import time
-from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,17 +111,13 @@ class PromptLength(Sequence[int]):
         raise TypeError("a prompt tokenized in the tokenize process has only its length and block keys")
 
 
-def _chunks_out(chunks: Sequence[tuple[int, array]]) -> list[list[Any]]:
-    return [[key, ids.tobytes()] for key, ids in chunks]
+def _chunks_out(chunks: Sequence[tuple[int, bytes]]) -> list[list[Any]]:
+    """Chunks (chain key, token ids as uint32 bytes: indexer/prefix_tokens.py) as msgpack items."""
+    return [[key, ids] for key, ids in chunks]
 
 
-def _chunks_in(items: list[list[Any]]) -> list[tuple[int, array]]:
-    out = []
-    for key, raw in items:
-        ids = array("I")
-        ids.frombytes(raw)
-        out.append((key, ids))
-    return out
+def _chunks_in(items: list[list[Any]]) -> list[tuple[int, bytes]]:
+    return [(key, raw) for key, raw in items]
 
 
 # ---- the child ------------------------------------------------------------------------------------
@@ -132,7 +127,7 @@ class _Child:
 
         self.tokenizer: Any = load_tokenizer(spec)
         self.cache: Any = None
-        self.stored: list[tuple[int, array]] = []
+        self.stored: list[tuple[int, bytes]] = []
         if isinstance(self.tokenizer, HFTokenizer) and cache_tokens > 0:
             self.cache = self.tokenizer.cache_prefixes(max_tokens=cache_tokens, tiktoken=tiktoken)
             if share:
@@ -212,7 +207,7 @@ class TokenizeProcess:
     child cannot answer now (the caller tokenizes in a thread instead). Used from one event loop."""
 
     def __init__(self, spec: str, cache_tokens: int, timeout_s: float, share: bool = False,
-                 on_stored: Callable[[list[tuple[int, array]]], None] | None = None,
+                 on_stored: Callable[[list[tuple[int, bytes]]], None] | None = None,
                  restart_after_s: float = RESTART_AFTER_S, tiktoken: bool = True):
         self.spec = spec
         self.tiktoken = tiktoken
@@ -368,7 +363,7 @@ class TokenizeProcess:
         self.jobs["done"] += 1
         return (tokens if tokens is not None else PromptLength(count)), rest, keys
 
-    def adopt(self, chunks: list[tuple[int, array]]) -> None:
+    def adopt(self, chunks: list[tuple[int, bytes]]) -> None:
         """Chunks tokenized elsewhere (in the router itself, or by another router process on the
         booking bus): the child takes them before its next job, in the same write (a write of their
         own would wake it for nothing). Past ``MAX_ADOPT_BUFFER`` waiting, they are dropped: the

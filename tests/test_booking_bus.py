@@ -129,8 +129,8 @@ def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
 def test_tokens_messages_reach_the_cache_only_when_well_formed_and_of_the_same_tokenizer():
     bus = BookingBus(Ledger(), origin="me")
     got: list = []
-    chunks = [(7, array("I", [1, 2, 3])), ((1 << 64) - 1, array("I", [70000, 5]))]
-    body = ["fp", [[k, ids.tobytes()] for k, ids in chunks]]
+    chunks = [(7, array("I", [1, 2, 3]).tobytes()), ((1 << 64) - 1, array("I", [70000, 5]).tobytes())]
+    body = ["fp", [[k, ids] for k, ids in chunks]]  # token ids as uint32 bytes (little-endian here)
     bus.handle(encode("t", "other", 1, body))
     assert bus.stats.get("tokens", "dropped") == 1  # nobody takes them: not sharing
     bus.on_tokens = lambda fp, c: fp == "fp" and not got.append(c)
@@ -235,7 +235,7 @@ async def test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bou
     async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
         got: list = []
         b.on_tokens = lambda fp, c: fp == "fp" and not got.extend(c)
-        chunks = [(k, array("I", range(k, k + 100))) for k in range(200)]  # 20,000 tokens: 3 messages
+        chunks = [(k, array("I", range(k, k + 100)).tobytes()) for k in range(200)]  # 20,000 tokens: 3 messages
         await asyncio.to_thread(a.share_tokens, "fp", chunks)  # as a tokenize thread does
         await until(lambda: len(got) == len(chunks), 5, "the chunks")
         assert got == chunks
@@ -252,7 +252,7 @@ async def test_chunks_shared_within_an_interval_leave_together_with_the_bookings
         await until(lambda: b.ledger.inflight("p0") == 1, 5, "the first booking")
         before = a.stats.get("tokens", "sent")
         # one stored batch per request, as a busy router stores them: held back within the interval
-        turns = [[(100 * t + k, array("I", range(k, k + 50))) for k in range(4)] for t in range(30)]
+        turns = [[(100 * t + k, array("I", range(k, k + 50)).tobytes()) for k in range(4)] for t in range(30)]
         for chunks in turns[:20]:
             a.share_tokens("fp", chunks)
         for chunks in turns[20:]:
@@ -264,7 +264,7 @@ async def test_chunks_shared_within_an_interval_leave_together_with_the_bookings
         assert got == [c for chunks in turns for c in chunks]   # in order
         assert a.stats.get("tokens", "sent") == before + 1     # 6,000 token ids: one message
         # more than the queue holds before the next flush: the rest is dropped and counted
-        big = [(10_000 + k, array("I", range(4096))) for k in range(MAX_PENDING_TOKENS // 4096 + 3)]
+        big = [(10_000 + k, array("I", range(4096)).tobytes()) for k in range(MAX_PENDING_TOKENS // 4096 + 3)]
         a.share_tokens("fp", big)
         assert a.stats.get("tokens", "dropped") == 3
         await until(lambda: len(got) == 120 + len(big) - 3, 5, "the chunks that fit")

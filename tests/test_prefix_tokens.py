@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from array import array
 from typing import Any
 
 import orjson
@@ -196,7 +197,8 @@ def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     a.on_stored = sent.append
     text = " ".join(corpus(40, seed=3))
     a.encode(text, True)
-    assert sent and sum(len(ids) for batch in sent for _, ids in batch) == a.held_tokens
+    assert sent and sum(len(ids) for batch in sent for _, ids in batch) == 4 * a.held_tokens  # uint32 ids
+    assert all(type(ids) is bytes for batch in sent for _, ids in batch)  # never tracked by the collector
     assert a.fingerprint == b.fingerprint and a.fingerprint != PrefixTokenCache(TOKENIZERS["WordPiece"]).fingerprint
     taken = sum(b.adopt(batch) for batch in sent)
     assert taken == len(a._chunks) and b.stats.adopted == taken
@@ -207,6 +209,21 @@ def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     assert b.stats.hits == 1 and b.stats.misses == 0 and b.stats.reused_tokens > 0.7 * len(got)
     assert b.held_tokens <= 2000
     a.on_stored = None
+
+
+def test_cached_chunks_are_not_tracked_by_the_garbage_collector():
+    """A full cache holds tens of thousands of chunks; as ``array`` objects (tracked on Python 3.11)
+    every full collection walked them all. As bytes none is tracked, and they read back exactly."""
+    import gc
+
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=32, min_chars=0, verify_every=0)
+    text = " ".join(corpus(400, seed=5))
+    cache.encode(text, False)
+    assert len(cache._chunks) > 50
+    assert not any(gc.is_tracked(ids) for ids in cache._chunks.values())
+    got = cache.encode_cached(text + " and more", False)
+    assert isinstance(got, CachedTokens) and got.tolist() == hf.encode(text + " and more", add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("name", ["byte-level BPE (GPT-2)", "WordPiece"])
@@ -573,7 +590,7 @@ def test_memory_is_bounded_and_a_mismatch_turns_the_cache_off():
     text = " ".join(corpus(5, seed=1))
     cache.encode(text)
     first_chunk = next(iter(cache._chunks))
-    cache._chunks[first_chunk] = type(cache._chunks[first_chunk])("I", [7, 7, 7])  # a corrupted entry
+    cache._chunks[first_chunk] = array("I", [7, 7, 7]).tobytes()  # a corrupted entry
     wrong = cache.encode(text + " more words")  # this one is answered from the cache, and checked aside
     assert wrong != hf.encode(text + " more words").ids
     cache.wait_checked()
