@@ -75,9 +75,9 @@ carries them, checked against this tokenizer's ``fingerprint``: ``router/bookbus
 **A chunk's tokens are bytes**: its token ids as native-order uint32 (``array("I").tobytes()``),
 here, between the router and its tokenize process, and on the booking bus (little-endian there).
 Not ``array`` objects, which the garbage collector tracks on Python 3.11: a cache of 4M tokens holds
-~70,000 chunks, and each full collection walked them all (10 ms over 33,000 objects in a loaded
-router, 7 ms over 65,000 in another: docs/router.md, "Tried on 2026-12-05 (evening)"); ``bytes``
-are never tracked. A chunk whose tokens are asked for (``CachedTokens``: the last one or two of a
+~70,000 chunks, and each full collection walked them all (8-10 ms over ~60,000 objects at 32
+connections of 8k follow-ups: docs/router.md, "The prefix token cache's chunks out of the garbage
+collector's way"); ``bytes`` are never tracked. A chunk whose tokens are asked for (``CachedTokens``: the last one or two of a
 follow-up's history, for its block keys) is copied into an array then.
 
 **A follow-up is cut from its last turn's note.** Finding the cached prefix means cutting the text
