@@ -77,8 +77,9 @@ here, between the router and its tokenize process, and on the booking bus (littl
 Not ``array`` objects, which the garbage collector tracks on Python 3.11: a cache of 4M tokens holds
 ~70,000 chunks, and each full collection walked them all (8-10 ms over ~60,000 objects at 32
 connections of 8k follow-ups: docs/router.md, "The prefix token cache's chunks out of the garbage
-collector's way"); ``bytes`` are never tracked. A chunk whose tokens are asked for (``CachedTokens``: the last one or two of a
-follow-up's history, for its block keys) is copied into an array then.
+collector's way"); ``bytes`` are never tracked. A chunk whose tokens are asked for
+(``CachedTokens``: the last one or two of a follow-up's history, for its block keys) is copied
+into an array then.
 
 **A follow-up is cut from its last turn's note.** Finding the cached prefix means cutting the text
 at its chunk ends and chain-hashing every chunk, the known ones too (at 32k tokens most of the time
