@@ -219,6 +219,14 @@ def _release(body: Any) -> tuple[str, int, str]:
     return body[0], body[1], _RES_BACK[body[2]]
 
 
+def _native_order(ids: bytes) -> bytes:
+    """uint32 token ids byte-swapped: the wire's little-endian to a big-endian host's order and back."""
+    swapped = array("I")
+    swapped.frombytes(ids)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
 def _tokens(body: Any) -> tuple[str, list[tuple[int, bytes]]]:
     """A "t" message's (fingerprint, [(chain key, token ids)])."""
     if not (isinstance(body, list) and len(body) == 2 and isinstance(body[0], str) and 0 < len(body[0]) <= 64
@@ -231,12 +239,7 @@ def _tokens(body: Any) -> tuple[str, list[tuple[int, bytes]]]:
                 and not isinstance(item[0], bool) and item[0] >= 0 and isinstance(item[1], bytes)
                 and item[1] and len(item[1]) % 4 == 0):
             raise BadFrame("a chunk is not [key, uint32 ids]")
-        ids = item[1]
-        if _BIG_ENDIAN:  # little-endian on the wire, native in the caches
-            swapped = array("I")
-            swapped.frombytes(ids)
-            swapped.byteswap()
-            ids = swapped.tobytes()
+        ids = _native_order(item[1]) if _BIG_ENDIAN else item[1]  # little-endian on the wire
         total += len(ids) >> 2
         chunks.append((item[0], ids))
     if total > TOKENS_PER_MESSAGE:
@@ -410,12 +413,7 @@ class BookingBus:
                 if n + count > TOKENS_PER_MESSAGE:
                     self._send("t", [fingerprint, batch])
                     batch, n = [], 0
-                if _BIG_ENDIAN:
-                    swapped = array("I")
-                    swapped.frombytes(ids)
-                    swapped.byteswap()
-                    ids = swapped.tobytes()
-                batch.append([key, ids])
+                batch.append([key, _native_order(ids) if _BIG_ENDIAN else ids])
                 n += count
             if batch:
                 self._send("t", [fingerprint, batch])
