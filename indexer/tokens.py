@@ -128,14 +128,30 @@ _ENV = _environment()
 
 
 @lru_cache(maxsize=64)
-def _compiled(source: str) -> tuple[jinja2.Template, frozenset[str], str]:
-    """The compiled template, its undeclared variables and its content format (cached by source)."""
+def _compiled(source: str) -> tuple[jinja2.Template, dict[str, Any], frozenset[str], str]:
+    """The compiled template, its globals as one dict (``_render``), its undeclared variables and
+    its content format (cached by source)."""
     try:
         template = _ENV.from_string(source)
         ast = _ENV.parse(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template failed to compile: {exc}") from exc
-    return template, frozenset(jinja2.meta.find_undeclared_variables(ast)), _content_format(ast)
+    return template, dict(template.globals), frozenset(jinja2.meta.find_undeclared_variables(ast)), \
+        _content_format(ast)
+
+
+def _render(template: jinja2.Template, globals_: dict[str, Any], variables: dict[str, Any]) -> str:
+    """``template.render(**variables)`` with the template's globals merged once, at compile time.
+    Jinja keeps them as a ``ChainMap`` (the template's over the environment's) and walks it twice in
+    every render (a merged copy, then a set of its names): 6 µs of a 13 µs render of one short
+    message, 8 of 40 for an 8k-token follow-up of 8 messages. ``_ENV``'s globals are all set before
+    any template is compiled. Errors are raised as ``render`` raises them."""
+    env = template.environment
+    context = env.context_class(env, {**globals_, **variables}, template.name, template.blocks, globals=globals_)
+    try:
+        return env.concat(template.root_render_func(context))
+    except Exception:
+        env.handle_exception()
 
 
 # ---- content format: does the template loop over message content parts ("openai") or print it? --
@@ -596,7 +612,7 @@ class _ChatRendering:
                             chat_template: str | None = None, **kwargs: Any) -> str:
         """The prompt text for ``messages``, as vLLM renders it (``kwargs``: chat_template_kwargs)."""
         source = self.resolve_template(chat_template, tools)
-        template, variables, content_format = _compiled(source)
+        template, globals_, variables, content_format = _compiled(source)
         conv = conversation(messages, content_format)
         if any(m["role"] == "developer" for m in conv) and '"developer"' not in source \
                 and "'developer'" not in source:
@@ -622,8 +638,8 @@ class _ChatRendering:
         if continue_final_message:
             conv, final = _tag_final_message(conv, continue_final_message, source)
         try:
-            text = template.render(messages=conv, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, **context)
+            text = _render(template, globals_, {"messages": conv, "tools": tools, "documents": documents,
+                                                "add_generation_prompt": add_generation_prompt, **context})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
         except Exception as exc:  # a template's own TypeError, ValueError, ...: vLLM answers 400 as well

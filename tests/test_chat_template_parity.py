@@ -55,6 +55,45 @@ def test_environment_has_strftime_now_loop_controls_generation_and_raise_excepti
         render("{{ raise_exception('no <tools> here') }}")
 
 
+def test_a_render_with_the_globals_merged_once_is_jinjas_own_render():
+    """``_render`` (the globals merged at compile time) gives what ``Template.render`` gives, for
+    templates that read globals, set names at the top level and in loops, define and call macros,
+    use a namespace and shadow a global with a variable, and raises what it raises."""
+    import jinja2
+
+    from indexer.tokens import _compiled, _render
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    sources = [
+        "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}{% set n = namespace(k=0) %}"
+        "{% for m in messages %}{% set n.k = n.k + 1 %}{% set local = m.role | upper %}{{ n.k }}{{ local }}"
+        "{% endfor %}[{{ sys }}]{{ local is defined }}",
+        "{% macro turn(m) %}({{ m.role }}:{{ m.content | length }}){% endmacro %}"
+        "{% for m in messages if m.role != 'system' %}{{ turn(m) }}{{ loop.index }}/{{ loop.length }}{% endfor %}"
+        "{{ range(3) | list | length }}{{ namespace is defined }}",
+        "{{ raise_exception is defined }}{% set range = 'shadowed' %}{{ range }}{{ tools is none }}{{ cycler }}",
+        "{{ messages | map(attribute='role') | join(',') }}{{ (messages | selectattr('role', 'eq', 'user') | list)"
+        " | length }}{{ strftime_now('%Y') | length }}",
+    ]
+    for source in sources:
+        template, globals_, _, _ = _compiled(source)
+        variables = {"messages": msgs, "tools": None, "documents": None, "add_generation_prompt": True,
+                     "bos_token": "<s>", "eos_token": "</s>", "cycler": "a variable over a global"}
+        assert _render(template, globals_, dict(variables)) == template.render(**variables)
+    for source, error in [("{{ raise_exception('nope') }}", jinja2.TemplateError),
+                          ("{{ messages[0].content.upper.x.y }}", jinja2.UndefinedError),
+                          ("{{ 1 // 0 }}", ZeroDivisionError)]:
+        template, globals_, _, _ = _compiled(source)
+        with pytest.raises(error) as ours:
+            _render(template, globals_, {"messages": msgs})
+        with pytest.raises(error) as theirs:
+            template.render(messages=msgs)
+        assert str(ours.value) == str(theirs.value)
+
+
 def test_the_sandbox_remembers_its_verdicts_and_still_refuses_what_it_refused():
     """The sandbox's verdict on an attribute is kept per (type, name): the same answers as jinja2's
     own sandbox, the second time as the first, for a safe method, a mutating one and an internal one."""
