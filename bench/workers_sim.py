@@ -5,16 +5,19 @@ share their bookings (the booking bus) or do not, on the seed workload of bench/
 admission, prefix index) against the simulator's timing model with a simulated clock, so the
 result does not depend on how loaded the machine is. Here its one router is replaced by N, as
 ``kvroute serve --workers N`` has: each request goes to one of them at random (SO_REUSEPORT), each
-has its own index (every pod's KV events reach all of them), calibrator, speculative credits and
-scrape of the pods; with ``shared`` every local book and release is applied to the others'
-ledgers as a foreign booking, as the bus would deliver it: sent at once, or, with an interval
+has its own index (every pod's KV events reach all of them; none with ``--no-events``, whose pods
+publish none, so each index knows only the credits of routed prompts), calibrator, speculative
+credits and scrape of the pods; with ``shared`` every local book and release is applied to the
+others' ledgers as a foreign booking, and (unless ``credits`` is off: the rows "without credits")
+every credit of a routed prompt's blocks to a pod to the others' indexes, as the bus would deliver
+them: sent at once, or, with an interval
 (``booking_bus_min_interval_s``, one row per value of ``--bus-interval-s``), held until that long
 after the router's last message and sent together with the changes made meanwhile; then applied
 ``--bus-latency-s`` later (the wire, ~0.5 ms on loopback; 0 by default, as in the runs before this
 option).
 
     python bench/workers_sim.py [--rate 70] [--duration 60] [--routers 2] [--bus-interval-s 0,0.005]
-                                [--bus-latency-s 0.0005] [--json out.json]
+                                [--bus-latency-s 0.0005] [--no-events] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from fleet.trial import FleetSpec  # noqa: E402
 from replay.arrivals import cut, poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
+from router.config import PodConfig  # noqa: E402
 from whatif.podmodel import PodSpec  # noqa: E402
 from whatif.simulate import SimConfig, _build_router, _Run  # noqa: E402
 
@@ -57,12 +61,15 @@ class _Registry:
 
 
 class _Index:
-    """Every pod's KV events reach every router's index."""
+    """Every pod's KV events reach every router's index (none: pods without KV events)."""
 
-    def __init__(self, indexes: list[Any]):
+    def __init__(self, indexes: list[Any], events: bool = True):
         self.indexes = indexes
+        self.events = events
 
     def apply_batch(self, pod_id: str, events: Any) -> None:
+        if not self.events:
+            return
         for ix in self.indexes:
             ix.apply_batch(pod_id, events)
 
@@ -74,44 +81,56 @@ class Routers:
     """N routers behind one port, looking like the one ``Router`` the simulation drives."""
 
     def __init__(self, routers: list[Any], shared: bool, seed: int, interval_s: float = 0.0,
-                 latency_s: float = 0.0, clock: Any = None):
+                 latency_s: float = 0.0, clock: Any = None, credits: bool = True, events: bool = True):
         self.routers = routers
-        self.index = _Index([r.index for r in routers])
+        self.index = _Index([r.index for r in routers], events)
         self.registry = _Registry([r.registry for r in routers])
         self.rng = random.Random(seed)
         self.owner: dict[int, tuple[Any, Any]] = {}
         self.last: Any = routers[0]
         self.interval_s, self.latency_s, self.clock = interval_s, latency_s, clock
-        self.in_flight: list[tuple[float, int, Any, tuple]] = []  # heap: (due, order, ledger, apply_foreign's args)
+        # heap: (due, order, the receiving router's method, its args): foreign books, releases, credits
+        self.in_flight: list[tuple[float, int, Any, tuple]] = []
         self._order = 0
+        self.last_sent = [-float("inf")] * len(routers)  # when each router's last message went
         if shared:
             for i, r in enumerate(routers):
-                r.ledger.on_change = self._hook(f"router-{i}", [o for o in routers if o is not r])
+                r.ledger.on_change = self._hook(i, f"router-{i}")
+                if credits:
+                    r.on_credit = self._sender(i)
 
-    def _hook(self, origin: str, others: list[Any]):
-        last_sent = -float("inf")  # when this router's last message went
-
-        def on_change(event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
-            nonlocal last_sent
-            args = (origin, event, pod, ticket, tokens, resource)
-            if self.interval_s <= 0 and self.latency_s <= 0:
-                for o in others:
-                    o.ledger.apply_foreign(*args)
-                return
-            now = self.clock.now
-            # the bus's rule: at once after a quiet interval, else with the message at its end
-            sent = now if now >= last_sent + self.interval_s else last_sent + self.interval_s
-            last_sent = max(last_sent, sent)
+    def _send(self, i: int, apply: Any) -> None:
+        """Router ``i`` publishes: ``apply(other)`` runs at each other router when the bus delivers it."""
+        others = [o for o in self.routers if o is not self.routers[i]]
+        if self.interval_s <= 0 and self.latency_s <= 0:
             for o in others:
-                self._order += 1
-                heapq.heappush(self.in_flight, (sent + self.latency_s, self._order, o.ledger, args))
+                apply(o)
+            return
+        now = self.clock.now
+        # the bus's rule: at once after a quiet interval, else with the message at its end
+        last = self.last_sent[i]
+        sent = now if now >= last + self.interval_s else last + self.interval_s
+        self.last_sent[i] = max(last, sent)
+        for o in others:
+            self._order += 1
+            heapq.heappush(self.in_flight, (sent + self.latency_s, self._order, apply, (o,)))
+
+    def _hook(self, i: int, origin: str):
+        def on_change(event: str, pod: str, ticket: int, tokens: float, resource: str) -> None:
+            args = (origin, event, pod, ticket, tokens, resource)
+            self._send(i, lambda o: o.ledger.apply_foreign(*args))
         return on_change
 
+    def _sender(self, i: int):
+        def on_credit(pod: str, keys: list[int]) -> None:
+            self._send(i, lambda o: o.credit_foreign(pod, keys))
+        return on_credit
+
     def _arrived(self) -> None:
-        """Apply the changes that have reached the others (a router reads its ledger only when it plans)."""
+        """Apply what has reached the others (a router reads its ledger and index only when it plans)."""
         while self.in_flight and self.in_flight[0][0] <= self.clock.now:
-            _, _, ledger, args = heapq.heappop(self.in_flight)
-            ledger.apply_foreign(*args)
+            _, _, apply, args = heapq.heappop(self.in_flight)
+            apply(*args)
 
     def keys_for(self, model: str, tokens: list[int]) -> Any:
         return self.routers[0].keys_for(model, tokens)
@@ -141,11 +160,11 @@ class Routers:
 
 class _MultiRun(_Run):
     def __init__(self, specs: Any, arrivals: Any, cfg: SimConfig, routers: int, shared: bool, seed: int,
-                 interval_s: float = 0.0, latency_s: float = 0.0):
+                 interval_s: float = 0.0, latency_s: float = 0.0, credits: bool = True, events: bool = True):
         super().__init__(specs, arrivals, cfg, None)
-        if routers > 1:
+        if routers > 1 or not events:
             self.router = Routers([_build_router(cfg, self.clock) for _ in range(routers)], shared, seed,
-                                  interval_s, latency_s, self.clock)
+                                  interval_s, latency_s, self.clock, credits, events)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bus-interval-s", default="0",
                     help="comma-separated booking_bus_min_interval_s values, a row each (0: every change at once)")
     ap.add_argument("--bus-latency-s", type=float, default=0.0, help="the bus's wire latency")
+    ap.add_argument("--no-events", action="store_true",
+                    help="pods that publish no KV events: the routers know only the credits of routed prompts")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     fleet = FleetSpec()
@@ -169,20 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     n = cut(arrivals, duration=args.duration)
     spec = PodSpec(timing="seed", block_size=fleet.block_size, num_gpu_blocks=fleet.num_gpu_blocks,
                    prefill_tokens_per_s=fleet.prefill_tokens_per_s, decode_s_per_token=fleet.decode_s_per_token)
-    setups = [("1 process", 1, False, 0.0)]
+    setups = [("1 process", 1, False, 0.0, False)]
     intervals = [float(x) for x in args.bus_interval_s.split(",") if x.strip()]
     for k in [int(x) for x in args.routers.split(",") if x.strip()]:
-        setups += [(f"{k} workers, booking bus" + (f", {d * 1000:g} ms interval" if d else ""), k, True, d)
+        setups += [(f"{k} workers, booking bus" + (f", {d * 1000:g} ms interval" if d else ""), k, True, d, True)
                    for d in intervals]
-        setups += [(f"{k} workers, no bus", k, False, 0.0)]
+        d = intervals[-1] if intervals else 0.0
+        setups += [(f"{k} workers, booking bus without credits" + (f", {d * 1000:g} ms interval" if d else ""),
+                    k, True, d, False)]
+        setups += [(f"{k} workers, no bus", k, False, 0.0, False)]
     rows = []
     for label, admission in (("predicted-ttft + early rejection", True), ("predicted-ttft", False)):
-        for name, k, shared, interval in setups:
+        for name, k, shared, interval, credits in setups:
             cfg = SimConfig(policy="predicted-ttft", admission=admission, objective_s=args.objective, pods=fleet.pods,
                             spec=spec, model=fleet.model)
+            if args.no_events:
+                cfg.router = {"pods": [PodConfig(id=pid, url=f"http://{pid}.simulated:8000", role=role,
+                                                 model=cfg.model) for pid, role in cfg.pod_ids()]}
             s = _MultiRun(specs[:n], arrivals[:n], cfg, k, shared, args.seed, interval,
-                          args.bus_latency_s if shared else 0.0).run().summary
+                          args.bus_latency_s if shared else 0.0, credits, not args.no_events).run().summary
             r = {"router": f"kvroute {label}, {name} (simulated)", "routers": k, "shared_bookings": shared,
+                 "shared_credits": credits, "kv_events": not args.no_events,
                  "bus_interval_s": interval, "bus_latency_s": args.bus_latency_s if shared else 0.0,
                  "admission": admission, "requests": s["requests"], "hit_rate": s["hit_rate"],
                  "ttft_p50": s["ttft_p50"], "ttft_p99": s["ttft_p99"], "slo_attainment": s["slo_attainment"],

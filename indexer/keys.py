@@ -15,9 +15,11 @@ masked to 60 bits so every key is a compact one-word int object. Measured on thi
 machine (32k tokens, block 16; see docs/indexer.md): tuple ``hash()`` ~200-360 ns/block,
 xxhash ``xxh3_64`` over the packed block ~450 ns/block (the per-block Python call and buffer
 slicing dominate), ``hashlib.blake2b`` ~1,240 ns/block. Tuple hashing of ints is deterministic
-across processes (only str/bytes hashing is salted), but it is not a wire format: keys are
-only ever compared within one router process (its tokenize process, the same Python, sends it
-keys it computed: router/tokenize_proc.py), never stored or sent further.
+across processes (only str/bytes hashing is salted), but it is not a wire format: another Python
+version or build may hash a tuple differently. So keys leave a router process only for a process
+that checks it computes the same ones: its tokenize process (the same Python: router/tokenize_proc.py),
+and the other workers and replicas on the booking bus, whose credits are taken only if their
+:func:`key_space` is the receiver's own (router/bookbus.py). They are never stored.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def key_seed(model: str, lora_name: str | None = None) -> int:
     """The chain's starting value for one model (and LoRA adapter): stable, 60 bits."""
     text = f"{model}\x00{lora_name or ''}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"kvroute-key").digest(), "big") & KEY_MASK
+
+
+def key_space(block_size: int) -> str:
+    """A name for the keys this process computes: the block size and the key of one probe block.
+    Two processes whose names agree key every prompt alike (the same block size and tuple hash)."""
+    probe = block_keys(list(range(block_size)), block_size, key_seed("kvroute-key-space"))[0]
+    return f"{block_size}:{probe:015x}"
 
 
 def _extra_digest(extra: Any) -> int:

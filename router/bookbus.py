@@ -17,6 +17,12 @@ the origin's messages from 1.
   uint32 bytes), so a follow-up that lands on another worker or replica reuses them rather than
   tokenizing the whole conversation again; taken only where ``fingerprint`` (the tokenizer's) is
   the receiver's own; at most ``TOKENS_PER_MESSAGE`` tokens per message (a big prompt's go as several)
+- ``"c"`` credits:  body ``[key space, [[pod, n], ...], keys]``: prompts this origin routed, each as
+  the pod it credited them to (``Router.book``: the pod will hold their blocks) and its number of
+  block keys, and all of their keys, in that order, as one string of little-endian uint64s; so a
+  sibling or a follow-up that lands on another worker or replica finds them. Taken only where
+  ``key space`` (``indexer.keys.key_space``: the block size and a probe key) is the receiver's own;
+  at most ``CREDIT_KEYS_PER_MESSAGE`` keys per message
 - ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
   applied in order: the books and releases queued since the last message go out together (a lone
   one goes as ``"b"``/``"r"``; at most ``MAX_OPS`` per message)
@@ -77,6 +83,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import msgspec
@@ -97,6 +104,8 @@ RECV_BATCH = 256  # messages handled per event-loop turn before yielding
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less than a full "m" message)
 MAX_PENDING_TOKENS = 32 * TOKENS_PER_MESSAGE  # token ids queued for the next flush (1 MiB)
+CREDIT_KEYS_PER_MESSAGE = 16_384  # block keys in one "c" message (128 KB: a 262k-token prompt)
+MAX_PENDING_CREDIT_KEYS = 8 * CREDIT_KEYS_PER_MESSAGE  # block keys queued for the next flush (1 MiB)
 _BIG_ENDIAN = sys.byteorder == "big"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -205,6 +214,8 @@ def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
         return kind, origin, seq, [_booking(b) for b in body]
     if kind == "t":
         return kind, origin, seq, _tokens(body)
+    if kind == "c":
+        return kind, origin, seq, _credits(body)
     if kind == "m":
         if not (isinstance(body, list) and 0 < len(body) <= MAX_OPS):
             raise BadFrame(f"several is not a list of 1 to {MAX_OPS} changes")
@@ -247,6 +258,31 @@ def _tokens(body: Any) -> tuple[str, list[tuple[int, bytes]]]:
     return body[0], chunks
 
 
+def _credits(body: Any) -> tuple[str, list[tuple[str, list[int]]]]:
+    """A "c" message's (key space, [(pod, block keys)])."""
+    if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str) and 0 < len(body[0]) <= 64
+            and isinstance(body[1], list) and 0 < len(body[1]) <= CREDIT_KEYS_PER_MESSAGE
+            and isinstance(body[2], bytes) and len(body[2]) % 8 == 0
+            and len(body[2]) <= 8 * CREDIT_KEYS_PER_MESSAGE):
+        raise BadFrame("credits is not [key space, [[pod, n], ...], uint64 keys]")
+    keys = array("Q")
+    keys.frombytes(body[2])
+    if _BIG_ENDIAN:  # little-endian on the wire
+        keys.byteswap()
+    every = keys.tolist()
+    credits = []
+    at = 0
+    for item in body[1]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and 0 < len(item[0]) <= 256
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] > 0):
+            raise BadFrame("a credit is not [pod, number of keys]")
+        credits.append((item[0], every[at:at + item[1]]))
+        at += item[1]
+    if at != len(every):
+        raise BadFrame("the credits' numbers of keys do not add up to the keys sent")
+    return body[0], credits
+
+
 def _change(op: Any) -> tuple[str, tuple]:
     """One change of an "m" message: ("b", booking) or ("r", release)."""
     if isinstance(op, list) and op and op[0] == "b":
@@ -256,7 +292,7 @@ def _change(op: Any) -> tuple[str, tuple]:
     raise BadFrame("a change is neither ['b', ...] nor ['r', ...]")
 
 
-KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens"}
+KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens", "c": "credits"}
 
 
 @dataclass
@@ -328,6 +364,10 @@ class BookingBus:
         self._pending_token_count = 0
         self._tokens_wake = False
         self._tokens_lock = threading.Lock()
+        # credits not yet sent (``share_credit``, on the loop): (pod, keys), at most
+        # ``MAX_PENDING_CREDIT_KEYS`` keys in all
+        self._pending_credits: list[tuple[str, list[int]]] = []
+        self._pending_credit_keys = 0
         self._loop_thread: int | None = None
         self._flush_handle: asyncio.Handle | None = None
         self.min_interval_s = min_interval_s
@@ -335,6 +375,9 @@ class BookingBus:
         self._loop: asyncio.AbstractEventLoop | None = None
         # another origin's tokenized chunks: (fingerprint, chunks) -> taken (False: another tokenizer)
         self.on_tokens: Callable[[str, list[tuple[int, bytes]]], bool] | None = None
+        # another origin's credit of a prompt's block keys to a pod, taken where its key space is ours
+        self.on_credits: Callable[[str, list[int]], None] | None = None
+        self.key_space = ""
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._sub: zmq.Socket | None = None
@@ -386,11 +429,13 @@ class BookingBus:
             self._flush_handle.cancel()
             self._flush_handle = None
         ops, self._pending = self._pending, []
+        credits, self._pending_credits = self._pending_credits, []
+        self._pending_credit_keys = 0
         with self._tokens_lock:
             shared, self._pending_tokens = self._pending_tokens, []
             self._pending_token_count = 0
             self._tokens_wake = False
-        if (ops or shared) and self._loop is not None and not self._loop.is_closed():
+        if (ops or shared or credits) and self._loop is not None and not self._loop.is_closed():
             self._flushed_at = self._loop.time()
         if len(ops) == 1:
             op = ops[0]
@@ -417,6 +462,48 @@ class BookingBus:
                 n += count
             if batch:
                 self._send("t", [fingerprint, batch])
+        if credits:
+            self._send_credits(credits)
+
+    def _send_credits(self, credits: list[tuple[str, list[int]]]) -> None:
+        """The queued credits as "c" messages of at most ``CREDIT_KEYS_PER_MESSAGE`` keys: a list of
+        (pod, number of keys) and one string of all the keys, converted in one pass each."""
+        start = 0
+        while start < len(credits):
+            end, n = start, 0
+            while end < len(credits) and n + len(credits[end][1]) <= CREDIT_KEYS_PER_MESSAGE:
+                n += len(credits[end][1])
+                end += 1
+            part = credits[start:end]
+            keys = array("Q", chain.from_iterable(k for _, k in part))
+            if _BIG_ENDIAN:
+                keys.byteswap()
+            self._send("c", [self.key_space, [[pod, len(k)] for pod, k in part], keys.tobytes()])
+            start = end
+
+    def share_credit(self, pod: str, keys: list[int]) -> None:
+        """Publish that this process credited a routed prompt's block ``keys`` to ``pod`` (on the event
+        loop, from ``Router.book``; ``keys`` is kept, not copied, until the flush: a plan's keys are
+        never changed). Queued, they leave with the next flush of books and releases; a prompt of
+        more than ``CREDIT_KEYS_PER_MESSAGE`` blocks sends its first ones (a prefix of a chain is a
+        chain). Past ``MAX_PENDING_CREDIT_KEYS`` queued, a credit is dropped and counted
+        (``kind="credits", direction="dropped"``): a peer then routes that prompt's siblings without it."""
+        if self._pub is None or not keys:
+            return
+        if len(keys) > CREDIT_KEYS_PER_MESSAGE:
+            keys = keys[:CREDIT_KEYS_PER_MESSAGE]
+        if self._pending_credit_keys + len(keys) > MAX_PENDING_CREDIT_KEYS:
+            self.stats.count("credits", "dropped")
+            return
+        self._pending_credits.append((pod, keys))
+        self._pending_credit_keys += len(keys)
+        if self._flush_handle is None:  # the booking before it asked for one already, as a rule
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop running (a synchronous caller): send now
+                self.flush()
+                return
+            self._flush_later()
 
     def share_tokens(self, fingerprint: str, chunks: list[tuple[int, bytes]]) -> None:
         """Publish chunks this process tokenized (``PrefixTokenCache.on_stored``); callable from any
@@ -508,6 +595,13 @@ class BookingBus:
             if self.on_tokens is None or not self.on_tokens(fingerprint, chunks):
                 self.stats.count("tokens", "dropped")  # not sharing, or another tokenizer
                 return
+        elif kind == "c":
+            key_space, credits = body
+            if self.on_credits is None or key_space != self.key_space:
+                self.stats.count("credits", "dropped")  # not sharing, or keys of another block size or Python
+                return
+            for pod, keys in credits:
+                self.on_credits(pod, keys)
         elif kind == "s":
             added, released = led.replace_origin(origin, body, self.max_bookings_per_origin)
             self.stats.repaired += added + released

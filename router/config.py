@@ -336,6 +336,9 @@ class RouterSettings(BaseSettings):
     booking_bus_min_interval_s: float = Field(0.005, ge=0, le=1.0, description="least time between two messages "
                                               "of a router's books and releases: changes wait at most this long "
                                               "and go together (0: one message per event-loop turn)")
+    booking_bus_credits: bool = Field(True, description="the router processes on the booking bus send each other "
+                                      "the block keys they credit to a pod when they route a prompt, so a "
+                                      "follow-up or sibling routed by another process finds that pod")
     booking_bus_curve_secret_key: str | None = Field(None, description="CURVE on the booking bus: one secret key "
                                                      "(Z85, 40 characters) shared by every router process; only "
                                                      "holders can publish or read bookings (docs/router.md)")

@@ -183,6 +183,9 @@ class Router:
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
         self.chars_per_token = settings.estimate_chars_per_token or (1.0 if settings.tokenizer == "byte" else 4.0)
         self.prediction_log: PredictionLog | None = None
+        # told of each credit ``book`` makes (pod, the prompt's block keys): the booking bus, which
+        # hands it to the other router processes' ``credit_foreign``
+        self.on_credit: Callable[[str, list[int]], None] | None = None
         if settings.prediction_log_path:
             path = settings.prediction_log_path + (f".{os.getpid()}" if settings.workers > 1 else "")
             self.prediction_log = PredictionLog(path, settings.prediction_log_max_bytes)
@@ -346,6 +349,15 @@ class Router:
                                             CREDIT_NOW_BLOCKS if loop is not None else 0)
         self._credit_step(loop, steps)
 
+    def credit_foreign(self, pod_id: str, keys: list[int]) -> None:
+        """Another router process (a worker or replica, over the booking bus) routed a prompt with
+        these block keys to ``pod_id`` and credited them there: the same credit here, so this
+        process's siblings and follow-ups of that prompt find the pod as that process's do. Without
+        it a pod that publishes no KV events is known to hold a conversation only by the process
+        that routed its last turn. A pod this process does not know is skipped."""
+        if pod_id in self.registry.pods:
+            self.speculate(pod_id, keys)
+
     def _speculate_steps(self, pod_id: str, keys: list[int], in_pieces: bool) -> Iterator[None]:
         step = CREDIT_NOW_BLOCKS if in_pieces else max(1, len(keys))
         for i in range(0, len(keys), step):
@@ -380,11 +392,13 @@ class Router:
         rate = prefilling.prefill_tokens_per_s
         ticket = self.ledger.book(route.prefill_pod, pred.uncached_tokens)
         kv_ticket = self.ledger.book_kv(route.pod_id, route.kv_tokens) if route.kv_tokens else None
-        self.speculate(route.prefill_pod, plan.keys)
         held: tuple[str, ...] = (route.prefill_pod,)
         if route.pod_id != route.prefill_pod:
-            self.speculate(route.pod_id, plan.keys)  # the decode pod stores the blocks it reads
-            held = (route.prefill_pod, route.pod_id)
+            held = (route.prefill_pod, route.pod_id)  # the decode pod stores the blocks it reads
+        for pod_id in held:
+            self.speculate(pod_id, plan.keys)
+            if self.on_credit is not None and plan.keys:
+                self.on_credit(pod_id, plan.keys)
         recency = getattr(self.index, "recency", None)
         # only a pod that publishes KV events reports its evictions: elsewhere the last-use times
         # would never be read, so they are not kept

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from indexer.keys import key_space
 from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvcommon.listener import ListenerCollector
 from router.booking import Ledger
@@ -175,6 +176,10 @@ class Services:
         if self.bus is not None:
             from router.bookbus import BusCollector
 
+            if self.settings.booking_bus_credits:
+                self.bus.key_space = key_space(block_size)
+                self.bus.on_credits = self.router.credit_foreign
+                self.router.on_credit = self.bus.share_credit
             await self.bus.start()
             self.metrics.add_collector(BusCollector(self.bus))
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))

@@ -23,7 +23,16 @@ import pytest
 import yaml
 import zmq
 
-from router.bookbus import TOKENS_PER_MESSAGE, TOPIC, BookingBus, BusKey, BusStats, Forwarder, encode
+from router.bookbus import (
+    CREDIT_KEYS_PER_MESSAGE,
+    TOKENS_PER_MESSAGE,
+    TOPIC,
+    BookingBus,
+    BusKey,
+    BusStats,
+    Forwarder,
+    encode,
+)
 from router.booking import KV, PREFILL, Ledger
 from simulator.testing import running_sims
 from tests.helpers import ROOT, free_ports, kvroute_process, until
@@ -145,6 +154,32 @@ def test_tokens_messages_reach_the_cache_only_when_well_formed_and_of_the_same_t
     for i, b in enumerate(bad):
         bus.handle(encode("t", "other", 4 + i, b))
     assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 1
+
+
+def test_credits_messages_reach_the_router_only_when_well_formed_and_of_the_same_key_space():
+    bus = BookingBus(Ledger(), origin="me")
+    got: list = []
+    keys = [7, (1 << 60) - 1, 0]
+    body = ["16:abc", [["pod-a", 3], ["pod-b", 1]], array("Q", [*keys, 9]).tobytes()]  # little-endian here
+    bus.handle(encode("c", "other", 1, body))
+    assert bus.stats.get("credits", "dropped") == 1  # nobody takes them: not sharing
+    bus.key_space = "16:abc"
+    bus.on_credits = lambda pod, k: got.append((pod, k))
+    bus.handle(encode("c", "other", 2, body))
+    assert got == [("pod-a", keys), ("pod-b", [9])] and bus.stats.get("credits", "received") == 1
+    bus.handle(encode("c", "other", 3, ["64:abc", *body[1:]]))  # another block size (or Python's hash)
+    assert len(got) == 2 and bus.stats.get("credits", "dropped") == 2
+    n = CREDIT_KEYS_PER_MESSAGE
+    k8 = b"\0" * 8
+    bad = [["16:abc", body[1]], ["16:abc", [], b""], ["", *body[1:]], ["x" * 65, *body[1:]],
+           ["16:abc", [[1, 1]], k8], ["16:abc", [["", 1]], k8], ["16:abc", [["p" * 257, 1]], k8],
+           ["16:abc", [["p", 1]], b"\0" * 12], ["16:abc", [["p", 0]], b""], ["16:abc", [["p", True]], k8],
+           ["16:abc", [["p", 1, 1]], k8], ["16:abc", [["p", 2]], k8], ["16:abc", [["p", 1]], k8 * 2],
+           ["16:abc", [["p", 1]], [1]], ["16:abc", [["p", n + 1]], k8 * (n + 1)],
+           ["16:abc", [["p", 1]] * (n + 1), k8 * (n + 1)]]
+    for i, b in enumerate(bad):
+        bus.handle(encode("c", "other", 4 + i, b))
+    assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 2
 
 
 # ---- e2e: buses on loopback --------------------------------------------------------------------
@@ -270,6 +305,67 @@ async def test_chunks_shared_within_an_interval_leave_together_with_the_bookings
         await until(lambda: len(got) == 120 + len(big) - 3, 5, "the chunks that fit")
         assert [k for k, _ in got[120:]] == [k for k, _ in big[:-3]]
         assert a.stats.get("tokens", "sent") == before + 1 + MAX_PENDING_TOKENS // 8192
+
+
+async def test_credits_leave_with_the_next_flush_in_bounded_messages_and_the_queue_is_bounded():
+    from router.bookbus import MAX_PENDING_CREDIT_KEYS
+
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
+        got: list = []
+        a.key_space = b.key_space = "16:abc"
+        b.on_credits = lambda pod, keys: got.append((pod, keys))
+        prompts = [("p0", list(range(k * 1000, k * 1000 + 700))) for k in range(30)]  # 21,000 keys: 2 messages
+        for pod, keys in prompts:   # one loop turn: they leave together at its end
+            a.share_credit(pod, keys)
+        assert a.stats.get("credits", "sent") == 0
+        await until(lambda: len(got) == len(prompts), 5, "the credits")
+        assert got == prompts and a.stats.get("credits", "sent") == 2 and b.stats.get("credits", "received") == 2
+        # a prompt longer than a message sends its first blocks; past the queue's bound a credit is dropped
+        a.share_credit("p1", list(range(CREDIT_KEYS_PER_MESSAGE + 50)))
+        for k in range(MAX_PENDING_CREDIT_KEYS // CREDIT_KEYS_PER_MESSAGE):
+            a.share_credit("p2", list(range(k, k + CREDIT_KEYS_PER_MESSAGE)))
+        assert a.stats.get("credits", "dropped") == 1
+        await until(lambda: len(got) == len(prompts) + MAX_PENDING_CREDIT_KEYS // CREDIT_KEYS_PER_MESSAGE, 5, "more")
+        assert got[len(prompts)] == ("p1", list(range(CREDIT_KEYS_PER_MESSAGE)))
+
+
+@pytest.mark.parametrize("events", [True, False], ids=["events", "no events"])
+async def test_a_routers_credit_reaches_the_other_routers_index_over_the_bus(events):
+    """Router a routes a prompt (plan, then book): the blocks it credits to the chosen pod reach
+    router b over the bus, so b sees them cached there and sends a follow-up to that pod, with or
+    without the pods' KV events. A router not wired to the bus sees nothing cached."""
+    import time
+
+    from indexer.keys import key_space
+    from router.config import PodConfig
+    from whatif.simulate import SimConfig, _build_router
+
+    cfg = SimConfig(pods=2, objective_s=None)
+    if not events:
+        cfg.router = {"pods": [PodConfig(id=pid, url=f"http://{pid}.simulated:8000", role=role, model=cfg.model)
+                               for pid, role in cfg.pod_ids()]}
+    ra, rb, alone = (_build_router(cfg, time.monotonic) for _ in range(3))
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
+        for router, bus in ((ra, a), (rb, b)):  # as router/service.py wires them
+            bus.key_space = key_space(router.block_size)
+            bus.on_credits = router.credit_foreign
+            router.on_credit = bus.share_credit
+        prompt = list(range(1, 2001))
+        plan = ra.plan("completion", {"model": cfg.model, "prompt": prompt, "max_tokens": 1}, {})
+        pod = plan.decision.chosen.pod_id
+        ra.book(plan, plan.decision.chosen)
+        follow_up = {"model": cfg.model, "prompt": prompt + list(range(5000, 5100)), "max_tokens": 1}
+        full = len(prompt) // ra.block_size * ra.block_size
+
+        def cached(router) -> int:
+            return router.plan("completion", follow_up, {}, dry_run=True).snapshot.candidate(pod).cached_tokens
+
+        await until(lambda: cached(rb) == full, 5, "a's credit at b")
+        assert rb.plan("completion", follow_up, {}, dry_run=True).decision.chosen.pod_id == pod
+        assert cached(alone) == 0 and b.stats.get("credits", "received") == 1
+        other = next(p for p in rb.registry.pods if p != pod)
+        rb.credit_foreign("no-such-pod", [1, 2, 3])   # a pod this router does not know: skipped
+        assert rb.index.match([1, 2, 3]).get(other) is None or rb.index.match([1, 2, 3])[other].blocks == 0
 
 
 async def test_bad_frames_on_the_wire_are_counted_and_the_bus_keeps_working():
@@ -516,6 +612,50 @@ async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path, key
     assert all(n > 10_000 for n in frozen.values()), frozen  # each worker froze its own start-up heap
     # each worker sees the whole burst booked (less what has had its first token already), not its share
     assert all(v >= burst - 3 for v in views.values()), views
+
+
+async def test_serve_with_two_workers_sends_every_turn_of_a_conversation_to_its_pod(tmp_path):
+    """Pods without KV events: the router knows what a pod holds only from its own credits. Each
+    worker's credits reach the other over the bus, so every follow-up goes to the pod that holds its
+    conversation, whichever worker routes it (without them, a follow-up on the other worker sees
+    both pods empty and goes to either)."""
+    (port,) = free_ports(1)
+    with running_sims(2, ["--timing", "seed"]) as urls:
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "port": port, "workers": 2, "calibrate": False,
+            "pods": [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]}))
+        base = f"http://127.0.0.1:{port}"
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=40):
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                async def views() -> dict[str, str]:
+                    seen = {}
+                    for _ in range(12):
+                        text = (await c.get(base + "/metrics")).text
+                        seen[scrape(text)[0]] = text
+                    return seen
+                for _ in range(100):   # both workers up and hearing each other
+                    seen = await views()
+                    if len(seen) == 2 and all("kvroute_booking_peers 1.0" in t for t in seen.values()):
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise AssertionError("the two workers never saw each other on the booking bus")
+                turns: dict[int, list[str]] = {}
+                for conv in range(6):
+                    prompt = [1000 * conv + j for j in range(2000)]
+                    for turn in range(5):   # each on a new connection: either worker accepts it
+                        r = await c.post(base + "/v1/completions", json={
+                            "model": "sim-model", "prompt": prompt + list(range(100 * turn)), "max_tokens": 1})
+                        assert r.status_code == 200, r.text
+                        turns.setdefault(conv, []).append(r.headers["x-kvroute-pod"])
+                        await asyncio.sleep(0.1)   # the bus's interval is 5 ms
+                seen = await views()
+    assert all(len(set(pods)) == 1 for pods in turns.values()), turns
+    assert len(seen) == 2, "/metrics reached one worker only"
+    received = [re.search(r'^kvroute_booking_bus_messages_total\{direction="received",kind="credits"\} (\S+)$',
+                          text, re.M) for text in seen.values()]
+    assert all(m is not None and float(m.group(1)) >= 1 for m in received), "a worker routed none of the turns"
 
 
 async def test_replicas_follow_the_peer_list_a_resolver_gives():
