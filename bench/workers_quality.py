@@ -7,7 +7,11 @@ Same fleet (8 simulated pods, ``seed`` timing, real KV events), same workload (4
 streaming, open loop) and the same request sequence at the same times for every row; each row gets
 a fresh fleet. The TTFT objective (2 s) counts over all requests sent (a rejection is a miss).
 
-    python bench/workers_quality.py [--rate 70] [--duration 60] [--policies admission,plain]
+    python bench/workers_quality.py [--rate 70] [--duration 60] [--policies admission,plain] [--no-events]
+
+``--no-events``: the router is given the pods without their KV event endpoints, so it knows their
+caches only from the credits of the prompts routed there (shared over the booking bus unless
+``booking_bus_credits`` is off: the rows "without credits").
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from replay.workloads import multiturn  # noqa: E402
 # load generator sends request i to replica i % 2, so a conversation's turns land on both.
 SETUPS = [("1 process", {}, 1), ("2 workers, booking bus", {"workers": 2}, 1),
           ("2 workers, no bus", {"workers": 2, "booking_bus": False}, 1),
-          ("2 replicas, booking bus", {}, 2), ("2 replicas, no bus", {"booking_bus": False}, 2)]
+          ("2 workers, booking bus without credits", {"workers": 2, "booking_bus_credits": False}, 1),
+          ("2 replicas, booking bus", {}, 2), ("2 replicas, no bus", {"booking_bus": False}, 2),
+          ("2 replicas, booking bus without credits", {"booking_bus_credits": False}, 2)]
 POLICIES = {"admission": ("predicted-ttft + early rejection", True), "plain": ("predicted-ttft", False)}
 
 
@@ -46,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/workers_quality")
     ap.add_argument("--json", default="", help="also write the rows here (e.g. bench/results/...json)")
+    ap.add_argument("--no-events", action="store_true", help="the pods without their KV event endpoints")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         for setup, extra, replicas in SETUPS:
             if picked and not any(p in setup for p in picked):
                 continue
-            t = Target(f"kvroute {label}, {setup}", policy="predicted-ttft", admission=admission, extra=extra,
-                       replicas=replicas)
+            t = Target(f"kvroute {label}, {setup}" + (", pods without KV events" if args.no_events else ""),
+                       policy="predicted-ttft", admission=admission, extra=extra, replicas=replicas,
+                       kv_events=not args.no_events)
             started = time.monotonic()
             r = row(run_trial(t, specs, arrivals, fleet=fleet, objective_s=args.objective, duration=args.duration,
                               workdir=out / "logs", drain_timeout=args.drain))

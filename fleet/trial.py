@@ -74,6 +74,9 @@ class Target:
     # kvroute only: this many separate router processes (replicas), each bound to a booking-bus port
     # and subscribed to the others' unless ``extra`` turns the bus off; the load goes to them in turn
     replicas: int = 1
+    # kvroute only: False configures the pods without their KV event endpoints, so the router knows
+    # their caches only from the credits of the prompts it routed (a fleet whose vLLM publishes none)
+    kv_events: bool = True
 
 
 def _file_stem(target: Target, replica: int = 0) -> str:
@@ -91,7 +94,8 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
     events = [(ev["endpoint"], ev["replay"])
               for ev in (sim_kv_events(events_port, i, ranks)[0] for i in range(len(urls)))]
     if target.kind == "kvroute":
-        pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model, "kv_events": sim_kv_events(events_port, i, ranks)}
+        pods = [{"id": f"pod-{i}", "url": u, "model": fleet.model,
+                 **({"kv_events": sim_kv_events(events_port, i, ranks)} if target.kv_events else {})}
                 for i, u in enumerate(urls)]
         cfg = {"port": port, "pods": pods, "policy": target.policy, "admission": target.admission,
                "ttft_objective_ms": objective_ms if target.admission else None,
