@@ -407,12 +407,16 @@ class BookingBus:
         if len(self._pending) >= MAX_OPS:
             self.flush()
         else:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:  # no loop running (a synchronous caller): send now
-                self.flush()
-                return
-            self._flush_later()
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """``_flush_later`` on the event loop; without a running loop (a synchronous caller), flush now."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_later()
 
     def _flush_later(self) -> None:
         """On the loop: ask for a flush at the end of this turn, or at the end of ``min_interval_s``
@@ -498,12 +502,7 @@ class BookingBus:
         self._pending_credits.append((pod, keys))
         self._pending_credit_keys += len(keys)
         if self._flush_handle is None:  # the booking before it asked for one already, as a rule
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:  # no loop running (a synchronous caller): send now
-                self.flush()
-                return
-            self._flush_later()
+            self._flush_soon()
 
     def share_tokens(self, fingerprint: str, chunks: list[tuple[int, bytes]]) -> None:
         """Publish chunks this process tokenized (``PrefixTokenCache.on_stored``); callable from any
