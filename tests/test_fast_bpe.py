@@ -3,6 +3,8 @@ ids, is refused where it could not, and is dropped at run time on the first diff
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -115,6 +117,30 @@ def test_a_difference_found_at_run_time_drops_the_twin_and_keeps_the_cache(long)
     assert cache.held_tokens == 0  # the chunks the twin tokenized (a wrong one among them) are gone
     for again in (text, text + " and on"):
         assert cache.encode(again) == hf.encode(again).ids
+
+
+def test_a_short_texts_check_runs_on_the_callers_thread_and_a_long_ones_in_the_check_thread():
+    """A short text (skipping the cache) is checked on the spot, so no GIL handoff to the check
+    thread stalls the event loop for it; a cached long text's check still goes to that thread."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=16, min_chars=64, verify_every=1, verify_share=None)
+    assert cache.twin
+    cache.encode_cached("warm")  # learns the special tokens around a text, through the reference
+    reference, threads = cache._reference, []
+
+    def watched(text, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        return reference(text, add_special_tokens)
+
+    cache._reference = watched
+    assert cache.encode_cached("hello there") == hf.encode("hello there").ids
+    assert threads == [threading.get_ident()] and cache.stats.verified == 2  # done before the call returned
+    long = "the quick brown dog jumps over the lazy cat " * 4
+    cache.encode_cached(long)
+    cache.encode_cached(long + "and again")  # a hit: checked
+    cache.wait_checked()
+    assert cache.stats.verified == 3 and len(threads) == 2 and threads[1] != threading.get_ident()
+    assert cache.stats.mismatches == 0
 
 
 def test_the_twin_can_be_turned_off():
