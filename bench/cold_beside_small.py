@@ -4,9 +4,9 @@ The last measurement of ``bench/overhead.py --sizes`` (one connection of cold pr
 size beside one connection of small chat requests) gives one 3-second p99: about 3,500 small
 requests, so the p99 is their 35th slowest, and on the 2-core build machine it moved between 2.3
 and 7 ms from one run of the same tree to the next. To tell whether a change helps, this runs the
-same measurement in rounds, each condition with a fresh ``kvroute serve`` (one process) per round,
-the conditions alternating, and reports each round's p99 and the p99 over every small request of a
-condition's rounds together.
+same measurement in rounds, each condition with a fresh ``kvroute serve`` (one process, or
+``--workers N``) per round, the conditions alternating, and reports each round's p99 and the p99
+over every small request of a condition's rounds together.
 
     python bench/cold_beside_small.py --condition off:KVROUTE_TOKENIZE_PROCESS_BATCH=false \\
         --condition on: --rounds 8 --json bench/results/cold_beside_small_batch.json
@@ -59,6 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--condition", action="append", required=True, help="NAME:ENV=VALUE,... (twice or more)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=1, help="kvroute serve --workers for every condition")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--size", type=int, default=32000, help="tokens of each cold prompt")
     ap.add_argument("--cap", type=int, default=None, help="KVROUTE_INDEX_MAX_BLOCKS_PER_POD for every condition")
@@ -91,7 +92,7 @@ def main() -> int:
                     full["KVROUTE_INDEX_MAX_BLOCKS_PER_POD"] = str(args.cap)
                 port = free_port()
                 proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level",
-                                         "error", "--workers", "1", "--tokenizer", str(folder), "--port", str(port)],
+                                         "error", "--workers", str(args.workers), "--tokenizer", str(folder), "--port", str(port)],
                                         cwd=tree, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         start_new_session=True)
                 try:

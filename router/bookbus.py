@@ -30,10 +30,14 @@ the origin's messages from 1.
 **When changes go out.** At the end of the event-loop turn that made them, unless a message went
 less than ``min_interval_s`` ago: then at that interval's end, with whatever else was queued by
 then. A quiet router's bookings thus leave at once, and a busy one sends at most one message per
-interval. Each message costs far more than its bytes: on a 2-core machine about 0.3 ms of CPU over
+interval. Each flush costs far more than its bytes: on a 2-core machine about 0.3 ms of CPU over
 every process it crosses (the sender's and receivers' ZeroMQ I/O threads, the forwarder's threads,
 the wake-ups), so under 32 connections of small requests the bus took a fifth of two workers'
-throughput when every loop turn sent one (docs/router.md, "The booking bus's cost").
+throughput when every loop turn sent one (docs/router.md, "The booking bus's cost"). The messages
+of one flush (changes, credits, chunks) leave together and are read in one wake-up: sending a
+flush's credits inside its "m" message instead gained nothing (docs/router.md, "Where the rest of
+the booking bus's cost sits"), and a longer interval, which did, made the peers' view stale
+enough to route worse than no bus at all.
 
 PUB/SUB loses messages (a slow joiner, a reconnect, a full high-water mark), so every origin also
 publishes its full snapshot every ``booking_bus_snapshot_s``; a snapshot *replaces* what the others
