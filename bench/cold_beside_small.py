@@ -92,7 +92,8 @@ def main() -> int:
                     full["KVROUTE_INDEX_MAX_BLOCKS_PER_POD"] = str(args.cap)
                 port = free_port()
                 proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level",
-                                         "error", "--workers", str(args.workers), "--tokenizer", str(folder), "--port", str(port)],
+                                         "error", "--workers", str(args.workers), "--tokenizer", str(folder),
+                                         "--port", str(port)],
                                         cwd=tree, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         start_new_session=True)
                 try:
