@@ -1,16 +1,18 @@
 """Booking-bus propagation latency on loopback: from one process's ``Ledger.book`` to the booking
 standing in another process's ledger.
 
-Three processes, as in production: a sender (books at ``--rate`` per second, each booking's token
-count carrying its send time on the shared CLOCK_MONOTONIC), a receiver (this process: a
-``BookingBus`` on an asyncio loop, noting when each booking is applied) and, for the workers
-topology, the forwarder ``kvroute serve --workers N`` runs in its parent process. ``--topology
-replicas`` connects the receiver straight to the sender's bind, as router replicas do. Each row
+Processes as in production: a sender (books at ``--rate`` per second, each booking's token count
+carrying its send time on the shared CLOCK_MONOTONIC) and a receiver (this process: a
+``BookingBus`` on an asyncio loop, noting when each booking is applied). ``workers``: the sender
+binds an IPC socket in a private directory and the receiver connects to it, as the workers of
+``kvroute serve --workers N`` do; ``forwarder``: through the forwarder ``kvroute serve --workers N``
+runs in its parent process beside replicas (a third process); ``replicas``: the receiver connects
+straight to the sender's TCP bind on 127.0.0.1, as router replicas do. Each row
 also has the receiver's CPU per message received (``recv_cpu_us_per_message``: the whole
 process's CPU time, its ZeroMQ I/O thread included, from the go to the sender's end, over the
 books and releases it applied; each book and release goes as its own message here).
 
-    python bench/bookbus_latency.py [--topology workers|replicas] [--messages 3000] [--rate 500]
+    python bench/bookbus_latency.py [--topology workers,forwarder,replicas] [--messages 3000] [--rate 500]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +40,7 @@ SENDER = textwrap.dedent("""
     from router.booking import Ledger
 
     async def main(topology, endpoint, n, rate):
-        kw = {"pub_connect": [endpoint]} if topology == "workers" else {"pub_bind": [endpoint]}
+        kw = {"pub_connect": [endpoint]} if topology == "forwarder" else {"pub_bind": [endpoint]}
         bus = BookingBus(Ledger(), snapshot_s=0.5, **kw)
         await bus.start()
         print("up", flush=True)
@@ -69,7 +72,14 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(topology: str, messages: int, rate: float) -> dict:
     procs = []
+    siblings = None
     if topology == "workers":
+        from router.bookbus import sibling_endpoint, siblings_directory
+
+        siblings = siblings_directory()
+        send_ep = sibling_endpoint(siblings, 1)  # the sender's socket, named as a worker's would be
+        recv = BookingBus(Ledger(), sub_connect=[send_ep])
+    elif topology == "forwarder":
         fwd = subprocess.Popen([sys.executable, "-c", FORWARDER], cwd=ROOT, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
         procs.append(fwd)
@@ -122,6 +132,8 @@ async def run(topology: str, messages: int, rate: float) -> dict:
                 p.stdin.write("\n")
                 p.stdin.flush()
                 p.wait(10)
+        if siblings is not None:
+            shutil.rmtree(siblings, ignore_errors=True)
     ms = [x * 1000 for x in latencies]
     return {"topology": topology, "messages": messages, "received": len(ms), "rate_per_s": rate,
             "lost": recv.stats.get("lost", "dropped"),
@@ -136,7 +148,7 @@ def received(bus: BookingBus) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--topology", default="workers,replicas")
+    ap.add_argument("--topology", default="workers,forwarder,replicas")
     ap.add_argument("--messages", type=int, default=3000)
     ap.add_argument("--rate", type=float, default=500.0, help="bookings per second (each also released)")
     ap.add_argument("--out", default="")

@@ -64,12 +64,22 @@ is encrypted. ``BusKey`` holds the pair.
 
 Topologies (``router/serve.py`` and ``router/service.py`` wire them):
 
-- workers of one ``kvroute serve``: the parent runs a ``Forwarder`` (XSUB/XPUB on 127.0.0.1); each
-  worker's PUB connects to its XSUB, each worker's SUB to its XPUB;
+- workers of one ``kvroute serve``: each worker's PUB binds an IPC socket named by its pid in a
+  directory the parent made for them (``siblings_directory``: private to the user, removed at
+  exit), and its SUB connects to the others' sockets there, looked for every
+  ``SIBLINGS_INTERVAL_S`` (a restarted worker is found within that; a dead one's is skipped).
+  Each message goes straight to the other workers. Until 2026-12-05 it went through a
+  ``Forwarder`` in the parent (XSUB/XPUB on 127.0.0.1), which cost two more processes' wake-ups
+  a flush and sent every worker its own messages back: two workers served 6,879 against 6,665
+  small chat req/s under 32 connections (four alternating pairs; docs/router.md, "Where the rest
+  of the booking bus's cost sits"), and the forwarder's loopback ports took any local user's
+  bookings where the directory takes only this user's;
 - replicas: each process binds its PUB at ``booking_bus_bind`` and its SUB connects to every peer
   (``booking_bus_peers``, and the addresses of ``booking_bus_peers_dns`` re-resolved); its own
   endpoint among them is harmless (its own messages are recognised and skipped);
-- both: the forwarder's XPUB also binds ``booking_bus_bind``; workers connect to the remote peers.
+- both: the parent runs the ``Forwarder``: each worker's PUB connects to its XSUB, each worker's
+  SUB to its XPUB, which also binds ``booking_bus_bind`` for the replicas; workers connect to the
+  remote peers.
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ import os
 import secrets
 import socket
 import sys
+import tempfile
 import threading
 import time
 from array import array
@@ -325,6 +336,42 @@ class _Peer:
     seq: int = 0
 
 
+SIBLINGS_INTERVAL_S = 0.2  # how often a worker looks for its siblings' sockets
+
+
+def siblings_directory() -> str:
+    """A new directory, private to this user, for the IPC sockets of one ``kvroute serve``'s workers.
+    Under the temporary directory unless its path leaves too little of a socket path's 107 bytes."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="kvroute-bus-", dir=base if len(base) <= 64 else "/tmp")
+
+
+def sibling_endpoint(directory: str, pid: int | None = None) -> str:
+    """The endpoint this process (or ``pid``) binds in ``directory``."""
+    return f"ipc://{directory}/{os.getpid() if pid is None else pid}"
+
+
+def sibling_endpoints(directory: str, own: str) -> list[str]:
+    """The endpoints of the other live workers in ``directory``: every socket named by the pid of a
+    process that exists, ``own`` left out."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit() or sibling_endpoint(directory, int(name)) == own:
+            continue
+        try:
+            os.kill(int(name), 0)
+        except ProcessLookupError:  # a worker that died without removing its socket
+            continue
+        except PermissionError:
+            pass
+        found.append(sibling_endpoint(directory, int(name)))
+    return sorted(found)
+
+
 class BookingBus:
     """One process's end of the bus, bound to its ``Ledger`` (``start`` installs ``on_change``)."""
 
@@ -334,9 +381,10 @@ class BookingBus:
                  hwm: int = 10_000, max_bookings_per_origin: int = 50_000, max_origins: int = 256,
                  max_frame_bytes: int = 8 * 1024 * 1024, origin: str | None = None,
                  clock: Callable[[], float] = time.monotonic, key: BusKey | None = None,
-                 min_interval_s: float = 0.0):
+                 min_interval_s: float = 0.0, siblings: Callable[[], list[str]] | None = None):
         """``key``: CURVE on every socket (the module's docstring says who may then speak);
-        ``min_interval_s``: the least time between two messages of books and releases."""
+        ``min_interval_s``: the least time between two messages of books and releases; ``siblings``:
+        the other workers' endpoints, asked for every ``SIBLINGS_INTERVAL_S``."""
         if key is not None and pub_bind and pub_connect:
             raise ValueError("with a CURVE key the PUB socket either binds (a server) or connects (a client)")
         self.ledger = ledger
@@ -348,6 +396,8 @@ class BookingBus:
         self.static_peers = list(sub_connect)
         self.resolve_peers = resolve_peers
         self.resolve_interval_s = resolve_interval_s
+        self.siblings = siblings
+        self._resolved: list[str] = []  # what ``resolve_peers`` last answered
         self.snapshot_s = snapshot_s
         self.peer_timeout_s = peer_timeout_s
         self.hwm = hwm
@@ -646,10 +696,11 @@ class BookingBus:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def set_peers(self, endpoints: Iterable[str]) -> None:
-        """Connect the SUB socket to exactly ``endpoints`` plus the static ones."""
+        """Connect the SUB socket to exactly ``endpoints`` plus the static ones and the siblings."""
         if self._sub is None:
             return
-        wanted = set(self.static_peers) | set(endpoints)
+        self._resolved = list(endpoints)
+        wanted = set(self.static_peers) | set(self._resolved) | set(self.siblings() if self.siblings else ())
         for ep in sorted(self.connected - wanted):
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disconnect(ep)
@@ -699,6 +750,8 @@ class BookingBus:
         self._tasks = [asyncio.create_task(self._tick(), name="booking-bus-tick")]
         if self.resolve_peers is not None:
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="booking-bus-peers"))
+        if self.siblings is not None:
+            self._tasks.append(asyncio.create_task(self._siblings_loop(), name="booking-bus-siblings"))
 
     def _readable(self) -> None:
         """Drain the SUB socket. Its descriptor signals edges, not levels: it fires again only once
@@ -743,6 +796,14 @@ class BookingBus:
         while True:
             await asyncio.sleep(self.resolve_interval_s)
             await self._resolve_once()
+
+    async def _siblings_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SIBLINGS_INTERVAL_S)
+            try:
+                self.set_peers(self._resolved)
+            except Exception as exc:  # keep the peers as they are
+                log.warning("booking bus: looking for sibling workers failed (%s)", exc)
 
     async def stop(self) -> None:
         self.flush()
@@ -806,7 +867,8 @@ class BusCollector(Collector):
 
 
 class Forwarder:
-    """XSUB/XPUB forwarder for the workers of one ``kvroute serve``, in a thread of the parent.
+    """XSUB/XPUB forwarder for the workers of one ``kvroute serve`` beside replicas, in a thread of the
+    parent (workers alone reach each other straight: the module's docstring).
 
     Binds XSUB (the workers' PUBs connect) and XPUB (their SUBs connect) on 127.0.0.1 at free
     ports; ``extra_binds`` also exposes XPUB to replicas (``booking_bus_bind``). Messages from

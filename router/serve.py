@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -11,8 +12,10 @@ from kvcommon.settings import load_settings
 from router.config import RouterSettings
 
 
-def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = None):
-    """The ASGI app for ``settings`` (the parts start in the app's lifespan)."""
+def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = None,
+              bus_siblings: str | None = None):
+    """The ASGI app for ``settings`` (the parts start in the app's lifespan); a worker's booking bus
+    goes through ``bus_forwarder`` or straight to its siblings in ``bus_siblings`` (``main``)."""
     from router.api import create_app
     from router.service import Services
 
@@ -23,23 +26,26 @@ def build_app(settings: RouterSettings, bus_forwarder: tuple[str, str] | None = 
     # the prefix token cache tokenizes a prompt's new chunks in one batch call: on the library's
     # worker threads they would spin on the other core for the same work (indexer/prefix_tokens.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return create_app(Services(settings, bus_forwarder=bus_forwarder))
+    return create_app(Services(settings, bus_forwarder=bus_forwarder, bus_siblings=bus_siblings))
 
 
 _SETTINGS_ENV = "KVROUTE_SERVE_WORKER_SETTINGS"
-_BUS_ENV = "KVROUTE_SERVE_WORKER_BOOKING_BUS"  # "<pub endpoint> <sub endpoint>" of the parent's forwarder
+# "<pub endpoint> <sub endpoint>" of the parent's forwarder, or "siblings <directory>"
+_BUS_ENV = "KVROUTE_SERVE_WORKER_BOOKING_BUS"
 
 
 def worker_app():
     """App factory for ``workers > 1``: each worker process rebuilds the settings the parent parsed
-    and joins the parent's booking-bus forwarder, if it runs one."""
+    and joins the booking bus the parent set up, if any."""
     import json
 
     from kvcommon.settings import build_settings
 
     bus = os.environ.get(_BUS_ENV, "").split()
+    siblings = len(bus) == 2 and bus[0] == "siblings"
     app = build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])),
-                    bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 else None)
+                    bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 and not siblings else None,
+                    bus_siblings=bus[1] if siblings else None)
     app.state.freeze_gc = True  # router.api.freeze_startup_heap, once the worker has started
     return app
 
@@ -100,18 +106,26 @@ def main(argv: list[str] | None = None) -> int:
         ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
-        forwarder = None
-        if settings.booking_bus:  # the workers share bookings through a forwarder in this process
+        forwarder, siblings = None, None
+        replicas = settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns
+        if settings.booking_bus and replicas:  # through a forwarder in this process, bound for the replicas
             from router.bookbus import BusKey, Forwarder
 
             forwarder = Forwarder(settings.booking_bus_hwm, extra_binds=[settings.booking_bus_bind]
                                   if settings.booking_bus_bind else [], key=BusKey.of(settings)).start()
             os.environ[_BUS_ENV] = f"{forwarder.pub_endpoint} {forwarder.sub_endpoint}"
+        elif settings.booking_bus:  # straight to each other, each worker's socket in this directory
+            from router.bookbus import siblings_directory
+
+            siblings = siblings_directory()
+            os.environ[_BUS_ENV] = f"siblings {siblings}"
         try:
             uvicorn.run("router.serve:worker_app", factory=True, workers=settings.workers, **common)
         finally:
             if forwarder is not None:
                 forwarder.stop()
+            if siblings is not None:
+                shutil.rmtree(siblings, ignore_errors=True)
     else:
         app = build_app(settings)
         app.state.reload_settings = _reloader(argv)  # SIGHUP re-reads API keys and rate limits

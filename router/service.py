@@ -35,13 +35,14 @@ class Services:
     """Everything the HTTP layer needs, owned in one place; ``start``/``stop`` in the app's lifespan."""
 
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None,
-                 bus_forwarder: tuple[str, str] | None = None):
+                 bus_forwarder: tuple[str, str] | None = None, bus_siblings: str | None = None):
         """``bus_forwarder``: (pub, sub) endpoints of the parent's booking-bus forwarder, for a worker
-        of ``kvroute serve --workers N`` (router/serve.py)."""
+        of ``kvroute serve --workers N`` beside replicas; ``bus_siblings``: the directory of the
+        workers' own sockets, without replicas (router/serve.py)."""
         self.settings = settings
         self.metrics = metrics or RouterMetrics()
         self.ledger = Ledger()
-        self.bus = build_bus(settings, self.ledger, bus_forwarder)
+        self.bus = build_bus(settings, self.ledger, bus_forwarder, bus_siblings)
         remote = settings.tokenizer == "remote"
         # remote: text and chat prompts go to a pod's /tokenize (router/remote_prompts.py); token-id
         # prompts need no tokenizer, so the local one is never asked
@@ -289,13 +290,23 @@ def share_tokens(bus: Any, cache: Any, process: TokenizeProcess | None = None) -
     bus.on_tokens = take
 
 
-def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, str] | None = None) -> Any:
-    """The booking bus for ``settings`` (None when off, or when nothing else shares the fleet): through
-    the parent's forwarder for a worker, else bound at ``booking_bus_bind`` and subscribed to the peers."""
+def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, str] | None = None,
+              siblings: str | None = None) -> Any:
+    """The booking bus for ``settings`` (None when off, or when nothing else shares the fleet): for a
+    worker, bound in the ``siblings`` directory and subscribed to the others there, or through the
+    parent's forwarder beside replicas; else bound at ``booking_bus_bind`` and subscribed to the peers."""
     replicas = bool(settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns)
-    if not settings.booking_bus or (forwarder is None and not replicas):
+    if not settings.booking_bus or (forwarder is None and siblings is None and not replicas):
         return None
-    from router.bookbus import BookingBus, BusKey
+    from router.bookbus import BookingBus, BusKey, sibling_endpoint, sibling_endpoints
+
+    common: dict[str, Any] = dict(
+        snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
+        hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings,
+        key=BusKey.of(settings), min_interval_s=settings.booking_bus_min_interval_s)
+    if siblings is not None:
+        own = sibling_endpoint(siblings)
+        return BookingBus(ledger, pub_bind=[own], siblings=lambda: sibling_endpoints(siblings, own), **common)
 
     resolve = None
     if settings.booking_bus_peers_dns:
@@ -309,7 +320,4 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
     pub_bind = [settings.booking_bus_bind] if settings.booking_bus_bind and forwarder is None else []
     return BookingBus(ledger, pub_bind=pub_bind, pub_connect=[forwarder[0]] if forwarder else [],
                       sub_connect=([forwarder[1]] if forwarder else []) + list(settings.booking_bus_peers),
-                      resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s,
-                      snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
-                      hwm=settings.booking_bus_hwm, max_bookings_per_origin=settings.booking_bus_max_bookings,
-                      key=BusKey.of(settings), min_interval_s=settings.booking_bus_min_interval_s)
+                      resolve_peers=resolve, resolve_interval_s=settings.booking_bus_peers_interval_s, **common)

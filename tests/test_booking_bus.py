@@ -566,7 +566,7 @@ def scrape(text: str) -> tuple[str, float]:
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["clear", "curve"])
 async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path, keyed):
-    """Curve: the parent's forwarder and both workers take the key from the one setting."""
+    """Curve: both workers' sockets take the key from the one setting."""
     (port,) = free_ports(1)
     key = {"booking_bus_curve_secret_key": zmq.curve_keypair()[1].decode()} if keyed else {}
     burst = 16
@@ -612,6 +612,38 @@ async def test_serve_with_two_workers_shares_bookings_between_them(tmp_path, key
     assert all(n > 10_000 for n in frozen.values()), frozen  # each worker froze its own start-up heap
     # each worker sees the whole burst booked (less what has had its first token already), not its share
     assert all(v >= burst - 3 for v in views.values()), views
+
+
+async def test_serve_with_two_workers_beside_a_replica_goes_through_the_forwarder(tmp_path):
+    """With replicas configured (``booking_bus_bind``, ``booking_bus_peers``) the workers share one
+    outward endpoint, the parent's forwarder: a replica subscribed to it hears both workers, and each
+    worker hears the other and the replica."""
+    port, bind, other = free_ports(3)
+    replica = BookingBus(Ledger(), pub_bind=[f"tcp://127.0.0.1:{other}"],
+                         sub_connect=[f"tcp://127.0.0.1:{bind}"], snapshot_s=0.1)
+    await replica.start()
+    try:
+        with running_sims(1, ["--timing", "seed"]) as urls:
+            cfg = tmp_path / "router.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "port": port, "workers": 2, "booking_bus_bind": f"tcp://127.0.0.1:{bind}",
+                "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.1,
+                "pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}]}))
+            base = f"http://127.0.0.1:{port}"
+            with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=40):
+                await until(lambda: len(replica.peers) == 2, 20, "the replica to hear both workers")
+                async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                    seen: dict[str, str] = {}
+                    for _ in range(200):
+                        text = (await c.get(base + "/metrics")).text
+                        peers = re.search(r"^kvroute_booking_peers (\S+)$", text, re.M)
+                        seen[scrape(text)[0]] = peers.group(1) if peers else ""
+                        if len(seen) == 2 and all(v == "2.0" for v in seen.values()):
+                            break
+                        await asyncio.sleep(0.05)
+        assert len(seen) == 2 and all(v == "2.0" for v in seen.values()), seen
+    finally:
+        await replica.stop()
 
 
 async def test_serve_with_two_workers_sends_every_turn_of_a_conversation_to_its_pod(tmp_path):
@@ -706,6 +738,9 @@ def test_build_bus_follows_the_settings():
     assert worker.pub_connect == ["tcp://127.0.0.1:1"] and worker.static_peers == ["tcp://127.0.0.1:2"]
     assert worker.pub_bind == [] and worker.min_interval_s == 0.005
     assert build_bus(settings(booking_bus_min_interval_s=0), Ledger(), ("a", "b")).min_interval_s == 0
+    sibling = build_bus(settings(), Ledger(), siblings="/run/kvroute-bus-x")  # workers without replicas
+    assert sibling.pub_bind == [f"ipc:///run/kvroute-bus-x/{os.getpid()}"] and sibling.pub_connect == []
+    assert sibling.static_peers == [] and sibling.siblings is not None and sibling.min_interval_s == 0.005
     with pytest.raises(ValueError):
         settings(booking_bus_min_interval_s=-1)
     assert build_bus(settings(booking_bus=False), Ledger(), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")) is None
@@ -719,6 +754,65 @@ def test_build_bus_follows_the_settings():
     assert keyed.key == BusKey.from_secret(secret)
     with pytest.raises(ValueError):
         settings(booking_bus_peers=["10.0.0.2:5570"])
+
+
+def test_a_worker_finds_its_live_siblings_sockets_and_not_its_own(tmp_path):
+    from router.bookbus import sibling_endpoint, sibling_endpoints, siblings_directory
+
+    own = sibling_endpoint(str(tmp_path))
+    assert own == f"ipc://{tmp_path}/{os.getpid()}"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    try:
+        for name in (os.getpid(), other.pid, dead.pid, "notes.txt"):
+            (tmp_path / str(name)).touch()
+        assert sibling_endpoints(str(tmp_path), own) == [f"ipc://{tmp_path}/{other.pid}"]
+    finally:
+        other.kill()
+        other.wait(10)
+    assert sibling_endpoints(str(tmp_path / "gone"), own) == []
+    made = siblings_directory()
+    try:
+        assert os.stat(made).st_mode & 0o777 == 0o700  # only this user may connect to the sockets
+    finally:
+        os.rmdir(made)
+
+
+async def test_workers_reach_each_other_straight_through_their_sockets(tmp_path):
+    """Workers' buses, each bound in the directory and finding the others there: every booking
+    reaches the other workers and none comes back to its sender; a worker that joins late is found
+    and hears the others (their snapshots)."""
+    from router.bookbus import sibling_endpoint, sibling_endpoints
+
+    def worker(pid: int) -> BookingBus:
+        own = sibling_endpoint(str(tmp_path), pid)
+        return BookingBus(Ledger(), pub_bind=[own], snapshot_s=0.1,
+                          siblings=lambda: sibling_endpoints(str(tmp_path), own))
+
+    late_pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    buses = [worker(os.getpid()), worker(os.getppid())]  # live pids: a dead one's socket is skipped
+    try:
+        for b in buses:
+            await b.start()
+        await until(lambda: all(len(b.peers) == 1 for b in buses), 10, "the two workers to hear each other")
+        buses[0].ledger.book("p0", 100)
+        buses[1].ledger.book("p0", 200)
+        await until(lambda: all(b.ledger.inflight("p0") == 2 for b in buses), 5, "every booking everywhere")
+        late = worker(late_pid.pid)
+        await late.start()
+        buses.append(late)
+        await until(lambda: all(len(b.peers) == 2 for b in buses), 10, "the late worker to be found")
+        await until(lambda: late.ledger.inflight("p0") == 2, 5, "the others' bookings at the late worker")
+        late.ledger.book("p0", 300)
+        await until(lambda: all(b.ledger.inflight("p0") == 3 for b in buses), 5, "the late worker's booking")
+        assert all(b.stats.get("stale", "dropped") == 0 for b in buses)
+        assert [b.stats.get("book", "received") for b in buses[:2]] == [2, 2]  # none heard its own
+    finally:
+        for b in buses:
+            await b.stop()
+        late_pid.kill()
+        late_pid.wait(10)
 
 
 async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_path):
