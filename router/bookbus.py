@@ -70,10 +70,10 @@ Topologies (``router/serve.py`` and ``router/service.py`` wire them):
   ``SIBLINGS_INTERVAL_S`` (a restarted worker is found within that; a dead one's is skipped).
   Each message goes straight to the other workers. Until 2026-12-05 it went through a
   ``Forwarder`` in the parent (XSUB/XPUB on 127.0.0.1), which cost two more processes' wake-ups
-  a flush and sent every worker its own messages back: two workers served 6,879 against 6,665
-  small chat req/s under 32 connections (four alternating pairs; docs/router.md, "Where the rest
-  of the booking bus's cost sits"), and the forwarder's loopback ports took any local user's
-  bookings where the directory takes only this user's;
+  a flush and sent every worker its own messages back: two workers now serve 6,893 against 6,593
+  small chat req/s under 32 connections (five alternating pairs; docs/router.md, "Where the rest
+  of the booking bus's cost sits"). And without a CURVE key the forwarder's loopback ports took
+  any local user's bookings, where the directory takes only this user's;
 - replicas: each process binds its PUB at ``booking_bus_bind`` and its SUB connects to every peer
   (``booking_bus_peers``, and the addresses of ``booking_bus_peers_dns`` re-resolved); its own
   endpoint among them is harmless (its own messages are recognised and skipped);
