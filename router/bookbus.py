@@ -339,6 +339,12 @@ class _Peer:
 SIBLINGS_INTERVAL_S = 0.2  # how often a worker looks for its siblings' sockets
 
 
+def bus_replicas(settings: Any) -> bool:
+    """Whether a router's settings (``RouterSettings``) name other replicas to share bookings with:
+    a bind or peers. Its workers then go through the ``Forwarder``, else straight to each other."""
+    return bool(settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns)
+
+
 def siblings_directory() -> str:
     """A new directory, private to this user, for the IPC sockets of one ``kvroute serve``'s workers.
     Under the temporary directory unless its path leaves too little of a socket path's 107 bytes."""
@@ -360,7 +366,8 @@ def sibling_endpoints(directory: str, own: str) -> list[str]:
         return []
     found = []
     for name in names:
-        if not name.isdigit() or sibling_endpoint(directory, int(name)) == own:
+        endpoint = sibling_endpoint(directory, int(name)) if name.isdigit() else own
+        if endpoint == own:
             continue
         try:
             os.kill(int(name), 0)
@@ -368,7 +375,7 @@ def sibling_endpoints(directory: str, own: str) -> list[str]:
             continue
         except PermissionError:
             pass
-        found.append(sibling_endpoint(directory, int(name)))
+        found.append(endpoint)
     return sorted(found)
 
 

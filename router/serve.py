@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers > 1:
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
         forwarder, siblings = None, None
-        replicas = settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns
-        if settings.booking_bus and replicas:  # through a forwarder in this process, bound for the replicas
+        from router.bookbus import bus_replicas
+
+        if settings.booking_bus and bus_replicas(settings):  # through a forwarder here, bound for the replicas
             from router.bookbus import BusKey, Forwarder
 
             forwarder = Forwarder(settings.booking_bus_hwm, extra_binds=[settings.booking_bus_bind]

@@ -295,10 +295,10 @@ def build_bus(settings: RouterSettings, ledger: Ledger, forwarder: tuple[str, st
     """The booking bus for ``settings`` (None when off, or when nothing else shares the fleet): for a
     worker, bound in the ``siblings`` directory and subscribed to the others there, or through the
     parent's forwarder beside replicas; else bound at ``booking_bus_bind`` and subscribed to the peers."""
-    replicas = bool(settings.booking_bus_bind or settings.booking_bus_peers or settings.booking_bus_peers_dns)
-    if not settings.booking_bus or (forwarder is None and siblings is None and not replicas):
+    from router.bookbus import BookingBus, BusKey, bus_replicas, sibling_endpoint, sibling_endpoints
+
+    if not settings.booking_bus or (forwarder is None and siblings is None and not bus_replicas(settings)):
         return None
-    from router.bookbus import BookingBus, BusKey, sibling_endpoint, sibling_endpoints
 
     common: dict[str, Any] = dict(
         snapshot_s=settings.booking_bus_snapshot_s, peer_timeout_s=settings.booking_bus_peer_timeout_s,
