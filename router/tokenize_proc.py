@@ -31,7 +31,11 @@ while the child starts (the first second or two), after it died (it is started a
 once every ``RESTART_AFTER_S``, 5 s, and twice as long after each start that died before it was
 ready, up to 5 minutes) and when a job runs past ``timeout_s`` (the child is killed and started
 again, since a job cannot be taken back from it). The child exits when the router's end of the
-socket closes. ``kvroute_tokenize_process_jobs`` counts the outcomes.
+socket closes. It runs in a session of its own, so a signal to the router's process group (a
+terminal's Ctrl-C, ``kill -- -PGID``) reaches the router alone, which then stops the child or, by
+exiting, closes its end; until 2026-12-05 the child took the group's SIGINT too, printed a
+``KeyboardInterrupt`` stack trace and left the router warning that it had gone, on every Ctrl-C of
+``kvroute serve``. ``kvroute_tokenize_process_jobs`` counts the outcomes.
 
 **Chunk sharing.** The router and its child each keep a prefix token cache, and a conversation's
 turns may be tokenized in either (a follow-up whose new part is short is tokenized on the event loop
@@ -182,23 +186,28 @@ def child_main(argv: list[str] | None = None) -> int:
         payload = _encode(msg)
         sock.sendall(_LEN.pack(len(payload)) + payload)
 
-    send(["ready", child.counts()])
-    while True:
-        head = _read_exactly(sock, _LEN.size)
-        if head is None:
-            return 0  # the router closed its end (or exited)
-        payload = _read_exactly(sock, _LEN.unpack(head)[0])
-        if payload is None:
-            return 0
-        msg = _decode(payload)
-        if msg[0] == "t":
-            try:
-                send(child.tokenize(*msg[1:]))
-            except Exception as exc:  # a bug, not a bad request: the router uses a thread for this one
-                send(["r", msg[1], 0, 0, [], None, child.counts(), None, [500, f"{type(exc).__name__}: {exc}",
-                                                                            None, "tokenize-process"]])
-        elif msg[0] == "a" and child.cache is not None:
-            child.cache.adopt(_chunks_in(msg[1]))
+    try:
+        send(["ready", child.counts()])
+        while True:
+            head = _read_exactly(sock, _LEN.size)
+            if head is None:
+                return 0  # the router closed its end (or exited)
+            payload = _read_exactly(sock, _LEN.unpack(head)[0])
+            if payload is None:
+                return 0
+            msg = _decode(payload)
+            if msg[0] == "t":
+                try:
+                    send(child.tokenize(*msg[1:]))
+                except OSError:
+                    raise
+                except Exception as exc:  # a bug, not a bad request: the router uses a thread for this one
+                    send(["r", msg[1], 0, 0, [], None, child.counts(), None,
+                          [500, f"{type(exc).__name__}: {exc}", None, "tokenize-process"]])
+            elif msg[0] == "a" and child.cache is not None:
+                child.cache.adopt(_chunks_in(msg[1]))
+    except OSError:  # the router went away in the middle of a job: nobody is left to answer
+        return 0
 
 
 # ---- the router's side ---------------------------------------------------------------------------
@@ -250,7 +259,9 @@ class TokenizeProcess:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so ``router`` imports as here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         try:
-            self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            # its own session: the group's signals are for the router, which stops the child itself
+            self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
         except OSError as exc:
             ours.close()
             log.warning("tokenize process could not start (%s): large prompts go to the tokenize threads", exc)

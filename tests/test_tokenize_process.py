@@ -23,7 +23,8 @@ from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.prompts import prompt_block_keys, prompt_tokens
 from router.tokenize_proc import RESTART_AFTER_S, PromptLength, TokenizeProcess
-from tests.helpers import ROOT
+from simulator.testing import free_port, process_tree
+from tests.helpers import ROOT, kvroute_process
 from tests.test_prefix_tokens import TOKENIZERS, corpus
 
 
@@ -148,6 +149,44 @@ def test_the_child_exits_when_the_router_goes(tokenizer_file):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_ctrl_c_to_the_routers_process_group_stops_it_without_a_trace(tokenizer_file):
+    """A terminal's Ctrl-C signals the whole foreground process group. The child runs in a session of
+    its own, so only the router takes the SIGINT: no KeyboardInterrupt trace from the child, no
+    warning that it went away, and the child still exits once the router has."""
+    port = free_port()
+    pods = orjson.dumps([{"id": "p0", "url": "http://127.0.0.1:9", "model": "m"}]).decode()
+    with kvroute_process(["serve", "--pods", pods, "--tokenizer", tokenizer_file, "--port", str(port),
+                          "--log-level", "info"], ready_url=f"http://127.0.0.1:{port}/health", timeout=60) as proc:
+        deadline = time.monotonic() + 60
+        child = None
+        while child is None:
+            assert time.monotonic() < deadline, "the router never started its tokenize process"
+            for pid in process_tree([proc.pid]):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"router.tokenize_proc" in f.read():
+                            child = pid
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        assert os.getsid(child) == child != os.getsid(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        assert proc.stdout is not None
+        log = proc.stdout.read().decode(errors="replace")
+    assert "Shutting down" in log  # the router took the signal and stopped as it should
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "tokenize process" not in log, log  # no warning that the child went away
+    deadline = time.monotonic() + 10
+    while True:  # the router's end of the socket closed with it: the child follows
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the tokenize process outlived the router"
+        time.sleep(0.05)
 
 
 async def test_a_child_that_never_comes_up_is_started_again_less_and_less_often(tmp_path):
