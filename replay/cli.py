@@ -195,6 +195,3 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, RunError, ValueError) as exc:
         print(f"kvroute replay: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kvroute replay: interrupted", file=sys.stderr)
-        return 130

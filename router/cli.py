@@ -1,7 +1,8 @@
 """The one console command, ``kvroute``, and its subcommands.
 
 Each subcommand lives in its own module with a ``main(argv) -> int`` function; this file only
-dispatches, so ``kvroute --help`` stays fast and a new subcommand is one line in ``COMMANDS``.
+dispatches, so ``kvroute --help`` stays fast and a new subcommand is one line in ``COMMANDS``. A
+Ctrl-C that a subcommand does not take itself ends here, as one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: a line and the shell's code for it, not a stack trace
+        print(f"kvroute {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -91,7 +91,10 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_a_keyed_forwarder_takes_only_keyed_workers",
     }),
     "test_chat_template_parity.py": frozenset({"test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order"}),
-    "test_cli.py": frozenset({"test_help_lists_every_subcommand"}),
+    "test_cli.py": frozenset({
+        "test_help_lists_every_subcommand",
+        "test_a_ctrl_c_ends_a_subcommand_with_one_line_and_code_130",
+    }),
     "test_deploy_kubernetes.py": frozenset({
         "test_hadolint_finds_nothing_in_the_dockerfile",
         "test_hadolint_is_really_linting",

@@ -1,7 +1,10 @@
 """The one console command lists every subcommand, and settings layer file < env < flags."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,6 +21,26 @@ def test_help_lists_every_subcommand():
     for name in ("serve", "sidecar", "sim", "replay", "demo", "events"):
         assert name in COMMANDS
         assert name in out.stdout
+
+
+def test_a_ctrl_c_ends_a_subcommand_with_one_line_and_code_130():
+    """A terminal's Ctrl-C (SIGINT to the process group) in a long ``kvroute simulate``: one line
+    naming the subcommand and the shell's code for an interrupt, not a stack trace."""
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "simulate", "--rate", "200", "--duration", "3600",
+                             "--sessions", "2000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(4)  # imported and simulating: an hour of a 200 req/s workload takes minutes
+        assert proc.poll() is None, proc.communicate()[1]
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "kvroute simulate: interrupted"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
 
 
 class _Demo(BaseSettings):
