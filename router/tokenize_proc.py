@@ -31,11 +31,14 @@ while the child starts (the first second or two), after it died (it is started a
 once every ``RESTART_AFTER_S``, 5 s, and twice as long after each start that died before it was
 ready, up to 5 minutes) and when a job runs past ``timeout_s`` (the child is killed and started
 again, since a job cannot be taken back from it). The child exits when the router's end of the
-socket closes. It runs in a session of its own, so a signal to the router's process group (a
+socket closes. It runs in a process group of its own, so a signal to the router's group (a
 terminal's Ctrl-C, ``kill -- -PGID``) reaches the router alone, which then stops the child or, by
 exiting, closes its end; until 2026-12-05 the child took the group's SIGINT too, printed a
 ``KeyboardInterrupt`` stack trace and left the router warning that it had gone, on every Ctrl-C of
-``kvroute serve``. ``kvroute_tokenize_process_jobs`` counts the outcomes.
+``kvroute serve``. It stays in the router's session: where the kernel groups processes by session
+for the scheduler (autogroup, on by default on many distributions), a session of its own would make
+it a peer of the whole router for CPU time rather than of one process. ``kvroute_tokenize_process_jobs``
+counts the outcomes.
 
 **Chunk sharing.** The router and its child each keep a prefix token cache, and a conversation's
 turns may be tokenized in either (a follow-up whose new part is short is tokenized on the event loop
@@ -259,9 +262,10 @@ class TokenizeProcess:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so ``router`` imports as here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         try:
-            # its own session: the group's signals are for the router, which stops the child itself
+            # its own process group (not session: see the module's docstring): the router's group's
+            # signals are for the router, which stops the child itself
             self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
+                                          process_group=0)
         except OSError as exc:
             ours.close()
             log.warning("tokenize process could not start (%s): large prompts go to the tokenize threads", exc)

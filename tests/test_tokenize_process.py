@@ -152,9 +152,10 @@ def test_the_child_exits_when_the_router_goes(tokenizer_file):
 
 
 def test_a_ctrl_c_to_the_routers_process_group_stops_it_without_a_trace(tokenizer_file):
-    """A terminal's Ctrl-C signals the whole foreground process group. The child runs in a session of
+    """A terminal's Ctrl-C signals the whole foreground process group. The child runs in a group of
     its own, so only the router takes the SIGINT: no KeyboardInterrupt trace from the child, no
-    warning that it went away, and the child still exits once the router has."""
+    warning that it went away, and the child still exits once the router has. It stays in the
+    router's session, which the kernel's autogroup schedules as one."""
     port = free_port()
     pods = orjson.dumps([{"id": "p0", "url": "http://127.0.0.1:9", "model": "m"}]).decode()
     with kvroute_process(["serve", "--pods", pods, "--tokenizer", tokenizer_file, "--port", str(port),
@@ -171,7 +172,7 @@ def test_a_ctrl_c_to_the_routers_process_group_stops_it_without_a_trace(tokenize
                 except OSError:
                     pass
             time.sleep(0.05)
-        assert os.getsid(child) == child != os.getsid(proc.pid)
+        assert os.getpgid(child) == child != os.getpgid(proc.pid) and os.getsid(child) == os.getsid(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
         assert proc.stdout is not None
