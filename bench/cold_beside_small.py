@@ -55,6 +55,24 @@ def parse_condition(text: str) -> tuple[str, str, dict[str, str]]:
     return name, tree or str(ROOT), env
 
 
+def start_router(tree: str, env: dict[str, str], pods: str, workers: int,
+                 tokenizer: Path) -> tuple[int, subprocess.Popen]:
+    """``kvroute serve`` from ``tree`` with ``env`` in front of ``pods``, ready and settled for 2 s;
+    returns its port and process (stop it with ``stop_process``)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level", "error",
+                             "--workers", str(workers), "--tokenizer", str(tokenizer), "--port", str(port)],
+                            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc, 60.0)
+    except BaseException:
+        stop_process(proc)
+        raise
+    time.sleep(2.0)
+    return port, proc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--condition", action="append", required=True, help="NAME:ENV=VALUE,... (twice or more)")
@@ -90,15 +108,8 @@ def main() -> int:
                 full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
                 if args.cap is not None:
                     full["KVROUTE_INDEX_MAX_BLOCKS_PER_POD"] = str(args.cap)
-                port = free_port()
-                proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--pods", pods, "--log-level",
-                                         "error", "--workers", str(args.workers), "--tokenizer", str(folder),
-                                         "--port", str(port)],
-                                        cwd=tree, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                port, proc = start_router(tree, full, pods, args.workers, folder)
                 try:
-                    wait_ready(f"http://127.0.0.1:{port}/ready", proc, 60.0)
-                    time.sleep(2.0)
                     if fill:
                         filled = itertools.count()
                         asyncio.run(ov.load(port, 4, 0.012 * len(fill), requests=fill, cursor=filled))
