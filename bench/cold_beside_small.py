@@ -55,6 +55,14 @@ def parse_condition(text: str) -> tuple[str, str, dict[str, str]]:
     return name, tree or str(ROOT), env
 
 
+def tokenizer(given: str | None) -> tuple[Path, HFTokenizer]:
+    """``--tokenizer``'s folder, else the real-vLLM tier's model, and the tokenizer loaded from it."""
+    folder = Path(given) if given else ov.tier_model()
+    if folder is None:
+        raise SystemExit("no tokenizer: build the real-vLLM tier's model (make real-vllm) or pass --tokenizer")
+    return folder, HFTokenizer(str(folder))
+
+
 def start_router(tree: str, env: dict[str, str], pods: str, workers: int,
                  tokenizer: Path) -> tuple[int, subprocess.Popen]:
     """``kvroute serve`` from ``tree`` with ``env`` in front of ``pods``, ready and settled for 2 s;
@@ -86,10 +94,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     conditions = [parse_condition(c) for c in args.condition]
-    folder = Path(args.tokenizer) if args.tokenizer else ov.tier_model()
-    if folder is None:
-        raise SystemExit("no tokenizer: build the tier's model (tests/real_vllm/setup.sh) or pass --tokenizer")
-    tok = HFTokenizer(str(folder))
+    folder, tok = tokenizer(args.tokenizer)
     n_big = ov.cold_count(args.size, args.seconds)
     big, _ = ov.chat_requests(tok, args.size, count=n_big, follow_up=0.0, conversations=n_big, seed=7, sample=10)
     small, _ = ov.chat_requests(tok, 20, count=50, seed=8)

@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
-from bench.cold_beside_small import parse_condition, start_router  # noqa: E402
-from indexer.tokens import HFTokenizer  # noqa: E402
+from bench.cold_beside_small import parse_condition, start_router, tokenizer  # noqa: E402
 from simulator.testing import stop_process  # noqa: E402
 
 
@@ -48,10 +47,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     conditions = [parse_condition(c) for c in args.condition]
-    folder = Path(args.tokenizer) if args.tokenizer else ov.tier_model()
-    if folder is None:
-        raise SystemExit("no tokenizer: build the tier's model (make real-vllm) or pass --tokenizer")
-    tok = HFTokenizer(str(folder))
+    folder, tok = tokenizer(args.tokenizer)
     gap = ov.follow_up_gap(args.connections)
     requests, mean = ov.chat_requests(tok, args.size, count=ov.distinct_count(args.size), kind=args.kind, sample=100,
                                       gap=gap, conversations=gap + 36)
