@@ -569,6 +569,15 @@ def start_backend(procs: list[subprocess.Popen], stream_gap_ms: float = 1.0) -> 
     return port, upstream
 
 
+def warn_if_repeated(name: str, sent: int, distinct: int) -> bool:
+    """Print a warning when ``sent`` requests went round a list of ``distinct`` ones: the repeats find
+    kvroute's caches (prefix tokens, the index's credits) warm, which flatters it. True if so."""
+    if sent <= distinct:
+        return False
+    print(f"  WARNING: {name} went round its {distinct} distinct requests (repeats from the second round)", flush=True)
+    return True
+
+
 def measure(name: str, port: int, args, requests: list[bytes] | None = None,
             procs: list[subprocess.Popen] | None = None) -> dict:
     """1 connection, then ``args.connections``, going on through ``requests`` in order; with ``procs``
@@ -584,8 +593,8 @@ def measure(name: str, port: int, args, requests: list[bytes] | None = None,
            f"c{args.connections}_cpu_us_per_request": cpu,
            "errors": one["errors"] + many["errors"], "sent": next(cursor), "distinct": len(requests or [0])}
     cpu_text = f" {cpu:.0f} us CPU/request" if cpu is not None else ""
-    if name.startswith("kvroute") and requests is not None and row["sent"] > len(requests):  # its caches flatter
-        print(f"  WARNING: {name} went round its {len(requests)} distinct requests (repeats from the second round)")
+    if name.startswith("kvroute") and requests is not None:
+        warn_if_repeated(name, row["sent"], len(requests))
     print(f"  {name:<28} 1 conn: p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms ({one['rps']:.0f} req/s)   "
           f"{args.connections} conn: {many['rps']:.0f} req/s p99 {many['p99_ms']:.2f} ms{cpu_text}   "
           f"errors {row['errors']}", flush=True)

@@ -12,7 +12,9 @@ processes included) spent per request, with their medians.
         --workers 2 --rounds 3 --json bench/results/throughput_rounds_bus.json
 
 A condition is ``NAME[@TREE]:ENV=VALUE,ENV=VALUE`` as in ``bench/cold_beside_small.py``; ``--workers``
-and ``--size`` hold for all of them. The last line is the headline.
+and ``--size`` hold for all of them. A round that sends more requests than the list holds (long
+``--seconds`` at large sizes) repeats prompts whose caches are warm: it is warned of and marked
+``repeated`` in the JSON. The last line is the headline.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> int:
                     stop_process(proc)
                 row = {"rps": m["rps"], "cpu_us_per_request": m["cpu_us_per_request"], "p99_ms": m["p99_ms"],
                        "errors": m["errors"], "sent": next(cursor)}
+                row["repeated"] = ov.warn_if_repeated(f"round {r} {name}", row["sent"], len(requests))
                 results[name]["rounds"].append(row)
                 print(f"round {r} {name:<12} {m['rps']:.0f} req/s, {m['cpu_us_per_request']:.0f} us CPU a request, "
                       f"p99 {m['p99_ms']:.1f} ms, errors {m['errors']}", flush=True)
