@@ -594,3 +594,53 @@ def test_a_scorer_whose_costs_are_all_zero_is_left_out_unless_alone():
         req = RequestView(prompt_tokens=rng.choice([600, 5000]), objective_s=rng.choice([None, 0.5, 2.0]))
         assert [c.pod_id for c in decide(cands, req, default, PolicyState()).ranked] == \
             [c.pod_id for c in decide(cands, req, with_inert, PolicyState()).ranked]
+
+
+def test_book_fills_every_booking_field_from_its_source():
+    """``Router.book`` builds its Booking positionally (for speed): every field must come from its
+    own source, so the numbers here differ from each other and a swap of two cannot pass unseen."""
+    from dataclasses import fields
+
+    from router.booking import Booking
+    from whatif.simulate import SimConfig, _build_router
+
+    now = [250.0]
+    router = _build_router(SimConfig(pods=2, objective_s=None), lambda: now[0])
+    model = router.registry.models()[0]
+    for i in range(6):   # first tokens slower than predicted: the calibrated error moves the TTFT off the model's
+        warm = router.plan("completion", {"model": model, "prompt": list(range(5000 + 50 * i, 5040 + 50 * i)),
+                                          "max_tokens": 1}, {})
+        done = router.book(warm, warm.decision.chosen)
+        now[0] += 0.05
+        router.first_token(done)
+    history = list(range(1, 161))
+    first = router.plan("completion", {"model": model, "prompt": history, "max_tokens": 1}, {})
+    router.book(first, first.decision.chosen)   # credits the history to the chosen pod: cached below
+    now[0] = 251.5
+    plan = router.plan("completion", {"model": model, "prompt": history + list(range(900, 957)), "max_tokens": 1}, {})
+    cand = plan.decision.chosen
+    route = plan.decision.routes[cand.pod_id]
+    pred = route.prediction
+    booking = router.book(plan, cand)
+    low, high = pred.interval(router.settings.ttft_interval_level, route.ttft_s)
+    bs = router.block_size
+    expected = {
+        "pod_id": cand.pod_id, "prefill_pod": route.prefill_pod, "prefill_ticket": booking.prefill_ticket,
+        "work_tokens": pred.queue_s * cand.prefill_tokens_per_s + pred.uncached_tokens,
+        "predicted_ttft_s": route.ttft_s, "cached_tokens": route.cached_tokens, "mode": "aggregated",
+        "kv_ticket": None, "sent_at": 251.5,
+        "new_blocks": plan.request.prompt_tokens // bs - route.cached_tokens // bs,
+        "running": cand.running, "model_ttft_s": pred.model_ttft_s, "ttft_low_s": low, "ttft_high_s": high,
+        "keys": plan.keys, "held": (cand.pod_id,), "released": False,
+    }
+    assert {f.name for f in fields(Booking)} == set(expected)
+    assert {f.name: getattr(booking, f.name) for f in fields(Booking)} == expected
+    numbers = [expected[k] for k in ("prefill_ticket", "work_tokens", "predicted_ttft_s", "cached_tokens",
+                                     "sent_at", "new_blocks", "model_ttft_s", "ttft_low_s", "ttft_high_s")]
+    assert len(set(numbers)) == len(numbers), numbers
+    assert route.cached_tokens > 0 and low < route.ttft_s < high
+    # the ticket is the ledger's for this request's prefill: handing it back releases exactly that one
+    before = router.ledger.inflight(route.prefill_pod)
+    assert router.ledger.release(route.prefill_pod, booking.prefill_ticket)
+    assert router.ledger.inflight(route.prefill_pod) == before - 1
+    assert not router.ledger.release(route.prefill_pod, booking.prefill_ticket)
