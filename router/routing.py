@@ -337,7 +337,17 @@ class Router:
         prompt's 2,000 new blocks took 2-5 ms of dict work in one piece, and every request that
         arrived meanwhile waited for it. A request routed between the pieces sees the first 4,096
         tokens credited (enough to send a sibling after it). Without a running loop (``kvroute
-        simulate``) it is all credited at once."""
+        simulate``) it is all credited at once, as is a prompt of one piece anyway (most of them):
+        no generator and no loop lookup for it."""
+        if len(keys) <= CREDIT_NOW_BLOCKS:
+            try:
+                if pod_id in self._with_events:
+                    self.index.speculate(pod_id, keys)
+                else:
+                    self.index.record_route(pod_id, keys, self._kv_blocks(pod_id))
+            except Exception:  # the index is advisory; never fail a request over it
+                log.exception("crediting a route to the index failed")
+            return
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
