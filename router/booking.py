@@ -221,7 +221,8 @@ class Booking:
     ``pod_id`` is where the request is sent; ``prefill_pod`` the pod that computes its prompt (the
     same pod, or under P/D a prefill pod). ``work_tokens`` is the prefill work ahead of the first
     token on ``prefill_pod`` (its queue plus the request's own uncached tokens), which the
-    calibrator divides by the observed time."""
+    calibrator divides by the observed time. ``Router.book`` builds it positionally: a new field
+    goes there too, in the same place."""
 
     pod_id: str
     prefill_pod: str
