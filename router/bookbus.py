@@ -472,6 +472,8 @@ class BookingBus:
 
     def _flush_soon(self) -> None:
         """``_flush_later`` on the event loop; without a running loop (a synchronous caller), flush now."""
+        if self._flush_handle is not None:
+            return  # a flush is asked for already (so there is a loop): it takes this change too
         try:
             asyncio.get_running_loop()
         except RuntimeError:
