@@ -25,7 +25,8 @@ the origin's messages from 1.
   at most ``CREDIT_KEYS_PER_MESSAGE`` keys per message
 - ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
   applied in order: the books and releases queued since the last message go out together (a lone
-  one goes as ``"b"``/``"r"``; at most ``MAX_OPS`` per message)
+  one goes as ``"b"``/``"r"``; at most ``MAX_OPS`` per message). A booking booked and released
+  since the last message goes with neither: a peer would apply the two in one go, to no effect
 
 **When changes go out.** At the end of the event-loop turn that made them, unless a message went
 less than ``min_interval_s`` ago: then at that interval's end, with whatever else was queued by
@@ -418,7 +419,12 @@ class BookingBus:
         self.connected: set[str] = set()
         self.bound: list[str] = []  # the endpoints really bound (a port 0 resolved)
         self._seq = 0
-        self._pending: list[list[Any]] = []   # books and releases not yet sent
+        self._pending: list[list[Any] | None] = []   # books and releases not yet sent (None: coalesced)
+        # the tickets of the books in ``_pending`` -> their place there: a book released before the
+        # next message is taken out of it with its release (``_coalesced`` pairs so far), since a peer
+        # would apply both in one go; the ledger's tickets are unique across prefill and KV bookings
+        self._unsent: dict[int, int] = {}
+        self._coalesced = 0
         # chunks not yet sent (``share_tokens``, from any thread): (fingerprint, chunks), at most
         # ``MAX_PENDING_TOKENS`` token ids in all; ``_tokens_wake``: a flush is asked for already
         self._pending_tokens: list[tuple[str, list[tuple[int, bytes]]]] = []
@@ -462,8 +468,14 @@ class BookingBus:
         if self._pub is None:
             return
         if event == "book":
+            self._unsent[ticket] = len(self._pending)
             self._pending.append(["b", pod, ticket, tokens, _RES[resource]])
         else:
+            at = self._unsent.pop(ticket, None)
+            if at is not None:  # booked and released since the last message: the others need neither
+                self._pending[at] = None
+                self._coalesced += 1
+                return
             self._pending.append(["r", pod, ticket, _RES[resource]])
         if len(self._pending) >= MAX_OPS:
             self.flush()
@@ -495,7 +507,14 @@ class BookingBus:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        ops, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
+        ops = [op for op in pending if op is not None]
+        if self._unsent:
+            self._unsent = {}
+        if self._coalesced:
+            self.stats.count("book", "coalesced", self._coalesced)
+            self.stats.count("release", "coalesced", self._coalesced)
+            self._coalesced = 0
         credits, self._pending_credits = self._pending_credits, []
         self._pending_credit_keys = 0
         with self._tokens_lock:
@@ -851,7 +870,8 @@ class BusCollector(Collector):
         bus = self.bus
         c = CounterMetricFamily("kvroute_booking_bus_messages", "Booking-bus messages by kind (book, release, "
                                 "snapshot, batch, tokens; dropped: bad, stale, lost, full) and direction "
-                                "(sent, received, dropped)", labels=["kind", "direction"])
+                                "(sent, received, dropped; coalesced: booked and released before it was sent, "
+                                "so neither was)", labels=["kind", "direction"])
         for (kind, direction), n in sorted(bus.stats.messages.items()):
             c.add_metric([kind, direction], float(n))
         yield c

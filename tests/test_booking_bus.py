@@ -227,16 +227,21 @@ async def test_the_changes_of_one_loop_turn_go_out_as_one_message_applied_in_ord
     async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
         sent, got = a.stats.get("batch", "sent"), b.stats.get("book", "received")
         tickets = [a.ledger.book("p0", 100) for _ in range(5)]     # one loop turn: nothing sent yet
-        a.ledger.release("p0", tickets[0])
-        a.ledger.book_kv("d0", 300)
+        a.ledger.release("p0", tickets[0])                          # booked and released unsent: neither goes
+        kv = a.ledger.book_kv("d0", 300)
+        a.ledger.release_kv("d0", kv)                               # nor a KV booking's pair
+        a.ledger.book_kv("d0", 200)
         assert a.stats.get("book", "sent") == 0
-        await until(lambda: b.ledger.inflight("p0") == 4 and b.ledger.kv_booked("d0") == (1, 300.0), 5, "the batch")
-        assert a.stats.get("batch", "sent") == sent + 1 and a.stats.get("book", "sent") == 6
-        assert b.stats.get("batch", "received") == 1 and b.stats.get("book", "received") == got + 6
-        assert b.stats.get("release", "received") == 1
-        a.ledger.release("p0", tickets[1])                          # a lone change goes as itself
+        await until(lambda: b.ledger.inflight("p0") == 4 and b.ledger.kv_booked("d0") == (1, 200.0), 5, "the batch")
+        assert a.stats.get("batch", "sent") == sent + 1 and a.stats.get("book", "sent") == 5
+        assert a.stats.get("book", "coalesced") == 2 and a.stats.get("release", "coalesced") == 2
+        assert b.stats.get("batch", "received") == 1 and b.stats.get("book", "received") == got + 5
+        assert b.stats.get("release", "received") == 0
+        assert sorted(t for _, _, t in b.ledger._foreign[a.origin]) == tickets[1:] + [kv + 1]  # a's open ones
+        a.ledger.release("p0", tickets[1])                          # sent already: its release goes, alone
         await until(lambda: b.ledger.inflight("p0") == 3, 5, "the lone release")
-        assert a.stats.get("batch", "sent") == sent + 1
+        assert a.stats.get("batch", "sent") == sent + 1 and a.stats.get("release", "sent") == 1
+        assert a.stats.get("release", "coalesced") == 2
     # a malformed batch is dropped whole, counted
     led = Ledger()
     bus = BookingBus(led, origin="me")
