@@ -686,13 +686,15 @@ async def test_each_first_token_is_checked_against_the_predicted_interval():
         assert sum(counts.values()) == 5, counts  # every streamed first token, and only those
 
 
-async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns():
+async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns(monkeypatch):
     """Crediting a cold 32k-token prompt's 2,000 blocks in one piece held the event loop for 2-5 ms:
     on the loop the first CREDIT_NOW_BLOCKS go at once and the rest in the turns that follow; off
-    it (``kvroute simulate``) all at once."""
+    it (``kvroute simulate``) all at once. Another router process's long credit goes in smaller
+    pieces: no request here waits for it."""
     import asyncio
 
-    from router.routing import CREDIT_NOW_BLOCKS
+    from router import routing
+    from router.routing import CREDIT_NOW_BLOCKS, FOREIGN_CREDIT_BLOCKS
 
     async with pods_running(1) as pods:
         async with running_router(settings_for(pods)) as (_, services):
@@ -712,3 +714,22 @@ async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns():
             other = [9_000_000 + i for i in range(n)]
             await asyncio.to_thread(r.speculate, "pod-0", other)  # no running loop there
             assert held(other) == n
+            # another worker's or replica's credit (the booking bus): as a local one up to
+            # FOREIGN_LONG_BLOCKS, past that FOREIGN_CREDIT_BLOCKS a turn, the first piece at once (the
+            # bound lowered under this pod's 1,000 KV blocks, past which its oldest credits would go)
+            monkeypatch.setattr(routing, "FOREIGN_LONG_BLOCKS", 600)
+            r.index.clear_pod("pod-0")
+            mid = [11_000_000 + i for i in range(n)]
+            r.credit_foreign("pod-0", mid)
+            assert n <= routing.FOREIGN_LONG_BLOCKS and held(mid) == CREDIT_NOW_BLOCKS
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert held(mid) == n
+            r.index.clear_pod("pod-0")
+            long = [13_000_000 + i for i in range(routing.FOREIGN_LONG_BLOCKS + 1)]
+            r.credit_foreign("pod-0", long)
+            depths = [held(long)]
+            for _ in range(len(long) // FOREIGN_CREDIT_BLOCKS + 1):
+                await asyncio.sleep(0)
+                depths.append(held(long))
+            assert depths[:3] == [FOREIGN_CREDIT_BLOCKS * k for k in (1, 2, 3)] and depths[-1] == len(long), depths
