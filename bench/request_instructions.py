@@ -14,6 +14,12 @@ shows only in the timed benches).
     python bench/request_instructions.py [--json PATH]
     python bench/request_instructions.py --stream 32 [--json PATH]
 
+With ``--distinct`` every request has a prompt of its own (its number, then the prompt) where
+the default sends one prompt again and again: the default is the count every row of docs/router.md's
+table was made with, and it favours paths that a repeated prompt takes (the note of an earlier
+credit vouches for its blocks, the index's lookups find them); a fleet's traffic looks more like
+``--distinct``.
+
 With ``--stream N`` each completion is streamed as N events (the static backend's, 5 ms apart, so
 that each reaches the router in a read of its own, as a pod's tokens do), in runs of
 ``STREAM_SMALL`` and ``STREAM_LARGE`` requests, and the count is per streamed answer.
@@ -50,11 +56,20 @@ STREAM_GAP_MS = 5.0
 SMALL_BODY = {"model": "sim-model", "prompt": "Say hello to the router, please", "max_tokens": 16}
 
 
-def send(port: int, n: int, body: bytes) -> None:
-    """``n`` small completions, one after another, on one kept-alive connection."""
+def bodies(body: dict, n: int, distinct: bool) -> list[bytes]:
+    """``n`` request bodies: ``body`` every time, or with ``distinct`` its prompt after a number, each
+    its own (as a fleet's traffic is: no two prompts alike, so each request's blocks, the first
+    included, are new to the index and no note of an earlier credit vouches for them)."""
+    if not distinct:
+        return [json.dumps(body).encode()] * n
+    return [json.dumps({**body, "prompt": f"{i} {body['prompt']}"}).encode() for i in range(n)]
+
+
+def send(port: int, bodies: list[bytes]) -> None:
+    """The requests, one after another, on one kept-alive connection."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        for _ in range(n):
+        for body in bodies:
             conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
             resp = conn.getresponse()
             resp.read()
@@ -64,7 +79,7 @@ def send(port: int, n: int, body: bytes) -> None:
         conn.close()
 
 
-def instructions(upstream: str, requests: int, workdir: Path, body: bytes) -> int:
+def instructions(upstream: str, requests: int, workdir: Path, body: dict, distinct: bool) -> int:
     """Instructions callgrind counts in one router process's whole run that serves ``requests``."""
     port = free_port()
     log = workdir / f"valgrind-{requests}.log"
@@ -75,7 +90,7 @@ def instructions(upstream: str, requests: int, workdir: Path, body: bytes) -> in
                  workdir / f"router-{requests}.out", env={"PYTHONHASHSEED": "0"})
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", proc, 600.0)
-        send(port, requests, body)
+        send(port, bodies(body, requests, distinct))
     finally:
         stop_process(proc, grace=120.0)  # callgrind writes its count as the process exits
     found = re.search(r"Collected\s*:\s*(\d+)", log.read_text(errors="replace"))
@@ -88,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--stream", type=int, default=0, help="stream each answer as this many events (0: whole)")
+    ap.add_argument("--distinct", action="store_true", help="a prompt of its own for every request (default: "
+                    "the same one each time, as every count before this option)")
     args = ap.parse_args(argv)
-    body = json.dumps({**SMALL_BODY, **({"max_tokens": args.stream, "stream": True} if args.stream else {})}).encode()
+    body = {**SMALL_BODY, **({"max_tokens": args.stream, "stream": True} if args.stream else {})}
     small, large = (STREAM_SMALL, STREAM_LARGE) if args.stream else (SMALL, LARGE)
     what = f"streamed answers of {args.stream} events" if args.stream else "small completions"
     if shutil.which("valgrind") is None:
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         upstream = f"http://127.0.0.1:{bport}"
         wait_ready(f"{upstream}/health", backend)
         with tempfile.TemporaryDirectory(prefix="kvroute-request-instructions-") as tmp:
-            counts = {n: instructions(upstream, n, Path(tmp), body) for n in (small, large)}
+            counts = {n: instructions(upstream, n, Path(tmp), body, args.distinct) for n in (small, large)}
     finally:
         stop_process(backend)
     per = (counts[large] - counts[small]) / (large - small)
@@ -114,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python bench/request_instructions.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "tree": commit,
             "totals": {str(k): v for k, v in counts.items()},
-            "instructions_per_request": round(per), **({"stream_events": args.stream} if args.stream else {})},
+            "instructions_per_request": round(per), "distinct_prompts": args.distinct,
+            **({"stream_events": args.stream} if args.stream else {})},
             indent=2) + "\n")
     one = f"streamed answer of {args.stream} events" if args.stream else "small completion"
+    one += " (distinct prompts)" if args.distinct else ""
     print(f"request instructions: {per:,.0f} per {one} (one kvroute process, tree {commit})")
     return 0
 
