@@ -688,13 +688,14 @@ async def test_each_first_token_is_checked_against_the_predicted_interval():
 
 async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns(monkeypatch):
     """Crediting a cold 32k-token prompt's 2,000 blocks in one piece held the event loop for 2-5 ms:
-    on the loop the first CREDIT_NOW_BLOCKS go at once and the rest in the turns that follow; off
-    it (``kvroute simulate``) all at once. Another router process's long credit goes in smaller
-    pieces: no request here waits for it."""
+    on the loop the first piece goes at once and the rest in the turns that follow, CREDIT_NOW_BLOCKS
+    a turn, and LONG_CREDIT_PIECE a turn for a credit of more than LONG_CREDIT_BLOCKS; off the loop
+    (``kvroute simulate``) all at once. Another router process's credit (the booking bus) goes the
+    same way."""
     import asyncio
 
     from router import routing
-    from router.routing import CREDIT_NOW_BLOCKS, FOREIGN_CREDIT_BLOCKS
+    from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_PIECE
 
     async with pods_running(1) as pods:
         async with running_router(settings_for(pods)) as (_, services):
@@ -705,31 +706,27 @@ async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns(monkeypa
                 got = r.index.match(keys, ["pod-0"]).get("pod-0")
                 return got.blocks if got else 0
 
-            keys = [7_000_000 + i for i in range(n)]
-            r.speculate("pod-0", keys)
-            assert held(keys) == CREDIT_NOW_BLOCKS
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert held(keys) == n
+            # the bound lowered under this pod's 1,000 KV blocks, past which its oldest credits would go
+            monkeypatch.setattr(routing, "LONG_CREDIT_BLOCKS", 600)
+            assert n <= routing.LONG_CREDIT_BLOCKS
+            for start, credit in ((7_000_000, r.speculate), (11_000_000, r.credit_foreign)):
+                r.index.clear_pod("pod-0")
+                keys = [start + i for i in range(n)]
+                credit("pod-0", keys)
+                assert held(keys) == CREDIT_NOW_BLOCKS
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                assert held(keys) == n
+                r.index.clear_pod("pod-0")
+                long = [start + 1_000_000 + i for i in range(routing.LONG_CREDIT_BLOCKS + 1)]
+                credit("pod-0", long)
+                depths = [held(long)]
+                for _ in range(len(long) // LONG_CREDIT_PIECE + 1):
+                    await asyncio.sleep(0)
+                    depths.append(held(long))
+                assert depths[:3] == [LONG_CREDIT_PIECE * k for k in (1, 2, 3)], depths
+                assert depths[-1] == len(long), depths
+            r.index.clear_pod("pod-0")
             other = [9_000_000 + i for i in range(n)]
-            await asyncio.to_thread(r.speculate, "pod-0", other)  # no running loop there
-            assert held(other) == n
-            # another worker's or replica's credit (the booking bus): as a local one up to
-            # FOREIGN_LONG_BLOCKS, past that FOREIGN_CREDIT_BLOCKS a turn, the first piece at once (the
-            # bound lowered under this pod's 1,000 KV blocks, past which its oldest credits would go)
-            monkeypatch.setattr(routing, "FOREIGN_LONG_BLOCKS", 600)
-            r.index.clear_pod("pod-0")
-            mid = [11_000_000 + i for i in range(n)]
-            r.credit_foreign("pod-0", mid)
-            assert n <= routing.FOREIGN_LONG_BLOCKS and held(mid) == CREDIT_NOW_BLOCKS
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert held(mid) == n
-            r.index.clear_pod("pod-0")
-            long = [13_000_000 + i for i in range(routing.FOREIGN_LONG_BLOCKS + 1)]
-            r.credit_foreign("pod-0", long)
-            depths = [held(long)]
-            for _ in range(len(long) // FOREIGN_CREDIT_BLOCKS + 1):
-                await asyncio.sleep(0)
-                depths.append(held(long))
-            assert depths[:3] == [FOREIGN_CREDIT_BLOCKS * k for k in (1, 2, 3)] and depths[-1] == len(long), depths
+            await asyncio.to_thread(r.speculate, "pod-0", other)  # no running loop there: all at once
+            assert held(other) == len(other)
