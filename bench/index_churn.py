@@ -8,7 +8,7 @@ every entry evicted before it. This drives ``PrefixIndex`` alone, in one process
 and reports every call's time:
 
 * ``approximate``: one pod without events, cold prompts of ``--blocks`` blocks (2,057: a 32,913-token
-  prompt, the sized bench's 32k row) credited as ``Router.speculate`` does, 256 blocks per call, at
+  prompt, the sized bench's 32k row) credited 256 blocks per call (``Router.speculate`` did until 9996da9; 64 now), at
   the index's cap (``--cap``, the default 1M blocks per pod), until three caps' worth went through;
 * ``events``: ``--pods`` pods with KV events, each an engine of ``--engine-blocks`` blocks that
   stores each cold prompt (one BlockStored of ``--blocks`` blocks, keys computed from tokens as the
@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-PIECE = 256  # blocks per credit call (router.routing.CREDIT_NOW_BLOCKS)
+PIECE = 256  # blocks per credit call (router.routing.CREDIT_NOW_BLOCKS; the router credits a prompt of over
+# 1,024 blocks 64 at a time since 9996da9, LONG_CREDIT_PIECE: kept at 256 so runs compare with the earlier ones)
 BS = 16
 
 
