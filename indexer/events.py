@@ -165,7 +165,18 @@ def _fix_hashes(ev: Any) -> None:
 
 # --- batch decoding ---------------------------------------------------------------------------------
 def decode_payload(payload: bytes) -> EventBatch:
-    """A msgpack batch as an :class:`EventBatch`; raises :class:`DecodeError` if it is not one."""
+    """A msgpack batch as an :class:`EventBatch`; raises :class:`DecodeError` if it is not one.
+
+    msgspec raises ``RecursionError`` for a payload nested about a thousand levels deep (1 KB of
+    array headers does it); that is a malformed batch like any other, not a reason for the
+    subscriber to drop its socket and the good batches queued behind it."""
+    try:
+        return _decode_payload(payload)
+    except RecursionError:
+        raise DecodeError("payload nests too deeply") from None
+
+
+def _decode_payload(payload: bytes) -> EventBatch:
     raw: _MapBatch | _ArrBatch
     try:
         raw = _map_decoder.decode(payload)

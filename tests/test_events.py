@@ -115,6 +115,11 @@ def test_vllm_032_store_and_remove_fields_are_decoded_in_both_forms():
     enc([1.0, [{"type": "BlockStored", "block_hashes": [1.5]}], 0]),
     enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"]}], 0]),
     enc([1.0, [42], 0]),
+    # nested past msgspec's recursion limit, whole or inside a field (it raised RecursionError, which
+    # made the subscriber rebuild its socket and lose the good batches queued behind it)
+    b"\x91" * 2000 + b"\xc0",
+    enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)),
+                "block_size": 16, "extra_keys": "DEEP"}], 0]).replace(enc("DEEP"), b"\x91" * 2000 + b"\xc0"),
 ])
 def test_malformed_payloads_raise_decode_error(payload):
     with pytest.raises(DecodeError):
