@@ -50,6 +50,11 @@ from indexer.recency import EVICT_BATCH, BlockRecency
 log = logging.getLogger("kvroute.indexer")
 
 DEFAULT_TIER = "GPU"
+# tiers (medium, owner, locality) the index keeps a map for; an event naming a new one past this is
+# refused (``tier_limit``): each tier is a map of its own, never freed, and every match reads them all
+MAX_TIERS = 16
+# LoRA seeds remembered per pod (a cache of ``key_seed``); past this a seed is computed for each event
+MAX_SEEDS = 256
 MAX_SPANS = 8_192  # notes of prompts credited whole, per source (~150 bytes each and its key; PrefixIndex.credit_steps)
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5, "FS": 0.5, "OBJ": 0.4, "DISK": 0.5}
 # KV-cache group kinds whose blocks are a real prefix cache; sliding-window/mamba groups are not.
@@ -106,10 +111,13 @@ class _Source:
         # (its BlockRemoved events keep it there), and C-level updates of one dict keep BlockStored
         # fast; sharding it made a 2,057-block BlockStored ~1 ms slower (docs/indexer.md)
         self.blocks: dict[int, int] = {}
-        # (tier, engine hash) -> physical copies, only while there are two or more: vLLM announces a
+        # engine hash -> tier -> physical copies, only while there are two or more: vLLM announces a
         # BlockStored for every block that computed the hash (two requests with one prompt in flight)
-        # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes
-        self.copies: dict[tuple[str, int], int] = {}
+        # and a BlockRemoved when any one of them is evicted; the hash stays cached until the last goes.
+        # Keyed by hash first so that forgetting a hash's copies (each eviction, each re-key) is one
+        # lookup: keyed by (tier, hash) it was a scan of them all, and with 100k copies held an
+        # eviction of a sixteenth of a 200k cap took 4.3 s
+        self.copies: dict[int, dict[str, int]] = {}
         # the KV-cache group whose blocks are indexed: the first full-attention group_idx seen. A hybrid
         # model stores and removes the same hashes in its sliding-window (or mamba) groups too, on
         # their own schedule; only the full-attention group decides a prefix hit
@@ -178,7 +186,7 @@ class PrefixIndex:
             "hash_only_joined", "hash_only_unknown", "unknown_removals", "unknown_pod_events",
             "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
             "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
-            "copies_removed", "skipped_group")}
+            "copies_removed", "skipped_group", "tier_limit")}
         self.recency = BlockRecency(clock, max_blocks_per_pod, counters=self.counters)
 
     # --- fleet ------------------------------------------------------------------------------------
@@ -311,7 +319,9 @@ class PrefixIndex:
         lora = ev.lora_name if ev.lora_name is not None else (None if ev.lora_id is None else f"lora-id:{ev.lora_id}")
         seed = pod.seeds.get(lora)
         if seed is None:
-            seed = pod.seeds[lora] = key_seed(pod.model, lora)
+            seed = key_seed(pod.model, lora)
+            if len(pod.seeds) < MAX_SEEDS:  # a pod that names adapters without end does not grow it
+                pod.seeds[lora] = seed
         return seed
 
     def _store(self, pod: _Pod, src: _Source, ev: BlockStored) -> bool:
@@ -334,6 +344,9 @@ class PrefixIndex:
         hashes = cast(list[int], ev.block_hashes)
         tokens = ev.token_ids
         tier = tier_name(ev.medium, ev.locality, ev.ownership)
+        if tier not in self._tiers and len(self._tiers) >= MAX_TIERS:
+            self.counters["tier_limit"] += 1
+            return False
         if not tokens:
             return self._join_hash_only(src, hashes, tier)
         if len(tokens) != len(hashes) * bs:
@@ -353,7 +366,9 @@ class PrefixIndex:
                     src.orphans += len(hashes)
                     return True
         keys = block_keys(tokens, bs, seed, ev.extra_keys)
-        self._add(src, hashes, keys, tier)
+        if not self._add(src, hashes, keys, tier):
+            self.counters["malformed_events"] += 1
+            return False
         if self.recency.watching:
             self.recency.stored(pod.pod_id, keys)
         return True
@@ -377,7 +392,11 @@ class PrefixIndex:
             self._tiers[tier] = d
         return d
 
-    def _add(self, src: _Source, hashes: Sequence[int], keys: Sequence[int], tier: str) -> None:
+    def _add(self, src: _Source, hashes: Sequence[int], keys: Sequence[int], tier: str) -> bool:
+        """Hold ``keys`` (engine ``hashes``) for ``src`` on ``tier``. False, and nothing held, when a
+        hash appears twice among them: a chained hash cannot repeat within one chain, so no engine
+        sends that, and taking it would leave the pod's bit on keys its blocks no longer name (the
+        hash maps to its last key only), which no BlockRemoved could then clear."""
         d = self._tiers.get(tier)
         if d is None:
             d = self._tier_dict(tier)
@@ -397,8 +416,15 @@ class PrefixIndex:
                 p = anyd.parts[ROUTE[k & SLOT]]
                 p[k] = p.get(k, 0) | bit
         elif blocks.keys().isdisjoint(hashes):
+            before = len(blocks)
             blocks.update(zip(hashes, keys))   # new blocks (the common case): one C-level pass
+            if len(blocks) - before != n:      # a hash twice in the event: undo (all of them were new)
+                for h in hashes:
+                    blocks.pop(h, None)
+                return False
         else:
+            if len(set(hashes)) != n:
+                return False
             pop = blocks.pop
             for h, k in zip(hashes, keys):     # re-announced (another copy): refresh the LRU position
                 old = pop(h, None)
@@ -416,6 +442,7 @@ class PrefixIndex:
             self._confirm_predicted(primary, keys)
         if len(blocks) > self.max_blocks_per_pod:
             self._evict(src)
+        return True
 
     def _again(self, src: _Source, tier: str, d: ShardedMap[int], h: int, k: int, old: int) -> None:
         """Hash ``h`` stored again by ``src``: under another key (the old one goes), or in a tier that
@@ -424,15 +451,16 @@ class PrefixIndex:
             self._drop_key(src, old)
             self._forget_copies(src, h)
         elif d.get(k, 0) & src.bit:
-            key = (tier, h)
-            src.copies[key] = src.copies.get(key, 1) + 1
+            held = src.copies.get(h)
+            if held is None:
+                held = src.copies[h] = {}
+            held[tier] = held.get(tier, 1) + 1
             self.counters["duplicate_copies"] += 1
 
     @staticmethod
     def _forget_copies(src: _Source, h: int) -> None:
         if src.copies:
-            for key in [c for c in src.copies if c[1] == h]:
-                del src.copies[key]
+            src.copies.pop(h, None)
 
     def _join_hash_only(self, src: _Source, hashes: Sequence[int], tier: str) -> bool:
         """Offload-tier events without tokens: add the tier to blocks we already know by hash."""
@@ -445,8 +473,10 @@ class PrefixIndex:
                 known_h.append(h)
                 known_k.append(k)
         if known_k:
+            if not self._add(src, known_h, known_k, tier):
+                self.counters["malformed_events"] += 1
+                return False
             self.counters["hash_only_joined"] += len(known_k)
-            self._add(src, known_h, known_k, tier)
         return True
 
     def _remove(self, src: _Source, ev: BlockRemoved) -> bool:
@@ -474,12 +504,15 @@ class PrefixIndex:
                 self.counters["unknown_removals"] += 1
                 continue
             if src.copies:
-                c = src.copies.get((tier, h))
-                if c is not None:  # one copy of several went: the block is still cached
+                held = src.copies.get(h)
+                c = held.get(tier) if held is not None else None
+                if held is not None and c is not None:  # one copy of several went: the block is still cached
                     if c > 2:
-                        src.copies[(tier, h)] = c - 1
+                        held[tier] = c - 1
+                    elif len(held) > 1:
+                        del held[tier]
                     else:
-                        del src.copies[(tier, h)]
+                        del src.copies[h]
                     self.counters["copies_removed"] += 1
                     continue
             m &= ~bit
@@ -793,7 +826,7 @@ class PrefixIndex:
             "approximate": pod.approximate,
             "dp_ranks": sorted(pod.sources),
             "blocks": sum(len(s.blocks) for s in srcs),
-            "copies": sum(n - 1 for s in srcs for n in s.copies.values()),
+            "copies": sum(n - 1 for s in srcs for held in s.copies.values() for n in held.values()),
             "predicted": sum(len(s.pred) for s in srcs),
             "stored": sum(s.stored for s in srcs),
             "removed": sum(s.removed for s in srcs),

@@ -136,6 +136,52 @@ def test_a_second_copy_of_a_block_outlives_the_first_copys_eviction():
     assert ix.match(keys_of(t))["a"].blocks == 0 and ix.pod_stats("a")["copies"] == 0
 
 
+def test_a_hash_twice_in_one_event_is_refused_and_leaves_nothing_behind():
+    # a chained hash cannot repeat within one chain; taken, the hash named only its last key while the
+    # pod's bit stayed on all of them, so no removal, clear or cap could take those keys back
+    ix = new_index()
+    t = toks(3)
+    assert not ix.apply_event("a", stored([7, 7, 7], None, t))
+    assert not ix.apply_event("a", stored([5, 6, 5], None, toks(3, 100)))
+    ix.apply_event("a", stored([1], None, t[:4]))
+    assert not ix.apply_event("a", stored([1, 8, 8], None, t))    # a hash it holds already, then a repeat
+    assert ix.match(keys_of(t))["a"].blocks == 1 and ix.match(keys_of(toks(3, 100)))["a"].blocks == 0
+    assert ix.stats()["malformed_events"] == 3 and ix.pod_stats("a")["blocks"] == 1
+    ix.apply_event("a", AllBlocksCleared())
+    assert ix.stats()["keys"] == 0
+
+
+def test_tiers_and_lora_seeds_a_pod_names_are_bounded():
+    # each tier is a map of its own that every match reads, and each LoRA name a remembered seed: a pod
+    # that names new ones without end must not grow either without end
+    from indexer.index import MAX_SEEDS, MAX_TIERS
+    ix = new_index()
+    for i in range(MAX_TIERS + 5):
+        ix.apply_event("a", stored([1000 + i], None, toks(1, 10 * i), medium=f"M{i}"))
+    assert len(ix.stats()["keys_by_tier"]) == MAX_TIERS and ix.stats()["tier_limit"] == 5
+    assert ix.apply_event("a", stored([1], None, toks(1, 900), medium="M0"))   # a known tier still takes blocks
+    for i in range(MAX_SEEDS + 50):
+        assert ix.apply_event("a", stored([5000 + i], None, toks(1, 2000 + i), medium="M0", lora_name=f"adapter-{i}"))
+    assert len(ix._pods["a"].seeds) == MAX_SEEDS
+    t = toks(1, 2000 + MAX_SEEDS + 10)   # past the bound, a seed is computed as before: the keys agree
+    assert ix.match(keys_of(t, lora=f"adapter-{MAX_SEEDS + 10}"))["a"].blocks == 1
+
+
+def test_a_hashs_copies_on_two_tiers_are_counted_apart_and_forgotten_together():
+    ix = new_index(max_blocks_per_pod=32)
+    t = toks(1)
+    for medium in ("GPU", "GPU", "GPU", "CPU", "CPU"):
+        ix.apply_event("a", stored([1], None, t, medium=medium))
+    assert ix.pod_stats("a")["copies"] == 3                          # two more on the GPU, one more on the CPU
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="CPU"))
+    assert ix.pod_stats("a")["copies"] == 2 and ix.match(keys_of(t))["a"].by_tier == {"GPU": 1, "CPU": 1}
+    ix.apply_event("a", BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert ix.pod_stats("a")["copies"] == 1
+    # the cap evicts hash 1 (the oldest), and its copies go with it on every tier
+    ix.apply_event("a", stored(list(range(100, 140)), None, toks(40, 1000)))
+    assert ix.match(keys_of(t))["a"].blocks == 0 and ix.pod_stats("a")["copies"] == 0
+
+
 def test_a_hybrid_models_sliding_window_group_neither_stores_nor_removes_the_full_attention_prefix():
     # a hybrid model (full attention + sliding window) stores and evicts the same hashes per group; the
     # window drops old blocks early, and only the full-attention group decides a prefix hit
