@@ -205,8 +205,10 @@ def _booking(item: Any) -> tuple[str, int, float, str]:
     return pod, ticket, float(tokens), _RES_BACK[res]
 
 
-def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
-    """(kind, origin, seq, body) of a message with its body checked; BadFrame otherwise."""
+def decode(frames: list[bytes], max_snapshot: int | None = None) -> tuple[str, str, int, Any]:
+    """(kind, origin, seq, body) of a message with its body checked; BadFrame otherwise. A snapshot's
+    body is (its first ``max_snapshot`` bookings, how many it listed): the rest could not be held
+    anyway, so they are not checked either (a frame of 800,000, 7.5 MiB, held the loop 1.4 s)."""
     if len(frames) != 2 or frames[0] != TOPIC:
         raise BadFrame("not [topic, payload]")
     try:
@@ -227,7 +229,8 @@ def decode(frames: list[bytes]) -> tuple[str, str, int, Any]:
     if kind == "s":
         if not isinstance(body, list):
             raise BadFrame("snapshot is not a list")
-        return kind, origin, seq, [_booking(b) for b in body]
+        held = body if max_snapshot is None else body[:max_snapshot]
+        return kind, origin, seq, ([_booking(b) for b in held], len(body))
     if kind == "t":
         return kind, origin, seq, _tokens(body)
     if kind == "c":
@@ -631,7 +634,7 @@ class BookingBus:
         if len(frames) == 2 and frames[1][4:4 + len(self._own)] == self._own:
             return  # our own, back through the forwarder: its origin follows version and kind
         try:
-            kind, origin, seq, body = decode(frames)
+            kind, origin, seq, body = decode(frames, self.max_bookings_per_origin)
         except BadFrame as exc:
             self.stats.count("bad", "dropped")
             log.debug("booking bus: dropped a bad frame (%s)", exc)
@@ -684,9 +687,10 @@ class BookingBus:
             for pod, keys in credits:
                 self.on_credits(pod, keys)
         elif kind == "s":
-            added, released = led.replace_origin(origin, body, self.max_bookings_per_origin)
+            bookings, listed = body
+            added, released = led.replace_origin(origin, bookings, self.max_bookings_per_origin)
             self.stats.repaired += added + released
-            over = len(body) - led.foreign_count(origin)
+            over = listed - led.foreign_count(origin)
             if over > 0:
                 self.stats.count("full", "dropped", over)
         elif not self._apply(origin, kind, body):

@@ -161,6 +161,11 @@ class Ledger:
                 led.kv.pop((origin, ticket), None)
         else:
             self._pop_prefill(pod_id, (origin, ticket))
+        led = self._pods.get(pod_id)
+        if led is not None and not led.bookings and not led.kv:
+            # a peer may name any pod (one of its fleet this one lacks, or a forged name on an unkeyed
+            # bus): an empty entry goes, so what the ledger holds is bounded by the bookings held
+            del self._pods[pod_id]
         return True
 
     def replace_origin(self, origin: str, bookings: list[tuple[str, int, float, str]],

@@ -133,6 +133,28 @@ def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
     # ... until a snapshot says it is alive (it was cut off, not dead): exactly what it holds now
     bus.handle(encode("s", "other", 8, [["p0", 6, 3.0, "p"]]))
     assert led.foreign_count("other") == 1 and led.inflight("p0") == 1 and set(bus.peers) == {"big", "other"}
+    # what could not be held is not even read: a snapshot of 4 bookings and then 100,000 of anything
+    # holds the 4 and counts the rest as full (checking them all held the loop 1.4 s at 800,000)
+    full, bad = bus.stats.get("full", "dropped"), bus.stats.get("bad", "dropped")
+    bus.handle(encode("s", "huge", 1, [["p3", i, 1.0, "p"] for i in range(4)] + [0] * 100_000))
+    assert led.foreign_count("huge") == 4 and bus.stats.get("bad", "dropped") == bad
+    assert bus.stats.get("full", "dropped") == full + 100_000
+
+
+def test_a_peers_released_bookings_leave_no_ledger_entry_behind():
+    # a peer may name any pod (its fleet's, or anything on an unkeyed bus): 500,000 book-and-release
+    # pairs for pods this router never had left as many empty entries, which every snapshot then walked
+    led = Ledger()
+    ticket = led.book("p0", 5.0)
+    for i in range(1000):
+        led.apply_foreign("o", "book", f"pod-{i}", i, 10.0)
+        led.apply_foreign("o", "release", f"pod-{i}", i)
+        led.apply_foreign("o", "book", f"dec-{i}", i, 10.0, KV)
+        led.apply_foreign("o", "release", f"dec-{i}", i, resource=KV)
+    led.apply_foreign("o", "book", "p0", 1, 10.0)
+    led.apply_foreign("o", "release", "p0", 1)
+    assert led.totals() == {"p0": (1, 5.0)}   # the local booking's pod keeps its entry
+    assert led.release("p0", ticket) and led.local_bookings() == []
 
 
 def test_tokens_messages_reach_the_cache_only_when_well_formed_and_of_the_same_tokenizer():
