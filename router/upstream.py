@@ -148,7 +148,7 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # the second is no subclass
             self._fail(PodIOError(f"malformed answer from the pod: {exc}"))
             return
         sink = self.sink
@@ -192,6 +192,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101 or not 100 <= status <= 599:
+            # httptools takes any three digits; a status no client can be given (and a switch of
+            # protocols nobody asked for) is a malformed answer, a 502, not a crash in the handler
+            raise httptools.HttpParserError(f"status {status}")
         if 100 <= status < 200:  # an interim answer (we never send Expect): wait for the real one
             self.raw_headers = []
             self._header_bytes = 0

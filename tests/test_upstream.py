@@ -145,6 +145,28 @@ async def test_a_malformed_or_cut_answer_is_a_pod_error(reply):
         await client.close()
 
 
+@pytest.mark.parametrize("reply", [
+    # httptools takes any three digits; no client can be given 600 or 999 (uvicorn's send raised)
+    b"HTTP/1.1 600 X\r\ncontent-length: 0\r\n\r\n",
+    b"HTTP/1.1 999 X\r\ncontent-length: 0\r\n\r\n",
+    # a switch of protocols nobody asked for: httptools raises HttpParserUpgrade, no HttpParserError
+    # subclass, which escaped to the event loop as a fatal transport error
+    b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+])
+async def test_a_status_no_client_can_be_given_is_a_malformed_answer(reply):
+    async def handler(reader, writer, n):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with Server(handler) as server:
+        client = UpstreamClient()
+        with pytest.raises(PodIOError, match="malformed answer"):
+            await post(client, server.url)
+        await client.close()
+
+
 async def test_silence_past_the_read_timeout_and_a_refused_connect_are_pod_errors():
     async def handler(reader, writer, n):
         await reader.readuntil(b"\r\n\r\n")
