@@ -103,7 +103,7 @@ class Lifecycle:
             if opened is None:  # the client left while the pod was still queueing or prefilling
                 self._end(router, booking, Outcome(cand.pod_id, "499", disconnect=True))
                 return Response(b"", status_code=499)
-            return await self._respond(router, opened, booking, body, rid)
+            return await self._respond(router, opened, booking, body, rid, request)
         assert failure is not None
         pod_id, exc = failure
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
@@ -137,7 +137,7 @@ class Lifecycle:
                               f"the {objective * 1000:.0f} ms objective", headers=retry)
 
     async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
-                       rid: str) -> Response:
+                       rid: str, request: Request) -> Response:
         resp = opened.resp
         headers = response_headers(resp) + _ours(booking.pod_id, rid)
         router.observe_answer(booking, resp.headers)
@@ -155,7 +155,9 @@ class Lifecycle:
         handle = asyncio.get_running_loop().call_later(max(booking.predicted_ttft_s, 0.0) * 1.5 + 0.05,
                                                        router.finish, booking)
         try:
-            payload = await resp.read()
+            # watched as the open is: a pod that sends its head and then trickles (or stalls) the body
+            # must not keep the pod's request alive once the client has gone
+            payload = await unless_disconnected(request.scope, request.receive, resp.read())
         except PodIOError as exc:
             resp.close()
             self._end(router, booking, Outcome(pod_id, "502"))
@@ -167,6 +169,10 @@ class Lifecycle:
             raise
         finally:
             handle.cancel()
+        if payload is None:  # the client left mid-answer: closing the connection tells the pod
+            resp.close()
+            self._end(router, booking, Outcome(pod_id, "499", disconnect=True))
+            return Response(b"", status_code=499)
         resp.release()
         # a one-token answer's duration is its time to first token: learn from it
         router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)

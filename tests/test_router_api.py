@@ -45,6 +45,7 @@ class Pod:
     first_delay: float = 0.0      # seconds before the answer starts (a queue), watching for the client leaving
     chunk_bytes: int = 0          # pad each SSE chunk's text to about this many bytes
     stall_s: float = 0.0          # seconds of silence after the first SSE chunk
+    trickle: bool = False         # non-streaming: send the head and half the body, then wait for the client to leave
     written: int = 0              # SSE chunks written so far
     waiting: int = 0
     seen: list[dict] = field(default_factory=list)
@@ -99,6 +100,18 @@ class Pod:
             self.fail_times -= 1
             return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
                                      status=self.fail_status)
+        if self.trickle and not body.get("stream"):
+            payload = orjson.dumps({"id": "cmpl-1", "object": "text_completion", "choices": []})
+            resp = web.StreamResponse(headers={"content-type": "application/json"})
+            resp.content_length = len(payload)
+            await resp.prepare(request)
+            await resp.write(payload[: len(payload) // 2])
+            for _ in range(500):   # 10 s at most
+                if request.transport is None or request.transport.is_closing():
+                    self.cancelled += 1
+                    break
+                await asyncio.sleep(0.02)
+            return resp
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
                                       "choices": [{"index": 0, "text": f"hi from {self.name}",
@@ -437,6 +450,24 @@ async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream
             with pytest.raises(asyncio.TimeoutError):
                 await s.post(base + "/v1/completions", json=completion(stream=True),
                              timeout=aiohttp.ClientTimeout(total=0.3))
+        deadline = time.monotonic() + 3
+        while pods[0].cancelled == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert pods[0].cancelled == 1
+        assert services.router.ledger.inflight("pod-0") == 0
+        assert services.metrics.client_disconnects._value.get() == 1
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
+async def test_client_leaving_mid_body_of_a_whole_answer_closes_the_upstream_request(http):
+    # the pod sends its head and half its body, then stalls: the read of the rest was not watched, so
+    # the router held the pod's request open until the pod finished (or for ever)
+    async with pods_running(1, trickle=True) as pods, running_router(settings_for(pods), http) as (base, services):
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                resp = await s.post(base + "/v1/completions", json=completion(),
+                                    timeout=aiohttp.ClientTimeout(total=0.5))
+                await resp.read()
         deadline = time.monotonic() + 3
         while pods[0].cancelled == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
