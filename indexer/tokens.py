@@ -229,7 +229,8 @@ def _content_format(ast: nodes.Template) -> str:
 # vLLM's request normalisation (renderers/chat_utils.py parse_chat_messages, the pydantic models)
 # ---------------------------------------------------------------------------------------------
 
-_TEXT_PART_FIELD = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+# a text-like content part's type -> the field holding its text (router/costs.py estimates from the same)
+TEXT_PART_FIELD = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
                     "thinking": "thinking"}
 # keys of vLLM's content-part types; a text part's other keys reach "openai"-format templates
 _KNOWN_PART_KEYS = frozenset({"audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil",
@@ -274,12 +275,12 @@ def _parse_part(part: Any, openai: bool, where: str) -> Any:
     if not isinstance(part, dict):
         raise ChatTemplateError(f"{where} must be a string or an object")
     kind = part.get("type")
-    if kind in _TEXT_PART_FIELD and "uuid" not in part:
-        text = part.get(_TEXT_PART_FIELD[kind])
+    if kind in TEXT_PART_FIELD and "uuid" not in part:
+        text = part.get(TEXT_PART_FIELD[kind])
         if text is None and kind in ("text", "refusal"):
             return None  # vLLM skips a text part without text
         if not isinstance(text, str):
-            raise ChatTemplateError(f"{where}.{_TEXT_PART_FIELD[kind]} must be a string")
+            raise ChatTemplateError(f"{where}.{TEXT_PART_FIELD[kind]} must be a string")
         if not openai:
             return text
         return {"type": "text", "text": text, **{k: v for k, v in part.items() if k not in _KNOWN_PART_KEYS}}

@@ -4,8 +4,8 @@ to the caller's bucket before any tokenizer runs) and the size of every prompt o
 A completion may carry a batch of prompts (``"prompt": ["a", "<3M characters>"]``, or several
 token-id lists); vLLM serves each as its own request, so all of them count for limits and for the
 predicted prefill work, not only the first (which alone routes the request: its prefix is looked up).
-Everything here is linear in the number of prompts or messages, never in their characters (``len``
-of a str or a list is constant time).
+Everything here is linear in the number of prompts, messages and JSON values, never in their
+characters (``len`` of a str or a list is constant time).
 """
 
 from __future__ import annotations
@@ -13,25 +13,44 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from indexer.tokens import TEXT_PART_FIELD
+
 
 def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and (not v or isinstance(v[0], int))
 
 
 def _text_chars(value: Any) -> int:
-    """Characters of text in a chat message's content (a string, or a list of parts with text)."""
+    """Characters of text in a chat message's content: a string, or a list of parts whose text the
+    chat template renders (``text``, ``refusal``, ``thinking``, ...: the tokenizer's own table, so a
+    part type it renders cannot slip past the estimate)."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, list):
         total = 0
         for part in value:
             if isinstance(part, dict):
-                text = part.get("text")
+                kind = part.get("type")
+                text = part.get(TEXT_PART_FIELD.get(kind, "text") if isinstance(kind, str) else "text")
                 if isinstance(text, str):
                     total += len(text)
             elif isinstance(part, str):
                 total += len(part)
         return total
+    return 0
+
+
+def _nested_chars(value: Any, depth: int = 6) -> int:
+    """Characters of every string in ``value`` (tool calls, tool definitions: the template renders
+    them as JSON), ``depth`` levels down; linear in the values, not their characters."""
+    if isinstance(value, str):
+        return len(value)
+    if depth <= 0:
+        return 0
+    if isinstance(value, dict):
+        return sum(len(k) + _nested_chars(v, depth - 1) for k, v in value.items() if isinstance(k, str))
+    if isinstance(value, list):
+        return sum(_nested_chars(v, depth - 1) for v in value)
     return 0
 
 
@@ -46,6 +65,13 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: flo
             for m in messages:
                 if isinstance(m, dict):
                     chars += _text_chars(m.get("content"))
+                    for field in ("reasoning", "reasoning_content"):
+                        if isinstance(m.get(field), str):
+                            chars += len(m[field])
+                    if "tool_calls" in m:
+                        chars += _nested_chars(m["tool_calls"])
+        if "tools" in body:
+            chars += _nested_chars(body["tools"])
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):

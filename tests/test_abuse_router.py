@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from router.costs import estimate_prompt_tokens
 from simulator.testing import running_sims
 from tests.helpers import free_port, kvroute_process
 from tests.rawhttp import error, exchange, post, read_response, status
@@ -127,6 +128,24 @@ def _routing_count(port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth(ADMIN)).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("kvroute_routing_seconds_count"))
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": [{"type": "text", "text": "x" * 40_000}]},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "x" * 40_000}]},   # counted 0 before
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "x" * 40_000}]},  # counted 0 before
+    {"role": "assistant", "content": "", "reasoning_content": "x" * 40_000},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "x" * 40_000}}]},
+], ids=["text", "refusal", "thinking", "reasoning", "tool_calls"])
+def test_every_text_the_chat_template_renders_counts_in_the_estimate(message):
+    # the estimate is charged before tokenizing; text it did not count reached the tokenizer and the pod
+    # whatever the caller's bucket held
+    body = {"model": "m", "messages": [message]}
+    assert estimate_prompt_tokens("chat", body, 4.0) >= 10_000
+    tools = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+             "tools": [{"type": "function", "function": {"name": "f", "description": "x" * 40_000}}]}
+    assert estimate_prompt_tokens("chat", tools, 4.0) >= 10_000
 
 
 def test_prompt_tokens_are_charged_before_the_tokenizer_runs(pod, tmp_path):
