@@ -116,7 +116,17 @@ def _configure(bounds: dict[str, Any]) -> None:
     GuardedHttpToolsProtocol.max_header_bytes = bounds["max_header_bytes"]
 
 
+class _UnparsedRequests(logging.Filter):
+    """Drops uvicorn's per-request warning for a request it cannot parse: the guarded listener counts
+    and logs those itself, throttled (``GuardedHttpToolsProtocol.send_400_response``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Invalid HTTP request received."
+
+
 if HttpToolsProtocol is not None:
+    logging.getLogger("uvicorn.error").addFilter(_UnparsedRequests())
+
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         header_timeout_s: float = 10.0
         body_timeout_s: float | None = 32.0
@@ -181,6 +191,15 @@ if HttpToolsProtocol is not None:
                 watch = cycle.scope.get("extensions", {}).get(WATCH_EXTENSION, {}).get("watch")
                 if isinstance(watch, ClientWatch):
                     watch.lost()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request httptools cannot parse (a NUL or control byte in a header,
+            two Content-Lengths, a bad chunk size): the OpenAI error JSON rather than plain text,
+            counted as ``bad_framing`` and logged at most once per 10 s (``_UnparsedRequests`` drops
+            uvicorn's own line, which a client could repeat as fast as it sends)."""
+            _closed("bad_framing", "the request could not be parsed")
+            self.transport.write(_raw_error(400, "Invalid HTTP request received."))
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:

@@ -274,6 +274,14 @@ def test_oversized_headers_and_http10_chunked_bodies_are_refused(pod, tmp_path):
         assert status(resp) == 400 and "HTTP/1.0" in error(resp)["message"]
         assert _closed_count(port, "header_too_large", key=None) == 1
         assert _closed_count(port, "bad_framing", key=None) == 1
+        # what httptools cannot parse at all gets the same JSON error (it was uvicorn's plain text,
+        # with a warning logged for every such request)
+        for head in (b"X-Foo: a\x00b\r\nContent-Length: 2\r\n", b"Content-Length: 2\r\nContent-Length: 3\r\n",
+                     b"Content-Length: -1\r\n", b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n"):
+            resp = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+            assert status(resp) == 400 and b"application/json" in resp.split(b"\r\n\r\n")[0], resp
+            assert "Invalid HTTP request" in error(resp)["message"]
+        assert _closed_count(port, "bad_framing", key=None) == 5
         # a 60 KB request id is replaced, not passed on (and never a 502)
         resp = exchange(port, post("/v1/completions", completion(),
                                    {"Content-Type": "application/json", "X-Request-Id": "r" * 60_000}))
