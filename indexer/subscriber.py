@@ -162,7 +162,7 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
             if got:
                 first_seq, first_batch = got[0]
                 if first_seq == st.applied and first_batch.ts == st.last_ts:
-                    _apply_replayed(st, got, st.applied + 1, seq, apply)
+                    await _apply_replayed(st, got, st.applied + 1, seq, apply)
                 else:
                     # our last batch is not in the pod's buffer as we saw it: either a new engine's
                     # stream overtook our old position, or the buffer no longer reaches back to it
@@ -178,7 +178,7 @@ async def handle_live(st: StreamState, seq: int, batch: EventBatch, apply: Apply
                     st.applied = st.last_ts = None
                     if first_seq > 0:
                         got = await _replay(st, 0, replay) or got
-                    _apply_replayed(st, got, 0, seq, apply)
+                    await _apply_replayed(st, got, 0, seq, apply)
                     # what the buffer no longer holds of the new state is lost to us
                     st.lost_batches += min(got[0][0], seq)
             expected = 0 if st.applied is None else st.applied + 1
@@ -194,7 +194,7 @@ async def catch_up_on_connect(st: StreamState, apply: ApplyFn, replay: ReplayFn)
     if not got or st.applied is not None or st.last_live is not None:
         return
     st.lost_batches += got[0][0]  # the buffer no longer reaches back to the start
-    _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+    await _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
     if st.applied is not None:
         st.caught_up_ts = {s: b.ts for s, b in got}
 
@@ -213,7 +213,7 @@ async def verify_after_reconnect(st: StreamState, apply: ApplyFn, clear: ClearFn
     if got is None:
         return  # nothing reliable; the next live batch is still checked (st.suspect)
     if got and got[0][0] == st.applied and got[0][1].ts == st.last_ts:
-        _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
+        await _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
         st.suspect = False
         return
     st.restarts += 1
@@ -226,7 +226,7 @@ async def verify_after_reconnect(st: StreamState, apply: ApplyFn, clear: ClearFn
         got = await _replay(st, 0, replay) or got
     if got:
         st.lost_batches += got[0][0]
-        _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+        await _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
         # live batches this replay already covered are duplicates if their timestamps match
         st.caught_up_ts = {s: b.ts for s, b in got}
     st.suspect = False
@@ -241,9 +241,9 @@ async def settle_after_reconnect(st: StreamState, apply: ApplyFn, replay: Replay
     if not got:
         return
     if st.applied is None:
-        _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
+        await _apply_replayed(st, got, 0, max(s for s, _ in got) + 1, apply)
     elif got[0][0] == st.applied and got[0][1].ts == st.last_ts:
-        _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
+        await _apply_replayed(st, got, st.applied + 1, max(s for s, _ in got) + 1, apply)
     else:
         return
     st.caught_up_ts = {**(st.caught_up_ts or {}), **{s: b.ts for s, b in got}}
@@ -254,7 +254,7 @@ async def _catch_up(st: StreamState, start: int, seq: int, apply: ApplyFn, repla
     if got:
         if got[0][0] > start:  # the buffer no longer reaches back to the start
             st.lost_batches += min(got[0][0], seq) - start
-        _apply_replayed(st, got, start, seq, apply)
+        await _apply_replayed(st, got, start, seq, apply)
 
 
 async def _replay(st: StreamState, start: int, replay: ReplayFn) -> list[tuple[int, EventBatch]] | None:
@@ -269,11 +269,16 @@ async def _replay(st: StreamState, start: int, replay: ReplayFn) -> list[tuple[i
     return got
 
 
-def _apply_replayed(st: StreamState, got: list[tuple[int, EventBatch]], start: int, stop: int, apply: ApplyFn) -> None:
+async def _apply_replayed(st: StreamState, got: list[tuple[int, EventBatch]], start: int, stop: int,
+                          apply: ApplyFn) -> None:
+    """The replayed batches in ``[start, stop)`` not applied yet, in order, one event-loop turn each: a
+    replay may hold up to ``max_replay_batches`` of them, which applied in one go would hold the loop
+    (and every request) for seconds."""
     for s, b in got:
         if start <= s < stop and (st.applied is None or s > st.applied):
             st.replayed_batches += 1
             _apply(st, s, b, apply)
+            await asyncio.sleep(0)
 
 
 def _apply(st: StreamState, seq: int, batch: EventBatch, apply: ApplyFn) -> None:

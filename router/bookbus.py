@@ -116,7 +116,8 @@ VERSION = 1
 _RES = {PREFILL: "p", KV: "k"}
 _RES_BACK = {"p": PREFILL, "k": KV}
 MAX_FORGOTTEN = 1024
-RECV_BATCH = 256  # messages handled per event-loop turn before yielding
+RECV_BATCH = 256  # messages handled per event-loop turn before yielding ...
+RECV_BYTES = 256 * 1024  # ... or bytes of them: 256 full "m" messages (4,096 changes each) took 6.65 s
 MAX_OPS = 4096   # books and releases in one "m" message (more wait for the next one)
 TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less than a full "m" message)
 MAX_PENDING_TOKENS = 32 * TOKENS_PER_MESSAGE  # token ids queued for the next flush (1 MiB)
@@ -788,11 +789,15 @@ class BookingBus:
     def _readable(self) -> None:
         """Drain the SUB socket. Its descriptor signals edges, not levels: it fires again only once
         the socket has been read dry, so this reads until ``zmq.Again``; after ``RECV_BATCH``
-        messages it yields to the event loop and goes on in a later turn."""
+        messages, or once it has taken ``RECV_BYTES``, it yields to the event loop and goes on in a
+        later turn (what a message costs to apply grows with its size, not its count)."""
         sub = self._sub
         if sub is None:
             return
+        taken = 0
         for _ in range(RECV_BATCH):
+            if taken >= RECV_BYTES:
+                break
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -802,6 +807,7 @@ class BookingBus:
                 if self._loop is not None:
                     self._loop.call_later(0.1, self._readable)
                 return
+            taken += sum(map(len, frames))
             self.handle(frames)
         if self._loop is not None:
             self._loop.call_soon(self._readable)

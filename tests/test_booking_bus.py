@@ -141,6 +141,39 @@ def test_handle_applies_messages_skips_duplicates_counts_gaps_and_bad_frames():
     assert bus.stats.get("full", "dropped") == full + 100_000
 
 
+def test_a_receive_pass_yields_after_so_many_bytes_not_only_so_many_messages():
+    # what a message costs to apply grows with its size: 256 full "m" messages in one turn took 6.65 s
+    from router.bookbus import MAX_OPS, RECV_BATCH, RECV_BYTES
+
+    class Sub:
+        def __init__(self, frames):
+            self.frames = list(frames)
+
+        def recv_multipart(self, flags):
+            if not self.frames:
+                raise zmq.Again()
+            return self.frames.pop(0)
+
+    class Loop:
+        later = 0
+
+        def call_soon(self, fn):
+            self.later += 1
+
+    big = [encode("m", "other", i + 1, [["b", ["p0", i * MAX_OPS + j, 1.0, "p"]] for j in range(MAX_OPS)])
+           for i in range(10)]
+    size = sum(map(len, big[0]))
+    bus = BookingBus(Ledger(), origin="me", max_bookings_per_origin=10**6)
+    bus._sub, bus._loop = Sub(big), Loop()
+    bus._readable()
+    taken = -(-RECV_BYTES // size)   # the pass stops once it has taken RECV_BYTES
+    assert taken < 10 and len(bus._sub.frames) == 10 - taken and bus._loop.later == 1
+    small = [encode("b", "other", 100 + i, ["p1", i, 1.0, "p"]) for i in range(RECV_BATCH + 5)]
+    bus._sub, bus._loop = Sub(small), Loop()
+    bus._readable()
+    assert len(bus._sub.frames) == 5 and bus._loop.later == 1   # small ones: RECV_BATCH a pass, as before
+
+
 def test_a_peers_released_bookings_leave_no_ledger_entry_behind():
     # a peer may name any pod (its fleet's, or anything on an unkeyed bus): 500,000 book-and-release
     # pairs for pods this router never had left as many empty entries, which every snapshot then walked

@@ -149,3 +149,32 @@ async def _run(ops, buffer_steps, has_replay):
         # after a visible restart, and the final store is always there
         assert (0, 0) in got
     assert stream.applied == seq
+
+
+def test_a_replay_is_applied_one_batch_a_loop_turn():
+    # a replay may hold up to max_replay_batches batches; applied in one go they held the event loop
+    # (and every request) for seconds
+    from indexer.subscriber import _apply_replayed
+
+    async def run() -> tuple[list[int], int]:
+        stream = StreamState("p", "tcp://x")
+        order: list[int] = []
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        got = [(s, EventBatch(ts=float(s), events=[])) for s in range(50)]
+        start = turns
+        await _apply_replayed(stream, got, 10, 40, lambda s, b: order.append(s))
+        tick.cancel()
+        return order, turns - start
+
+    order, turns = asyncio.run(run())
+    assert order == list(range(10, 40))
+    assert turns >= 29   # the other task ran between the batches
