@@ -31,7 +31,9 @@ class SidecarSettings(BaseSettings):
     prefill_timeout: float = Field(60.0, gt=0, description="Seconds the whole prefill leg may take")
     decode_timeout: float = Field(600.0, gt=0, description=(
         "Longest wait in seconds for the decoder's next bytes (response headers or the next chunk)"))
-    connect_timeout: float = Field(5.0, gt=0, description="Seconds to open a connection to either leg")
+    connect_timeout: float = Field(5.0, gt=0, description=(
+        "Seconds to get a connection for either leg: to open one, and to wait for a free one while "
+        "--max-connections are in use"))
     fallback_on_prefill_error: bool = Field(True, description=(
         "On a prefill connection error, timeout or 5xx, prefill locally on the decode pod instead of failing"))
     prefill_scheme: Literal["http", "https"] = Field("http", description=(
@@ -62,6 +64,9 @@ class SidecarSettings(BaseSettings):
     strip_client_kv_transfer_params: bool = Field(True, description=(
         "Drop kv_transfer_params sent by the client (they could point the decoder at any host)"))
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted, in bytes")
+    max_prefill_answer_bytes: int = Field(8 * 1024 * 1024, gt=0, description=(
+        "Largest prefill answer read, in bytes; a larger one is an unusable answer (a local prefill "
+        "with --fallback-on-prefill-error)"))
     body_timeout_s: float = Field(30.0, gt=0, description=(
         "A request body must arrive within this many seconds (408 after; bounds slow clients)"))
     header_timeout_s: float = Field(10.0, gt=0, description=(

@@ -34,6 +34,10 @@ class SidecarMetrics:
         self.no_params = Counter("kvroute_sidecar_prefill_without_kv_transfer_params",
                                  "Prefill legs that returned no kv_transfer_params (the one token ended the "
                                  "request), decoded without a transfer", registry=r)
+        self.prefill_skipped = Counter("kvroute_sidecar_prefill_skipped",
+                                       "Two-leg requests sent straight to the local decoder because one "
+                                       "prefill's kv_transfer_params cannot serve them (several prompts "
+                                       "or choices)", ["reason"], registry=r)
         self.ssrf_rejections = Counter("kvroute_sidecar_ssrf_rejections",
                                        "Prefill targets refused", ["reason"], registry=r)
         self.client_params_stripped = Counter("kvroute_sidecar_client_kv_transfer_params_stripped",

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 
 from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
@@ -33,11 +32,14 @@ from sidecar.legs import (
     forward_headers,
     has_prefill_header,
     is_generation_path,
+    one_prefill_cannot_serve,
+    parse_body,
     pick_prefill_target,
     prefill_body,
     request_id,
     response_headers,
     without_key,
+    write_body,
 )
 from sidecar.metrics import SidecarMetrics
 from sidecar.targets import Target, TargetError, parse_target
@@ -49,13 +51,16 @@ _JSON = b"application/json"
 
 @dataclass(slots=True)
 class PrefillResult:
-    """How the prefill leg ended. ``kind``: ok, client_error, server_error, connect_error, timeout, bad_response."""
+    """How the prefill leg ended. ``kind``: ok, client_error, server_error, connect_error, timeout, bad_response.
+
+    ``decode`` is the decode leg's body with ``params`` in it, written (kind ok, params answered)."""
 
     kind: str
     status: int = 0
     body: bytes = b""
     content_type: bytes = _JSON
     params: dict[str, Any] | None = None
+    decode: bytes = b""
     detail: str = ""
     seconds: float = 0.0
 
@@ -85,6 +90,21 @@ def prefill_ssl_context(settings: SidecarSettings) -> ssl.SSLContext | bool:
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"cannot load --prefill-ca-file {settings.prefill_ca_file}: {exc}") from exc
     return True
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """``resp``'s body, or None when it is larger than ``limit`` bytes: by its Content-Length, before
+    reading anything, or counted chunk by chunk as it arrives (nothing past the limit is kept)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _outcome(status: int) -> str:
@@ -229,10 +249,10 @@ class SidecarApp:
         self.metrics.requests.labels("pd").inc()
         rid = request_id(headers)
         rid_header = [(b"x-request-id", rid.encode("latin-1"))]
-        try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            await _send_error(send, 400, f"request body is not valid JSON: {exc}", "BadRequestError", rid_header)
+        try:  # read as the engine reads it (legs.parse_body); written back by legs.write_body
+            request, exact = parse_body(body)
+        except BadBody as exc:
+            await _send_error(send, 400, str(exc), "BadRequestError", rid_header)
             return
         if not isinstance(request, dict):
             await _send_error(send, 400, "request body must be a JSON object", "BadRequestError", rid_header)
@@ -257,12 +277,28 @@ class SidecarApp:
                               "SSRF allowlist", "PermissionDeniedError", rid_header)
             return
 
-        result = await self._prefill_leg(scope, target, connect_host, request, rid)
-        params: dict[str, Any] | None = None
+        reason = one_prefill_cannot_serve(request, scope["path"])
+        if reason is not None:  # no prefill leg: the decoder prefills, as when a prefill answers no params
+            self.metrics.prefill_skipped.labels(reason).inc()
+            try:
+                local = write_body(decode_body(request, None), exact)
+            except BadBody as exc:
+                await _send_error(send, 400, str(exc), "BadRequestError", rid_header)
+                return
+            # no x-kvroute-prefill-ms: no prefill leg ran, so the router has no duration to calibrate on
+            await self._decode_leg(scope, local, send, leg="decode", rid=rid,
+                                   extra_headers=[(b"x-kvroute-prefill", b"local")], rank=rank)
+            return
+        try:
+            sent = write_body(prefill_body(request, scope["path"]), exact)
+        except BadBody as exc:
+            await _send_error(send, 400, str(exc), "BadRequestError", rid_header)
+            return
+
+        result = await self._prefill_leg(scope, target, connect_host, sent, request, exact, rid)
         how = "remote"
         if result.kind == "ok":
-            params = result.params
-            if not params:
+            if not result.params:
                 how = "local"
                 self.metrics.no_params.inc()
         elif result.kind == "client_error":
@@ -284,10 +320,16 @@ class SidecarApp:
             await _send_error(send, 502, f"prefill at {target.host_port} failed: {result.detail}",
                               "BadGateway", rid_header)
             return
+        out = result.decode
+        if how != "remote":
+            try:  # no deeper than the prefill body, which was written: not expected to fail
+                out = write_body(decode_body(request, None), exact)
+            except BadBody as exc:
+                await _send_error(send, 400, str(exc), "BadRequestError", rid_header)
+                return
         told = [(b"x-kvroute-prefill", how.encode()),
                 (b"x-kvroute-prefill-ms", f"{result.seconds * 1000:.1f}".encode())]
-        await self._decode_leg(scope, orjson.dumps(decode_body(request, params)), send, leg="decode", rid=rid,
-                               extra_headers=told, rank=rank)
+        await self._decode_leg(scope, out, send, leg="decode", rid=rid, extra_headers=told, rank=rank)
 
     def _engine_body(self, scope, body: bytes) -> bytes:
         """The body to send the decoder for a request that goes to it directly, on any path.
@@ -333,8 +375,10 @@ class SidecarApp:
             return None
         return str(addresses[0])
 
-    async def _prefill_leg(self, scope, target: Target, connect_host: str, request: dict[str, Any],
-                           rid: str) -> PrefillResult:
+    async def _prefill_leg(self, scope, target: Target, connect_host: str, sent: bytes, request: dict[str, Any],
+                           exact: bool, rid: str) -> PrefillResult:
+        """POST ``sent`` (the written prefill body) to ``target`` at ``connect_host``; ``request`` and
+        ``exact`` (``legs.parse_body``'s) make the decode body when the answer carries params."""
         assert self.session is not None
         scheme = target.scheme or self.settings.prefill_scheme
         shown = f"[{connect_host}]" if ":" in connect_host else connect_host
@@ -350,17 +394,30 @@ class SidecarApp:
             extra["ssl"] = self.prefill_ssl
             if target.ip is None:  # connecting to the checked address: verify the certificate against the name
                 extra["server_hostname"] = target.host
-        timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, sock_connect=self.settings.connect_timeout)
+        # connect: opening a connection or waiting for a free one in the pool (--max-connections), as on
+        # the decode leg; total bounds the whole leg, both of those included
+        timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, connect=self.settings.connect_timeout,
+                                        sock_connect=self.settings.connect_timeout)
+        limit = self.settings.max_prefill_answer_bytes
         started = time.perf_counter()
         result = PrefillResult("bad_response")
         try:
-            async with self.session.post(url, data=orjson.dumps(prefill_body(request, scope["path"])),
-                                         headers=headers, timeout=timeout, allow_redirects=False, **extra) as resp:
-                data = await resp.read()
-                result = self._classify_prefill(resp.status, data, resp.headers.get("Content-Type"))
+            async with self.session.post(url, data=sent, headers=headers, timeout=timeout, allow_redirects=False,
+                                         **extra) as resp:
+                data = await _read_at_most(resp, limit)
+                if data is None:
+                    resp.close()  # the connection goes, and the rest of the answer with it
+                    result = PrefillResult("bad_response", resp.status, detail=f"prefill answer larger than "
+                                           f"{limit} bytes")
+                else:
+                    result = self._classify_prefill(resp.status, data, resp.headers.get("Content-Type"),
+                                                    request, exact)
         except asyncio.CancelledError:
             self.metrics.legs.labels("prefill", "cancelled").inc()
             raise
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: no connection, not a slow answer
+            result = PrefillResult("connect_error", detail=f"no connection within the connect timeout "
+                                   f"({self.settings.connect_timeout}s)")
         except TimeoutError:
             result = PrefillResult("timeout", detail=f"no answer within {self.settings.prefill_timeout}s")
         except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
@@ -374,8 +431,13 @@ class SidecarApp:
         return result
 
     @staticmethod
-    def _classify_prefill(status: int, data: bytes, content_type: str | None) -> PrefillResult:
-        ctype = (content_type or "application/json").encode("latin-1")
+    def _classify_prefill(status: int, data: bytes, content_type: str | None, request: dict[str, Any],
+                          exact: bool) -> PrefillResult:
+        """What the prefill's answer means; when it carries params, the decode body (``request``, read
+        by ``legs.parse_body`` with ``exact``, plus the params) is written here: params that cannot be
+        written make the answer unusable."""
+        # relayed with a 4xx/5xx; a character outside latin-1 (aiohttp decodes headers as UTF-8) becomes "?"
+        ctype = (content_type or "application/json").encode("latin-1", "replace")
         if 400 <= status < 500:
             return PrefillResult("client_error", status, data, ctype)
         if status >= 500:
@@ -383,13 +445,19 @@ class SidecarApp:
         if status != 200:
             return PrefillResult("bad_response", status, detail=f"unexpected status {status}")
         try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
+            parsed, answer_exact = parse_body(data)
+        except BadBody:
             return PrefillResult("bad_response", status, detail="response is not JSON")
         params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
         if params is not None and not isinstance(params, dict):
             return PrefillResult("bad_response", status, detail="kv_transfer_params is not an object")
-        return PrefillResult("ok", status, params=params)
+        if not params:
+            return PrefillResult("ok", status, params=params)
+        try:
+            decode = write_body(decode_body(request, params), exact or answer_exact, "kv_transfer_params")
+        except BadBody as exc:
+            return PrefillResult("bad_response", status, detail=str(exc))
+        return PrefillResult("ok", status, params=params, decode=decode)
 
     # ---- the decoder: decode leg and pass-through ------------------------------------------
     async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None,
@@ -412,7 +480,9 @@ class SidecarApp:
             headers.append(("X-Request-Id", rid))
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
             headers.append(("Accept-Encoding", "identity"))
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout,
+        # connect: opening a connection or waiting for a free one in the pool (--max-connections)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout,
+                                        sock_connect=self.settings.connect_timeout,
                                         sock_read=self.settings.decode_timeout)
         started = time.perf_counter()
         try:
@@ -425,6 +495,13 @@ class SidecarApp:
             self.metrics.legs.labels(leg, "connect_error").inc()
             log.warning("decoder at %s unreachable: %r", base, exc)
             await _send_error(send, 503, "The decode node is not ready to accept requests", "ServiceUnavailable")
+            return
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too, so before it: no connection, not silence
+            self.metrics.legs.labels(leg, "connect_error").inc()
+            log.warning("no connection to the decoder at %s within %ss", base, self.settings.connect_timeout)
+            await _send_error(send, 503, f"no connection to the decode node within the connect timeout "
+                              f"({self.settings.connect_timeout}s, waiting for a free pooled connection "
+                              "included)", "ServiceUnavailable")
             return
         except TimeoutError:
             self.metrics.legs.labels(leg, "timeout").inc()

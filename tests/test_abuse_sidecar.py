@@ -35,9 +35,17 @@ def sidecar(decoder):
         yield port, proc
 
 
+@pytest.fixture(scope="module")
+def prefill():
+    pod = FakePod("p").start()
+    yield pod
+    pod.stop()
+
+
 @pytest.fixture(autouse=True)
-def _clean(decoder):
+def _clean(decoder, prefill):
     decoder.reset()
+    prefill.reset()
     yield
 
 
@@ -193,3 +201,43 @@ def test_idle_slow_and_http10_chunked_clients_are_bounded(decoder):
         huge = exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 100_000 + b"\r\n\r\n")
         assert status(huge) == 431
     assert decoder.received == []
+
+
+def _canonical(value) -> str:
+    """``value`` written so that equal JSON values compare equal (NaN included)."""
+    return json.dumps(value, sort_keys=True)
+
+
+@pytest.mark.parametrize("raw", [
+    pytest.param(b'{"model": "fake-model", "prompt": "p", "x": ' + b"[" * 300 + b"]" * 300 + b"}", id="300-deep"),
+    pytest.param(b'{"model": "fake-model", "prompt": "p", "temperature": NaN, "top_p": Infinity}', id="nan"),
+    pytest.param(b'{"model": "fake-model", "prompt": "\\ud800"}', id="lone-surrogate"),
+    pytest.param(b'\xef\xbb\xbf{"model": "fake-model", "prompt": "p"}', id="bom"),
+    pytest.param(b'{"model": "fake-model", "prompt": "p", "seed": 18446744073709551617}', id="int-beyond-64-bits"),
+    pytest.param(b'{"model": "fake-model", "prompt": "p", "seed": -9223372036854775809}', id="19-digit-int-below-i64"),
+])
+def test_a_two_leg_body_reaches_both_legs_as_the_engine_reads_it(sidecar, prefill, decoder, raw):
+    port, _ = sidecar
+    resp = exchange(port, post("/v1/completions", raw, {"Content-Type": "application/json",
+                                                        "x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}))
+    assert status(resp) == 200, resp[:300]
+    assert b"\r\nx-kvroute-prefill: remote\r\n" in resp
+    want = json.loads(raw)
+    p_got, d_got = json.loads(prefill.received[-1]["raw"]), engine_view(decoder)
+    assert p_got["max_tokens"] == 1 and p_got["kv_transfer_params"]["do_remote_decode"] is True
+    assert _canonical({k: p_got[k] for k in want}) == _canonical(want)
+    assert d_got.pop("kv_transfer_params")["remote_engine_id"] == "engine-p"
+    assert _canonical(d_got) == _canonical(want)
+
+
+def test_a_two_leg_body_that_cannot_be_read_or_written_is_a_400(sidecar, prefill, decoder):
+    port, _ = sidecar
+    headers = {"Content-Type": "application/json", "x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}
+    deep = b'{"model": "fake-model", "x": ' + b"[" * 1010 + b"]" * 1010 + b"}"  # orjson reads it; no writer can
+    unreadable = "request body is not valid JSON"
+    for raw, says in ((deep, "request body cannot be written as JSON"), (b"[" * 100_000, unreadable),
+                      (b'{"model": "fake-model", "prompt": NaN', unreadable)):
+        resp = exchange(port, post("/v1/completions", raw, headers))
+        assert status(resp) == 400, resp[:300]
+        assert error(resp)["message"].startswith(says) and error(resp)["type"] == "BadRequestError"
+    assert prefill.received == [] and decoder.received == []

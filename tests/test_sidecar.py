@@ -112,6 +112,8 @@ class FakePod:
                                 body=json.dumps({"error": {"message": f"{self.name} says no", "type": "X",
                                                            "param": None, "code": b["status"]}}))
         params = (body or {}).get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and "answer" in b:
+            return await self._answer(request, b)
         if params.get("do_remote_decode") and b.get("garbage"):
             return web.Response(status=200, content_type="application/json", body=b"<html>oops</html>")
         if params.get("do_remote_decode"):
@@ -153,6 +155,26 @@ class FakePod:
         return web.json_response({"id": "cmpl-d", "object": "text_completion", "model": "fake-model",
                                   "kv_transfer_params": None,
                                   "choices": [{"index": 0, "text": "decoded", "finish_reason": "stop"}]})
+
+
+    async def _answer(self, request: web.Request, b: dict) -> web.StreamResponse:
+        """The prefill's answer as given: ``answer`` bytes, ``answer_status``, ``answer_headers``; with
+        ``chunked``, written 64 KiB at a time (no Content-Length), "answer_cut" noted if the reader leaves."""
+        status = b.get("answer_status", 200)
+        headers = b.get("answer_headers", {"Content-Type": "application/json"})
+        if not b.get("chunked"):
+            return web.Response(status=status, body=b["answer"], headers=headers)
+        resp = web.StreamResponse(status=status, headers=headers)
+        await resp.prepare(request)
+        try:
+            for i in range(0, len(b["answer"]), 65536):
+                await resp.write(b["answer"][i:i + 65536])
+                await asyncio.sleep(0.01)
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.events.append("answer_cut")
+            raise
+        return resp
 
 
 def header(record: dict, name: str) -> list[str]:
@@ -642,3 +664,142 @@ def test_https_prefill_legs_verify_the_certificate(pods, tmp_path):
             assert len(secure.received) == 2
     finally:
         secure.stop()
+
+
+def _pd(base: str, prefill: FakePod, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(base + path, json=body, headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"},
+                      timeout=10)
+
+
+def _answer(params_json: bytes) -> bytes:
+    """A prefill answer whose kv_transfer_params are ``params_json``, as raw bytes."""
+    return b'{"id":"cmpl-p","choices":[{"index":0,"text":"x"}],"kv_transfer_params":' + params_json + b"}"
+
+
+def test_a_prefill_content_type_outside_latin_1_is_no_500(pods, sidecar):
+    prefill, decode = pods
+    prefill.behaviour = {"answer": _answer(b'{"remote_engine_id":"e"}'),
+                         "answer_headers": {"Content-Type": "application/json; charset=\u20ac"}}
+    r = _pd(sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.text
+    assert decode.received[-1]["json"]["kv_transfer_params"] == {"remote_engine_id": "e"}
+    prefill.behaviour = {"answer": b'{"error":{"message":"no"}}', "answer_status": 400,
+                         "answer_headers": {"Content-Type": "application/json; x=\u20ac"}}
+    r = _pd(sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 400 and r.json() == {"error": {"message": "no"}}
+    assert r.headers["content-type"] == "application/json; x=?"
+    assert len(decode.received) == 1
+
+
+def test_prefill_params_reach_the_decoder_as_the_engine_reads_them(pods, sidecar):
+    """Params orjson cannot carry (an integer beyond 64 bits, NaN, 300 levels deep) pass exactly; params
+    nested deeper than any writer goes are an unusable answer, so the decoder prefills."""
+    prefill, decode = pods
+    deep = b"[" * 300 + b"]" * 300
+    prefill.behaviour = {"answer": _answer(b'{"remote_port":18446744073709551617,"score":NaN,"x":' + deep + b"}")}
+    r = _pd(sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.text
+    got = json.loads(decode.received[-1]["raw"])["kv_transfer_params"]
+    assert got["remote_port"] == 18446744073709551617 and got["score"] != got["score"]
+    assert json.dumps(got["x"]) == json.dumps(json.loads(deep))
+    before = metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response")
+    prefill.behaviour = {"answer": _answer(b'{"x":' + b"[" * 1010 + b"]" * 1010 + b"}")}
+    r = _pd(sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "fallback", r.text
+    assert "kv_transfer_params" not in decode.received[-1]["json"]
+    assert metric(sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response") == before + 1
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "fake-model", "prompt": ["first", "second"]},
+    {"model": "fake-model", "prompt": [[1, 2, 3], [4, 5]]},
+    {"model": "fake-model", "prompt_embeds": ["AAAA", "BBBB"]},
+    {"model": "fake-model", "prompt": "p", "n": 2},
+    {"model": "fake-model", "prompt": "p", "best_of": "3"},
+    {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "n": 2.0},
+])
+def test_several_prompts_or_choices_skip_the_prefill_leg(pods, sidecar, body):
+    prefill, decode = pods
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    reason = "several_choices" if {"n", "best_of"} & set(body) else "several_prompts"
+    before = metric(sidecar, "kvroute_sidecar_prefill_skipped_total", reason=reason)
+    r = _pd(sidecar, prefill, {**body, "kv_transfer_params": {"remote_host": "169.254.169.254"}}, path)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvroute-prefill"] == "local" and "x-kvroute-prefill-ms" not in r.headers
+    assert prefill.received == []
+    assert [rec["json"] for rec in decode.received] == [body]
+    assert metric(sidecar, "kvroute_sidecar_prefill_skipped_total", reason=reason) == before + 1
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "fake-model", "prompt": [1, 2, 3]},
+    {"model": "fake-model", "prompt": ["only"]},
+    {"model": "fake-model", "prompt": "p", "n": 1, "best_of": 1},
+])
+def test_one_prompt_and_one_choice_take_both_legs(pods, sidecar, body):
+    prefill, decode = pods
+    r = _pd(sidecar, prefill, body)
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.text
+    assert prefill.received[0]["json"]["prompt"] == body["prompt"]
+    assert decode.received[0]["json"]["kv_transfer_params"]["remote_engine_id"] == "engine-p"
+
+
+@pytest.fixture(scope="module")
+def bounded_sidecar(pods):
+    """A sidecar with a one-connection pool, a 1 s connect timeout and prefill answers of 64 KiB at most."""
+    _, decode = pods
+    port = free_port()
+    args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", decode.url,
+            "--prefill-allowlist", '["127.0.0.1"]', "--max-connections", "1", "--connect-timeout", "1",
+            "--prefill-timeout", "5", "--max-prefill-answer-bytes", "65536"]
+    with kvroute_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prefill_answer_over_the_size_bound_falls_back(pods, bounded_sidecar, chunked):
+    prefill, decode = pods
+    big = _answer(b'{"remote_engine_id":"e","pad":"' + b"A" * (2 << 20) + b'"}')
+    prefill.behaviour = {"answer": big, "chunked": chunked}
+    before = metric(bounded_sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response")
+    r = _pd(bounded_sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "fallback", r.text
+    assert "kv_transfer_params" not in decode.received[-1]["json"]
+    assert metric(bounded_sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="bad_response") == before + 1
+    if chunked:  # read 64 KiB at a time and left well before the 2 MiB's 32 writes were done
+        assert prefill.wait_event("answer_cut", timeout=5), prefill.events
+    prefill.behaviour = {"answer": _answer(b'{"remote_engine_id":"e","pad":"' + b"A" * 60000 + b'"}'),
+                         "chunked": chunked}
+    r = _pd(bounded_sidecar, prefill, {"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.text
+
+
+def test_waiting_for_a_pooled_connection_is_bounded_by_the_connect_timeout(pods, bounded_sidecar):
+    """With the one pooled connection held by a stream, a direct request gets a 503 naming the connect
+    timeout, and a two-leg request's prefill leg is a connect_error, not a timeout after --prefill-timeout
+    (then the decode leg a 503). The prefill target is a port with no idle connection to reuse."""
+    prefill, decode = pods
+    decode.gate = threading.Event()  # the stream holds the pool's one connection until set
+    try:
+        with httpx.stream("POST", bounded_sidecar + "/v1/chat/completions", json=chat_body(stream=True),
+                          timeout=20) as held:
+            lines = held.iter_lines()  # kept: a closed iterator closes the stream
+            assert "tok0" in next(line for line in lines if line)
+            started = time.monotonic()
+            r = httpx.post(bounded_sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                           timeout=15)
+            assert r.status_code == 503 and "connect timeout (1.0s" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - started < 4
+            before = metric(bounded_sidecar, "kvroute_sidecar_prefill_fallbacks_total", reason="connect_error")
+            started = time.monotonic()
+            r = httpx.post(bounded_sidecar + "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                           headers={"x-prefiller-host-port": f"127.0.0.1:{free_port()}"}, timeout=15)
+            assert r.status_code == 503 and "connect timeout" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - started < 4
+            assert metric(bounded_sidecar, "kvroute_sidecar_prefill_fallbacks_total",
+                          reason="connect_error") == before + 1
+            decode.gate.set()
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        decode.gate.set()
+    assert metric(bounded_sidecar, "kvroute_sidecar_legs_total", leg="direct", outcome="connect_error") == 1

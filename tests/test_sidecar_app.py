@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
 import orjson
+import pytest
 
 from sidecar.config import SidecarSettings
+from sidecar.legs import BadBody, one_prefill_cannot_serve, parse_body, write_body
 from sidecar.proxy import SidecarApp
 from tests.helpers import ROOT
 
@@ -82,3 +85,41 @@ def test_help_lists_every_setting_and_bad_settings_exit_cleanly():
     assert bad.returncode == 2 and "go together" in bad.stderr and "Traceback" not in bad.stderr
     bad = run("--prefill-ca-file", "/nonexistent.pem", "--port", "1")
     assert bad.returncode == 2 and "prefill-ca-file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("raw", [b'{"seed": -9223372036854775809}', b'{"seed": 18446744073709551616}',
+                                 b'{"t": NaN, "u": -Infinity}', b'{"p": "\\ud800"}', b'\xef\xbb\xbf{"a": 1}',
+                                 b'{"x": ' + b"[" * 300 + b"]" * 300 + b"}"])
+def test_parse_and_write_keep_what_the_engine_reads(raw):
+    obj, exact = parse_body(raw)
+    assert json.dumps(json.loads(write_body(obj, exact))) == json.dumps(json.loads(raw))
+
+
+def test_parse_takes_the_fast_path_for_ordinary_bodies_and_refuses_what_the_engine_refuses():
+    obj, exact = parse_body(b'{"seed": 922337203685477580, "n": -922337203685477580, "t": 0.5, "p": "\xc3\xa9"}')
+    assert not exact
+    assert write_body(obj, exact) == b'{"seed":922337203685477580,"n":-922337203685477580,"t":0.5,"p":"\xc3\xa9"}'
+    for raw in (b"[" * 100_000, b'{"a": 1', b"\xff\xfe\x00{"):
+        with pytest.raises(BadBody, match="^request body is not valid JSON: "):
+            parse_body(raw)
+    deep, _ = parse_body(b"[" * 1010 + b"]" * 1010)  # orjson reads 1024 levels; neither writer goes that deep
+    with pytest.raises(BadBody, match="^kv_transfer_params cannot be written as JSON: "):
+        write_body(deep, False, "kv_transfer_params")
+
+
+@pytest.mark.parametrize(("body", "path", "reason"), [
+    ({"prompt": "p"}, "/v1/completions", None),
+    ({"prompt": [1, 2, 3]}, "/v1/completions", None),
+    ({"prompt": ["a"]}, "/v1/completions", None),
+    ({"prompt": ["a", "b"]}, "/v1/completions", "several_prompts"),
+    ({"prompt": [[1], [2]]}, "/v1/completions", "several_prompts"),
+    ({"prompt_embeds": ["e1", "e2"]}, "/v1/completions", "several_prompts"),
+    ({"prompt": ["a", "b"]}, "/v1/chat/completions", None),  # not a field of chat: the engine ignores it
+    ({"messages": [], "n": 2}, "/v1/chat/completions", "several_choices"),
+    ({"prompt": "p", "n": "2"}, "/v1/completions", "several_choices"),
+    ({"prompt": "p", "best_of": 2.0}, "/v1/completions", "several_choices"),
+    ({"prompt": "p", "n": 1, "best_of": None}, "/v1/completions", None),
+    ({"prompt": "p", "n": True}, "/v1/completions", None),
+])
+def test_which_requests_one_prefill_cannot_serve(body, path, reason):
+    assert one_prefill_cannot_serve(body, path) == reason
