@@ -24,6 +24,7 @@ from typing import Any
 from indexer.index import DEFAULT_TIER
 from indexer.keys import key_seed
 from indexer.tokens import Tokenizer
+from kvcommon.transfer import one_prefill_cannot_serve
 from router.booking import Booking, Ledger
 from router.config import PodConfig, RouterSettings
 from router.costs import batch_rest_tokens
@@ -313,11 +314,13 @@ class Router:
             keys = self.keys_for(model, tokens, salt) if exact else []
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
-        request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
-                              unknown_request_tokens=self.settings.unknown_request_tokens,
-                              output_tokens=self.output_tokens(body))
         serving = self.registry.serving(*self.target(model))
         snap = self.snapshot(model, keys, tokens, serving)
+        single = not snap.disaggregated or one_prefill_cannot_serve(
+            body, "/v1/completions" if kind == "completion" else "/v1/chat/completions") is None
+        request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
+                              unknown_request_tokens=self.settings.unknown_request_tokens,
+                              output_tokens=self.output_tokens(body), single_prefill=single)
         planner: Planner = self.pd_planner if snap.disaggregated else self.planner
         decision = planner.decide(snap, request, dry_run)
         elapsed = time.perf_counter() - started

@@ -21,6 +21,7 @@ import aiohttp
 
 from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
+from kvcommon.transfer import one_prefill_cannot_serve
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
 from sidecar.dataparallel import DataParallel, RankError
@@ -32,7 +33,6 @@ from sidecar.legs import (
     forward_headers,
     has_prefill_header,
     is_generation_path,
-    one_prefill_cannot_serve,
     parse_body,
     pick_prefill_target,
     prefill_body,

@@ -69,6 +69,19 @@ def test_no_prefill_pod_means_local_even_for_always():
     assert d.chosen.mode == "local" and "no prefill pod" in d.chosen.reason
 
 
+def test_several_prompts_or_choices_are_planned_local_even_for_always():
+    # vLLM answers a batch with one prompt's kv_transfer_params, so the sidecar prefills such a request
+    # on the decode pod: the plan (and the booking) must say so, not a prefill pod that never sees it
+    from kvcommon.transfer import one_prefill_cannot_serve
+    batch = RequestView(prompt_tokens=4000, single_prefill=False)
+    for decider in ("always", "predicted"):
+        d = decide_pd([dec("d0", queue=40_000)], [pre("p0")], batch, 10, PDParams(decider=decider))
+        assert d.chosen.mode == "local" and d.chosen.prefill_pod is None and "several" in d.chosen.reason
+    assert one_prefill_cannot_serve({"prompt": ["a", "b"]}, "/v1/completions") == "several_prompts"
+    assert one_prefill_cannot_serve({"prompt": [1, 2, 3]}, "/v1/completions") is None
+    assert one_prefill_cannot_serve({"messages": [], "n": 2}, "/v1/chat/completions") == "several_choices"
+
+
 def test_prefill_pod_by_predicted_ttft_including_its_cache_and_queue():
     prefills = [pre("p-busy", queue=20_000), pre("p-cold"), pre("p-warm", cached=3000)]
     d = decide_pd([dec("d0")], prefills, req(4000), 10, PDParams(decider="always"))

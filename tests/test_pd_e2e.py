@@ -118,6 +118,21 @@ def test_cold_prompt_goes_through_both_legs_and_a_follow_up_is_decided_local(pd_
     assert decisions >= 1
 
 
+def test_a_request_of_several_choices_is_planned_and_served_local(pd_fleet):
+    # one prefill's kv_transfer_params cannot serve several choices (vLLM answers with one): the router
+    # plans the prefill on the decode pod, and no prefill pod is read
+    router, prefill = pd_fleet["router"], pd_fleet["prefill"]
+    body = {"model": "sim-model", "prompt": SYSTEM + "Question: name three colours.", "max_tokens": 3, "n": 2}
+    plan = httpx.post(router + "/debug/route", json=body, timeout=5).json()["pd"]
+    assert plan["mode"] == "local" and "several prompts or choices" in plan["reason"], plan
+    reads = [metric(u, "kvsim_nixl_reads_total") for u in prefill]
+    r = httpx.post(router + "/v1/completions", json=body, timeout=20)
+    # the simulated pod serves one choice only and says so: the decode pod's own answer, no prefill leg
+    assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
+    assert r.headers["x-kvroute-pod"].startswith("decode-") and "x-kvroute-prefill" not in r.headers
+    assert [metric(u, "kvsim_nixl_reads_total") for u in prefill] == reads
+
+
 def test_openai_sdk_streams_through_both_legs(pd_fleet):
     router, decode = pd_fleet["router"], pd_fleet["decode"]
     transfers = sum(metric(u, "kvsim_nixl_transfers_total", outcome="ok") for u in decode)

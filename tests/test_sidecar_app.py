@@ -10,8 +10,9 @@ import sys
 import orjson
 import pytest
 
+from kvcommon.transfer import one_prefill_cannot_serve
 from sidecar.config import SidecarSettings
-from sidecar.legs import BadBody, one_prefill_cannot_serve, parse_body, write_body
+from sidecar.legs import BadBody, parse_body, write_body
 from sidecar.proxy import SidecarApp
 from tests.helpers import ROOT
 

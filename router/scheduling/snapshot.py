@@ -91,6 +91,9 @@ class RequestView:
     exempt: bool = False
     unknown_request_tokens: int = 512
     output_tokens: int = 0  # expected output (max_tokens, else a default): the KV a decode pod must hold
+    # one prefill leg can serve it: not so for several prompts or choices, which the sidecar prefills
+    # on the decode pod (kvcommon.transfer.one_prefill_cannot_serve), so P/D plans them local
+    single_prefill: bool = True
 
 
 @dataclass(slots=True)  # not frozen: see Candidate
