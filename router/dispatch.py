@@ -78,6 +78,12 @@ class UpstreamError(Exception):
         self.headers = headers or []
         self.pod_down = pod_down and status is None  # False for a 5xx, and for our own pool being full
 
+    @property
+    def kind(self) -> str:
+        """What failed, without the detail (which may name the pod's address): connect, read, busy,
+        empty stream, or the status line."""
+        return self.cause.split(":", 1)[0]
+
 
 @dataclass
 class Opened:

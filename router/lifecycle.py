@@ -19,6 +19,7 @@ token releases a booking before the request has ended).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from router.upstream import PodIOError
 
 POD_HEADER = "x-kvroute-pod"
 POD_HEADER_BYTES = POD_HEADER.encode()
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ class Lifecycle:
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
         if exc.status:
             return _answer(exc.body, exc.status, exc.headers + _ours(pod_id, rid))
-        return error_response(502, f"pod {pod_id} could not be reached ({exc.cause})",
+        # the client learns what failed, not the detail: a connect error names the pod's address
+        log.info("request %s: pod %s could not be reached (%s)", rid, pod_id, exc.cause)
+        return error_response(502, f"pod {pod_id} could not be reached ({exc.kind})",
                               headers={POD_HEADER: pod_id, "x-request-id": rid})
 
     async def _open(self, router: Router, booking: Booking, url: str, raw: bytes, headers: dict[str, str],

@@ -476,6 +476,19 @@ async def test_client_leaving_mid_body_of_a_whole_answer_closes_the_upstream_req
         assert services.metrics.client_disconnects._value.get() == 1
 
 
+async def test_a_pod_that_cannot_be_reached_is_named_by_id_not_by_address():
+    # the connect error's detail names the pod's host and port: a client gets what failed, not where
+    async with pods_running(1) as pods, running_router(settings_for(pods, health_interval_s=30)) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as c:
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            await pods[0].stop()
+            r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 502, r.text
+        message = r.json()["error"]["message"]
+        assert "pod-0 could not be reached (connect)" in message
+        assert "127.0.0.1" not in r.text and str(pods[0].port) not in r.text
+
+
 async def test_5xx_before_first_byte_is_retried_once_on_the_next_pod():
     async with pods_running(2, fail_status=503) as pods, running_router(settings_for(pods)) as (base, services):
         async with httpx.AsyncClient(base_url=base) as c:
