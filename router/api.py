@@ -306,7 +306,8 @@ def create_app(services: Services) -> FastAPI:
             return from_exc(exc, extra)
         else:
             fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
-            return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid)
+            figures = caller.grants.admin or caller.grants.objective  # see Lifecycle.reject
+            return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid, figures)
         finally:
             load.active -= 1
 

@@ -80,11 +80,12 @@ class Lifecycle:
             child.inc()
 
     async def serve(self, router: Router, plan: Plan, path: str, raw: bytes, headers: dict[str, str],
-                    request: Request, body: Mapping[str, Any], rid: str) -> Response:
+                    request: Request, body: Mapping[str, Any], rid: str, figures: bool = True) -> Response:
         """Carry out ``plan``: send ``raw`` to ``path`` on the chosen pod (``headers`` already
-        filtered for upstream) and answer the client."""
+        filtered for upstream) and answer the client (a rejection with its figures or without:
+        ``reject``)."""
         if not plan.decision.verdict.admitted:
-            return self.reject(router, plan, rid)
+            return self.reject(router, plan, rid, figures)
         failure: tuple[str, UpstreamError] | None = None
         for cand in plan.decision.ranked[: 1 + max(self.settings.retries, 0)]:
             route = plan.decision.routes[cand.pod_id]
@@ -123,7 +124,12 @@ class Lifecycle:
         return await unless_disconnected(request.scope, request.receive, self.dispatcher.open(
             url, raw, headers, on_first_byte=lambda: router.first_token(booking)))
 
-    def reject(self, router: Router, plan: Plan, rid: str) -> Response:
+    def reject(self, router: Router, plan: Plan, rid: str, figures: bool = True) -> Response:
+        """The 429 (or 503) for a request the decision did not admit. ``figures``: the best predicted
+        TTFT and the objective are in the message. Not for a tenant's key (one without the admin or
+        the objective grant): the prediction falls by what the pods hold of the prompt, so with a
+        tightened objective a tenant could read off, without a request reaching any pod, whether
+        another tenant's prompt is cached, which /debug/route, admin-only, would otherwise tell."""
         verdict = plan.decision.verdict
         self.metrics.rejections.labels(verdict.reason).inc()
         retry = {"retry-after": str(self.settings.retry_after_s), "x-request-id": rid}
@@ -134,6 +140,9 @@ class Lifecycle:
         if verdict.reason == "kv":
             return error_response(429, "overloaded: no decode pod has KV cache room for the prompt and the "
                                   "expected output", headers=retry)
+        if not figures:
+            return error_response(429, "overloaded: no pod is predicted to meet the time-to-first-token "
+                                  "objective", headers=retry)
         best = plan.decision.best_prediction
         objective = plan.request.objective_s or 0.0
         best_ms = best.ttft_s * 1000 if best else 0.0

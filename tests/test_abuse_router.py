@@ -98,6 +98,12 @@ def test_priority_and_objective_headers_count_only_for_keys_allowed_them(pod, tm
         assert status(resp) == 400 and "x-slo-ttft-ms" in error(resp)["message"]  # bounded for everyone
         assert code(PRIO, **{"x-priority": "critical"}) == 200      # honoured for the key allowed it
         assert code(PRIO, **{"x-slo-ttft-ms": "100000"}) == 200
+        # a tenant's 429 carries no predicted figure: the prediction falls by what the pods hold of
+        # the prompt, so the figure told a tenant whether another's prompt was cached, no pod asked
+        tenant = error(exchange(port, post("/v1/completions", completion(), auth(ALPHA))))["message"]
+        assert "predicted" in tenant and " ms" not in tenant and not any(c.isdigit() for c in tenant)
+        admin = error(exchange(port, post("/v1/completions", completion(), auth(ADMIN))))["message"]
+        assert "best predicted time to first token is" in admin and " ms objective" in admin
 
 
 # ---------------------------------------------------------------------------------------------
