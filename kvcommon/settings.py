@@ -53,7 +53,11 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {p}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        # where and what, never the lines themselves: the file may hold API keys and other secrets
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -124,7 +128,8 @@ def _json_arg(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r}: {exc}") from exc
+        # not the text itself: it may be a list of API keys
+        raise argparse.ArgumentTypeError(f"expected JSON ({exc.msg} at character {exc.pos})") from None
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:

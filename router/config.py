@@ -22,6 +22,8 @@ PolicyName = Literal["random", "round-robin", "least-load", "cache-only", "predi
 class EventEndpoint(BaseModel):
     """One ZeroMQ KV-event publisher of a pod (one per data-parallel rank)."""
 
+    model_config = {"extra": "forbid"}  # a misspelt field fails start-up rather than going unread
+
     endpoint: str = Field(description="PUB endpoint to subscribe to, e.g. tcp://10.0.0.5:5557")
     replay: str | None = Field(None, description="ROUTER replay endpoint for missed batches, e.g. tcp://10.0.0.5:5558")
     topic: str = Field("", description="topic prefix to subscribe to ('' = all)")
@@ -29,6 +31,8 @@ class EventEndpoint(BaseModel):
 
 class PodConfig(BaseModel):
     """A pod of the fleet: where it serves HTTP, what it serves, where it publishes KV events."""
+
+    model_config = {"extra": "forbid"}  # `kv_event:` or `modle:` would otherwise be dropped without a word
 
     id: str = Field(description="unique pod id, used in metrics and the x-kvroute-pod header")
     url: str = Field(description="base URL of the pod's OpenAI server, e.g. http://10.0.0.5:8000")
@@ -39,7 +43,7 @@ class PodConfig(BaseModel):
         "only to pods serving it, and its prefix is keyed apart from the base model's and other adapters'"))
     kv_events: list[EventEndpoint] = Field(default_factory=list,
                                            description="KV event publishers, one per DP rank")
-    prefill_tokens_per_s: float | None = Field(None, description="prior prefill rate for this pod "
+    prefill_tokens_per_s: float | None = Field(None, gt=0, description="prior prefill rate for this pod "
                                                "(else the fleet default)")
     metrics_url: str | None = Field(None, description="base URL of the engine's own /metrics when it differs from "
                                     "url (a decode pod behind its sidecar); none = url")
@@ -57,7 +61,12 @@ class PodConfig(BaseModel):
     @classmethod
     def _url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"pod url must start with http:// or https://, got {v!r}")
+            scheme = v.split("://", 1)[0] if "://" in v else ""
+            # not the url itself: it may carry a password (scheme://user:password@host)
+            raise ValueError("pod url must start with http:// or https://"
+                             + (f", not {scheme[:16]}://" if scheme else ""))
+        if not v.split("://", 1)[1].split("/", 1)[0] or any(c.isspace() for c in v):
+            raise ValueError("pod url must name a host and hold no spaces")
         return v.rstrip("/")
 
     @model_validator(mode="after")
@@ -80,6 +89,9 @@ class ApiKey(BaseModel):
     """One accepted API key, optionally named (the name, never the key, appears in logs and metrics)
     and with its own rate limits (else the fleet-wide ``rate_limit_*`` settings apply)."""
 
+    # `request_per_s:` or `admn:` would otherwise load as a key without its limit or grant
+    model_config = {"extra": "forbid"}
+
     key: str = Field(min_length=1, description="the secret the client sends as Authorization: Bearer <key>")
     name: str | None = Field(None, description="a label for logs and metrics (default: key-<n>)")
     requests_per_s: float | None = Field(None, gt=0, description="requests per second for this key")
@@ -92,6 +104,14 @@ class ApiKey(BaseModel):
                                  "(an exempt value skips early rejection); ignored for other keys")
     allow_objective: bool = Field(False, description="the objective header (x-slo-ttft-ms) may loosen this key's "
                                   "objective; other keys may only tighten it")
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        # a client's bearer value is read without surrounding spaces: such a key could never match
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError("an API key must be non-empty and hold no spaces")
+        return v
 
 
 class ScorerConfig(BaseModel):
@@ -126,16 +146,17 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVROUTE_", env_nested_delimiter="__", extra="forbid")
 
     host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, description="port to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     pods: list[PodConfig] = Field(default_factory=list, description="the fleet: list of pods (see docs/router.md)")
     policy: PolicyName = Field("predicted-ttft", description="routing policy: a named preset of scorers "
                                "(see docs/router.md)")
     scorers: list[ScorerConfig] | None = Field(None, description="the policy as weighted scorers, "
                                                "[{type, weight, params}]; replaces `policy` when set")
-    ttft_objective_ms: float | None = Field(None, description="TTFT objective; requests whose best predicted TTFT "
+    ttft_objective_ms: float | None = Field(None, gt=0,
+                                            description="TTFT objective; requests whose best predicted TTFT "
                                             "misses it are rejected with 429 (none = no objective)")
     admission: bool = Field(True, description="reject early (429) when the best prediction misses the objective")
-    admission_slack: float = Field(1.0, description="reject when predicted TTFT > objective x this factor")
+    admission_slack: float = Field(1.0, gt=0, description="reject when predicted TTFT > objective x this factor")
     admission_miss_probability: float | None = Field(0.1, gt=0, lt=1, description="reject when on every pod the "
                                                      "probability of missing objective x slack is above this (the "
                                                      "pods' learnt error model); none = compare the point estimate")
@@ -154,7 +175,7 @@ class RouterSettings(BaseSettings):
     priority_header: str = Field("x-priority", description="request header marking critical traffic")
     priority_exempt_values: list[str] = Field(default_factory=lambda: ["critical", "high"],
                                               description="values of the priority header that skip admission")
-    retry_after_s: int = Field(1, description="Retry-After seconds on 429")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds on 429")
     api_keys: list[str | ApiKey] = Field(default_factory=list, description="accepted API keys (Authorization: Bearer): "
                                          "strings, or {key, name, requests_per_s, ...} objects; empty = open; "
                                          "re-read from the YAML on SIGHUP (docs/reliability.md)")
@@ -179,8 +200,8 @@ class RouterSettings(BaseSettings):
     keep_alive_s: float = Field(30.0, gt=0, description="an idle keep-alive connection is closed after this long")
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
     ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
-    max_body_bytes: int = Field(8 * 1024 * 1024, description="largest request body accepted")
-    body_timeout_s: float | None = Field(30.0, description="a request body must arrive within this many seconds "
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="largest request body accepted")
+    body_timeout_s: float | None = Field(30.0, gt=0, description="a request body must arrive within this many seconds "
                                          "(408 after; bounds slow clients); none = no limit")
     tokenizer: str = Field("byte", description="'byte', a path to a Hugging Face tokenizer.json (must match the pods), "
                            "or 'remote' (ask a healthy pod of the model: POST /tokenize, cached)")
@@ -220,36 +241,40 @@ class RouterSettings(BaseSettings):
     gil_switch_interval_ms: float = Field(0.5, gt=0, description="how long a Python thread (a tokenize thread "
                                           "hashing a big prompt) may hold the GIL before the event loop gets it "
                                           "(sys.setswitchinterval; Python's default is 5 ms)")
-    block_size: int | None = Field(None, description="KV block size in tokens (none = read from the pods' "
+    block_size: int | None = Field(None, ge=1, description="KV block size in tokens (none = read from the pods' "
                                    "vllm:cache_config_info, else 16)")
-    prefill_tokens_per_s: float = Field(20000.0, description="prior prefill rate per pod before calibration")
-    overhead_ms: float = Field(5.0, description="prior fixed per-request overhead before calibration")
+    prefill_tokens_per_s: float = Field(20000.0, gt=0, description="prior prefill rate per pod before calibration")
+    overhead_ms: float = Field(5.0, ge=0, description="prior fixed per-request overhead before calibration")
     calibrate: bool = Field(True, description="learn each pod's prefill rate and overhead from observed TTFTs")
-    calibration_halflife: float = Field(200.0, description="calibration memory, in observations")
+    calibration_halflife: float = Field(200.0, gt=0, description="calibration memory, in observations")
     calibration_fit: Literal["seconds", "relative"] = Field("seconds", description="what the calibration's least "
                                                             "squares minimise: the error in seconds, or relative to "
                                                             "the observed TTFT (robust to a slow tail; see "
                                                             "docs/router.md)")
-    unknown_request_tokens: int = Field(512, description="prefill tokens assumed per queued request the router "
+    unknown_request_tokens: int = Field(512, ge=0, description="prefill tokens assumed per queued request the router "
                                         "did not send itself (seen only in vllm:num_requests_waiting)")
     affinity_bonus_ms: float = Field(0.0, description="predicted-ttft: credit for the pod holding the longest prefix")
-    work_weight: float = Field(3.0, description="predicted-ttft: also count this x the request's own prefill time "
+    work_weight: float = Field(3.0, ge=0,
+                               description="predicted-ttft: also count this x the request's own prefill time "
                                "(the work it adds to a pod), favouring pods that hold its prefix")
-    scrape_interval_s: float = Field(0.25, description="period of each pod's /metrics scrape")
-    health_interval_s: float = Field(1.0, description="period of each pod's /health check")
-    health_timeout_s: float = Field(1.0, description="timeout of a health check or scrape")
-    unhealthy_after: int = Field(2, description="consecutive failed checks before a pod leaves the candidate set")
-    forget_after_s: float = Field(30.0, description="an unhealthy pod's index entries are dropped after this long")
-    connect_timeout_s: float = Field(3.0, description="upstream connect timeout")
-    read_timeout_s: float | None = Field(None, description="upstream read timeout between chunks (none = no limit)")
-    max_connections: int = Field(0, description="upstream connection limit (0 = unlimited)")
-    max_connections_per_pod: int = Field(0, description="upstream connection limit per pod (0 = unlimited)")
-    retries: int = Field(1, description="retries on the next-best pod after a connection failure or 5xx before the "
+    scrape_interval_s: float = Field(0.25, gt=0, description="period of each pod's /metrics scrape")
+    health_interval_s: float = Field(1.0, gt=0, description="period of each pod's /health check")
+    health_timeout_s: float = Field(1.0, gt=0, description="timeout of a health check or scrape")
+    unhealthy_after: int = Field(2, ge=1, description="consecutive failed checks before a pod leaves the candidate set")
+    forget_after_s: float = Field(30.0, ge=0,
+                                  description="an unhealthy pod's index entries are dropped after this long")
+    connect_timeout_s: float = Field(3.0, gt=0, description="upstream connect timeout")
+    read_timeout_s: float | None = Field(None, gt=0,
+                                         description="upstream read timeout between chunks (none = no limit)")
+    max_connections: int = Field(0, ge=0, description="upstream connection limit (0 = unlimited)")
+    max_connections_per_pod: int = Field(0, ge=0, description="upstream connection limit per pod (0 = unlimited)")
+    retries: int = Field(1, ge=0,
+                         description="retries on the next-best pod after a connection failure or 5xx before the "
                          "first byte")
-    index_max_blocks_per_pod: int = Field(1_000_000, description="bound on indexed blocks per pod")
+    index_max_blocks_per_pod: int = Field(1_000_000, ge=1, description="bound on indexed blocks per pod")
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8},
                                            description="how much a cached block in each tier is worth (1 = free)")
-    speculative_ttl_s: float = Field(5.0, description="how long a routed prompt counts as cached before events "
+    speculative_ttl_s: float = Field(5.0, ge=0, description="how long a routed prompt counts as cached before events "
                                      "confirm it")
     kv_event_max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest KV-event frame accepted "
                                           "(ZeroMQ MAXMSGSIZE: a bigger one drops that connection)")
@@ -274,23 +299,25 @@ class RouterSettings(BaseSettings):
                                       description="kubernetes: bearer token file (re-read on every request)")
     discovery_ca_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
                                    description="kubernetes: CA bundle that signs the API server's certificate")
-    discovery_relist_s: float = Field(60.0, description="kubernetes: full re-list period, so a missed DELETE cannot "
+    discovery_relist_s: float = Field(60.0, gt=0,
+                                      description="kubernetes: full re-list period, so a missed DELETE cannot "
                                       "leave a dead pod routable")
-    discovery_watch_timeout_s: int = Field(290, description="kubernetes: server-side timeout of one watch request")
+    discovery_watch_timeout_s: int = Field(290, ge=1,
+                                           description="kubernetes: server-side timeout of one watch request")
     discovery_dns_name: str = Field("", description="dns: name whose A/AAAA records are the pods (a headless Service)")
     discovery_dns_server: str | None = Field(None, description="dns: 'host:port' of a DNS server to ask over UDP "
                                              "(none = the system resolver)")
-    discovery_interval_s: float = Field(5.0, description="dns: re-resolve period")
+    discovery_interval_s: float = Field(5.0, gt=0, description="dns: re-resolve period")
     discovery_role: PodRole = Field("both", description="dns: role of every resolved pod")
     discovery_model: str = Field("sim-model", description="dns: model every resolved pod serves")
-    discovery_http_port: int = Field(8000, description="dns: pods' HTTP port")
+    discovery_http_port: int = Field(8000, ge=1, le=65535, description="dns: pods' HTTP port")
     discovery_engine_port: int | None = Field(None, description="dns: pods' engine port for /metrics "
                                               "(none = http port)")
     discovery_kv_events_port: int | None = Field(5557, description="dns: KV-event PUB port of rank 0 (rank r: + r; "
                                                  "none = no events)")
     discovery_kv_events_replay_port: int | None = Field(5558, description="dns: KV-event replay port of rank 0 "
                                                         "(rank r: + r; none = no replay)")
-    discovery_data_parallel_size: int = Field(1, description="dns: event streams (DP ranks) per pod")
+    discovery_data_parallel_size: int = Field(1, ge=1, description="dns: event streams (DP ranks) per pod")
     data_parallel_steering: bool = Field(True, description=(
         "a pod with several data-parallel engines is routed as one candidate per engine: each with its own "
         "prefix index, load, bookings and calibration, and the request carries vLLM's X-data-parallel-rank "
@@ -299,23 +326,28 @@ class RouterSettings(BaseSettings):
         "predicted", description="P/D: when to prefill on a prefill pod: 'predicted' (when its predicted TTFT, "
         "KV transfer included, beats prefilling on the decode pod), 'prefix' (llm-d's rule), 'always', 'never', "
         "or a decider registered in router/scheduling/pd.py")
-    pd_non_cached_tokens: int = Field(512, description="P/D prefix decider: remote prefill when the decode pod "
+    pd_non_cached_tokens: int = Field(512, ge=0, description="P/D prefix decider: remote prefill when the decode pod "
                                       "lacks at least this many of the prompt's tokens (0 = never, as llm-d)")
-    pd_prompt_tokens: int = Field(1024, description="P/D prefix decider: and the prompt has at least this many tokens")
-    pd_expected_output_tokens: int = Field(256, description="P/D: output tokens assumed for KV room when a request "
+    pd_prompt_tokens: int = Field(1024, ge=0,
+                                  description="P/D prefix decider: and the prompt has at least this many tokens")
+    pd_expected_output_tokens: int = Field(256, ge=0,
+                                           description="P/D: output tokens assumed for KV room when a request "
                                            "sets no max_tokens")
-    pd_decode_step_ms: float = Field(4.0, description="P/D: decode step time of an idle decode pod (TPOT model)")
-    pd_tpot_tolerance: float = Field(0.1, description="P/D: decode pods within this fraction of the best predicted "
+    pd_decode_step_ms: float = Field(4.0, ge=0, description="P/D: decode step time of an idle decode pod (TPOT model)")
+    pd_tpot_tolerance: float = Field(0.1, ge=0,
+                                     description="P/D: decode pods within this fraction of the best predicted "
                                      "TPOT are ranked by predicted TTFT")
-    pd_remote_margin_ms: float = Field(0.0, description="P/D predicted decider: remote prefill must win by this much")
-    kv_bytes_per_token: float = Field(131072.0, description="P/D: KV bytes per token moved from prefill to decode "
+    pd_remote_margin_ms: float = Field(0.0, ge=0,
+                                       description="P/D predicted decider: remote prefill must win by this much")
+    kv_bytes_per_token: float = Field(131072.0, gt=0,
+                                      description="P/D: KV bytes per token moved from prefill to decode "
                                       "(131072 = Llama-3-8B bf16)")
-    kv_link_bandwidth_bytes_per_s: float = Field(25e9, description="P/D: prefill-to-decode KV link bandwidth")
-    kv_link_latency_ms: float = Field(1.0, description="P/D: fixed latency of one KV transfer")
+    kv_link_bandwidth_bytes_per_s: float = Field(25e9, gt=0, description="P/D: prefill-to-decode KV link bandwidth")
+    kv_link_latency_ms: float = Field(1.0, ge=0, description="P/D: fixed latency of one KV transfer")
     strip_client_kv_transfer_params: bool = Field(True, description="drop a client's kv_transfer_params from the "
                                                   "body (its remote_host would steer a NIXL read)")
     seed: int = Field(0, description="seed of the random policy")
-    workers: int = Field(1, description="router processes sharing the port; each keeps its own index and event "
+    workers: int = Field(1, ge=1, description="router processes sharing the port; each keeps its own index and event "
                          "subscriber, and they share bookings over the booking bus (see docs/router.md)")
     booking_bus: bool = Field(True, description="share bookings between router processes over ZeroMQ: the workers "
                               "of one kvroute serve (on 127.0.0.1), and replicas with booking_bus_bind/_peers")
@@ -390,6 +422,20 @@ class RouterSettings(BaseSettings):
         if value not in DECIDER_FUNCTIONS:
             raise ValueError(f"unknown P/D decider {value!r}; known: {', '.join(DECIDER_FUNCTIONS)}")
         return value
+
+    @model_validator(mode="after")
+    def _api_keys_usable(self) -> RouterSettings:
+        """Every key can log in and means one thing; errors name an entry's place, never its key."""
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(self.api_keys, 1):
+            key = entry.key if isinstance(entry, ApiKey) else entry
+            if not key.strip() or any(c.isspace() for c in key):
+                raise ValueError(f"api_keys entry {i}: an API key must be non-empty and hold no spaces")
+            if key in seen:
+                raise ValueError(f"api_keys entries {seen[key]} and {i} are the same key (which limits and "
+                                 "grants would it get?)")
+            seen[key] = i
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> RouterSettings:

@@ -162,6 +162,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_router_config.py": frozenset({
         "test_registry_marks_pods_unhealthy_after_n_failures_and_forgets_later",
         "test_serve_cli_documents_every_knob_and_refuses_an_empty_fleet",
+        "test_a_bad_setting_stops_start_up_without_echoing_a_secret",
     }),
     "test_security.py": frozenset({
         "test_per_key_request_rate_limit_answers_429_with_retry_after_and_keys_are_separate",

@@ -150,6 +150,47 @@ def test_serve_cli_documents_every_knob_and_refuses_an_empty_fleet():
     assert out.returncode == 2 and "http://" in out.stderr and "Traceback" not in out.stderr
 
 
+SECRET = "sk-live-TOPSECRET-9f8e7d"
+
+
+def _serve_error(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    return out.stderr
+
+
+def test_a_bad_setting_stops_start_up_without_echoing_a_secret(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"api_keys:\n  - {{key: {SECRET}, name: a\n  - x\n")   # a flow mapping never closed
+    err = _serve_error("--config", str(bad))
+    assert "not valid YAML at line" in err and SECRET not in err
+    err = _serve_error("--api-keys", f'["{SECRET}",]')
+    assert "expected JSON" in err and SECRET not in err
+    err = _serve_error("--pods", '[{"id": "a", "url": "ftp://svc:TOPSECRETPW@10.0.0.5"}]')
+    assert "http://" in err and "TOPSECRETPW" not in err
+    err = _serve_error("--pods", '[{"id": "a", "url": "http://x"}]', "--api-keys", f'["{SECRET}", "{SECRET}"]')
+    assert "entries 1 and 2 are the same key" in err and SECRET not in err
+
+
+@pytest.mark.parametrize("override", [
+    {"prefill_tokens_per_s": 0}, {"max_body_bytes": -1}, {"retry_after_s": -1}, {"retries": -3},
+    {"connect_timeout_s": -1}, {"scrape_interval_s": 0}, {"health_interval_s": 0}, {"workers": 0}, {"port": -1},
+    {"ttft_objective_ms": -5}, {"admission_slack": -1}, {"max_connections": -1}, {"unhealthy_after": 0},
+    {"pods": [{"id": "a", "url": "http://"}]}, {"pods": [{"id": "a", "url": "http://127.0.0.1:1 evil"}]},
+    {"pods": [{"id": "a", "url": "http://x", "modle": "m"}]},                      # a misspelt field
+    {"pods": [{"id": "a", "url": "http://x", "kv_events": [{"endpoint": "tcp://x:1", "topik": ""}]}]},
+    {"api_keys": [{"key": "k", "request_per_s": 1, "admn": True}]},              # loaded with no limit before
+    {"api_keys": [" sk-padded-555 "]}, {"api_keys": [""]}, {"api_keys": [{"key": "a b"}]},
+], ids=lambda o: next(iter(o)) + ":" + str(next(iter(o.values())))[:40])
+def test_settings_that_cannot_work_are_refused_when_they_load(override):
+    # each of these loaded before: a ZeroDivisionError at start, every request a 413, a key never matching
+    # or loaded without its limit, a Retry-After of -1
+    base = {"pods": [{"id": "a", "url": "http://x"}]}
+    with pytest.raises(ValueError):
+        build_settings(RouterSettings, {**base, **override})
+
+
 def test_header_filter_drops_hop_by_hop_and_internal_headers():
     dropped = ["connection", "transfer-encoding", "x-prefiller-host-port", "x-prefiller-url", "x-kvroute-pod",
                "x-kvroute-anything", "host", "content-length", "te", "upgrade", "x-llm-d-prefiller-host-port",
