@@ -58,20 +58,21 @@ pairs, 2026-12-05), while the check itself is 27 µs of one request in 64. A lon
 it without the GIL.
 
 **Block keys too, without a token list.** Routing needs a prompt's length and its block keys, not
-its token ids. ``encode_cached`` answers with ``CachedTokens``: the reused chunks as they sit in the
-cache plus the new part, materialised as a list only if someone asks for one. Its ``block_keys``
-looks up the keys of the reused prefix in a second small cache (keyed by the chain hash of that
-prefix, the block size, the key seed and the adapter/salt), so a follow-up hashes only its last
-partial block and its new tokens; then it remembers the keys through this text's last cached
-chunk for the next turn. On a warm 9k-token follow-up this removes building a 9,000-int list and
-hashing 570 blocks (``bench/prompt_stages.py``). When the last reused chunk has no keys
-remembered, the chunks before it are tried, back to ``MAX_KEY_PROBES``: with workers or replicas a
-conversation's turns alternate between processes, which share chunks but not keys, so a turn finds
-the keys of the last turn its own process served and hashes only the blocks after it (a throwaway
-harness, two workers, the bench's 32k-token chat sent one at a time over 8 connections: keys found
-for 37-61 % of reused prefixes before, 94-97 % after; median 5.3/5.1 -> 4.7/4.9 ms). The keys are
-what ``indexer.keys.block_keys`` gives for the full token list (a test checks it on branches,
-salts and adapters).
+its token ids. ``encode_cached`` answers with ``CachedTokens``: the reused chunks as they sit in
+the cache plus the new part, materialised as a list only if someone asks for one. Its
+``block_keys`` looks up the keys of the reused prefix in a second small cache (keyed by the chain
+hash of that prefix, the block size, the key seed and a 128-bit digest of the adapter and salt:
+``_memo_tag``), so a follow-up hashes only its last partial block and its new tokens; then it
+remembers the keys through this text's last cached chunk for the next turn. On a warm 9k-token
+follow-up this removes building a 9,000-int list and hashing 570 blocks
+(``bench/prompt_stages.py``). When the last reused chunk has no keys remembered, the chunks before
+it are tried, back to ``MAX_KEY_PROBES``: with workers or replicas a conversation's turns alternate
+between processes, which share chunks but not keys, so a turn finds the keys of the last turn its
+own process served and hashes only the blocks after it (a throwaway harness, two workers, the
+bench's 32k-token chat sent one at a time over 8 connections: keys found for 37-61 % of reused
+prefixes before, 94-97 % after; median 5.3/5.1 -> 4.7/4.9 ms). The keys are what
+``indexer.keys.block_keys`` gives for the full token list (a test checks it on branches, salts and
+adapters).
 
 **Shared between processes.** A chunk's key chains xxh3 hashes (``chain_key``), the same in every
 process, so workers and replicas can hand each other what they tokenized: ``on_stored`` is called
@@ -105,13 +106,16 @@ chunks starts a new ``_generation`` that no note vouches in; a chunk found gone 
 thread storing meanwhile) is tokenized again and counted (``vouched_missing``).
 
 Memory is bounded by ``max_tokens`` (tokens held, as 4-byte arrays), the keys by
-``max_tokens // 4`` (8-byte arrays), each with least-recently-used eviction, and the notes by
+``max_tokens // 4`` (8-byte arrays, each under a key of fixed size: until 2026-12-06 it held the
+request's ``cache_salt`` itself, which a client may make megabytes long, and 300 requests with
+distinct 1 MB salts kept 300 MB), each with least-recently-used eviction, and the notes by
 ``max_tokens // 16`` chunk ends (16 bytes each) and eight per first chunk; a missing link ends the
 reusable prefix there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from array import array
 from bisect import bisect_right
@@ -260,6 +264,18 @@ def fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:
 ExtraFor = Callable[[int, int], "list[Any] | None"]  # (blocks, index of the first) -> per-block extra keys
 
 
+def _memo_tag(tag: Any) -> Any:
+    """What stands for ``tag`` (``CachedTokens.block_keys``: the adapter and salt, strings or None) in
+    the block-key memo: ``tag`` itself while its strings are short (the usual case, no hashing), else
+    a 128-bit BLAKE2b digest of its ``repr`` (exact for strings, None and tuples of them), 16 bytes
+    however long the salt; bytes never equal a tuple, so the two kinds cannot meet. A strong digest,
+    not xxh3: a client picks its salt, and two salts that collide would share their remembered keys."""
+    parts = tag if isinstance(tag, tuple) else (tag,)
+    if all(p is None or (isinstance(p, str) and len(p) <= 128) for p in parts):
+        return tag
+    return hashlib.blake2b(repr(tag).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 class CachedTokens(Sequence[int]):
     """A text's tokens as the cache assembled them: ``lead`` specials, the reused chunks, the newly
     tokenized rest, ``trail`` specials. Its length and block keys need no token list; indexing or
@@ -365,7 +381,7 @@ class CachedTokens(Sequence[int]):
         keys (adapter, salt); ``extra_for(blocks, first)`` gives the extra keys of blocks
         ``first .. first + blocks - 1`` (None for none)."""
         cache = self._cache
-        memo = (block_size, seed, tag, self._special)
+        memo = (block_size, seed, _memo_tag(tag), self._special)
         found: array[int] | None = None
         exact = False
         if self._known_key is not None:
@@ -805,6 +821,8 @@ class PrefixTokenCache:
         return got
 
     def _remember_keys(self, memo: tuple[Any, ...], packed: array[int]) -> None:
+        """Remember ``packed`` under ``memo`` (least recently used out past ``max_tokens // 4`` keys).
+        ``memo``'s parts are of fixed size (``_memo_tag``): the bound counts the keys alone."""
         if not packed:
             return
         with self._lock:

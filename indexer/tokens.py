@@ -891,19 +891,25 @@ class RemoteTokenizer:
 
     For deployments where the router has no tokenizer files: the pod's answer is exactly what the
     engine hashes. ``base_url`` comes from the router's configured fleet, never from a client.
-    Results are kept in a bounded LRU (``cache_size`` entries) keyed by the request body, so a
-    repeated system prompt or conversation costs one round trip. Raises ``RemoteTokenizeError``
-    on a non-2xx answer or a body without a ``tokens`` list.
+    Results are kept in an LRU keyed by a 128-bit BLAKE2b digest of the request body, so a
+    repeated system prompt or conversation costs one round trip, and bounded by entries
+    (``cache_size``) and by token ids held (``max_tokens``; a list of Python ints is about 36 bytes
+    a token, so ~72 MB at the default; an answer of more is not kept). Until 2026-12-06 the body
+    itself was the key and entries the only bound: 4,096 bodies of up to ``max_body_bytes`` (8 MB).
+    Raises ``RemoteTokenizeError`` on a non-2xx answer or a body without a ``tokens`` list.
     """
 
-    def __init__(self, base_url: str, model: str, client: Any, cache_size: int = 4096):
+    def __init__(self, base_url: str, model: str, client: Any, cache_size: int = 4096,
+                 max_tokens: int = 2_000_000):
         from collections import OrderedDict
 
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._client = client  # an httpx.AsyncClient, owned by the caller
         self.cache_size = cache_size
-        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.max_tokens = max_tokens
+        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()  # the body's digest -> its token ids
+        self._held = 0  # token ids in ``_cache``
         self.hits = self.misses = 0
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -919,17 +925,22 @@ class RemoteTokenizer:
         return await self._tokenize(tokenize_chat_body(body, self.model))
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        import hashlib
+
         import orjson
 
-        # key order matters (tools and kwargs dicts render in their own order): the body as sent is the key
-        key = orjson.dumps(body)
+        # key order matters (tools and kwargs dicts render in their own order): the body as sent is
+        # what is hashed. A strong digest, not xxh3: a client chooses the body, and a body made to
+        # collide with another would be answered the other's tokens.
+        sent = orjson.dumps(body)
+        key = hashlib.blake2b(sent, digest_size=16).digest()
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             self.hits += 1
             return hit
         self.misses += 1
-        r = await self._client.post(f"{self.base_url}/tokenize", content=key,
+        r = await self._client.post(f"{self.base_url}/tokenize", content=sent,
                                     headers={"content-type": "application/json"})
         if r.status_code // 100 != 2:
             raise RemoteTokenizeError(f"/tokenize answered {r.status_code}: {r.text[:200]}")
@@ -939,9 +950,15 @@ class RemoteTokenizer:
             tokens = None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise RemoteTokenizeError("/tokenize answer has no 'tokens' list of ints")
-        self._cache[key] = tokens
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        if len(tokens) <= self.max_tokens:
+            old = self._cache.pop(key, None)  # the same body asked twice at once: counted once
+            if old is not None:
+                self._held -= len(old)
+            self._cache[key] = tokens
+            self._held += len(tokens)
+            while len(self._cache) > self.cache_size or self._held > self.max_tokens:
+                _, old = self._cache.popitem(last=False)
+                self._held -= len(old)
         return tokens
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from aiohttp import web
@@ -45,5 +47,44 @@ async def test_remote_tokenize_prompt_and_chat_with_cache():
             assert len(calls) == 5
             with pytest.raises(RemoteTokenizeError):
                 await rt.encode("boom")
+    finally:
+        await runner.cleanup()
+
+
+async def test_remote_tokenize_cache_keys_by_digest_and_is_bounded_by_tokens_held():
+    """An entry costs its ids and a 16-byte digest of the body, not the body; past ``max_tokens`` ids
+    held the oldest go, an answer of more is not kept, and one body asked twice at once counts once."""
+    calls = []
+
+    async def tokenize(request):
+        body = await request.json()
+        calls.append(body["prompt"])
+        await asyncio.sleep(0.05)  # so that two asks of one body overlap
+        return web.json_response({"tokens": list(body["prompt"].encode())})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with httpx.AsyncClient() as client:
+            rt = RemoteTokenizer(f"http://127.0.0.1:{port}", "m", client, cache_size=100, max_tokens=1000)
+            big = "x" * 100_000
+            assert await rt.encode(big[:900]) == [ord("x")] * 900
+            assert all(len(key) == 16 for key in rt._cache) and rt._held == 900
+            prompts = [f"{i:03d}" + "y" * 297 for i in range(5)]  # 300 ids each
+            for p in prompts:
+                assert len(await rt.encode(p)) == 300
+            assert rt._held == 900 and len(rt._cache) == 3  # the 900 first, then the oldest of the rest
+            assert await rt.encode(prompts[-1]) == list(prompts[-1].encode()) and rt.hits == 1
+            await rt.encode(prompts[0])  # let go: asked again
+            assert calls.count(prompts[0]) == 2
+            assert len(await rt.encode(big)) == 100_000  # more than the bound: answered, not kept
+            assert rt._held <= 1000 and all(len(ids) == 300 for ids in rt._cache.values())
+            twice = "z" * 200
+            await asyncio.gather(rt.encode(twice), rt.encode(twice))
+            assert calls.count(twice) == 2 and rt._held == sum(len(ids) for ids in rt._cache.values()) <= 1000
     finally:
         await runner.cleanup()

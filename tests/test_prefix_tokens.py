@@ -187,6 +187,37 @@ def test_a_follow_up_takes_its_prefixs_keys_and_keys_memory_is_bounded():
     assert got.block_keys(16, 8) == block_keys(full, 16, 8) and cache.stats.key_hits == hits
 
 
+def test_the_key_memo_holds_a_digest_of_the_salt_not_the_salt():
+    """A client's ``cache_salt`` may be megabytes long: the memo's key holds a fixed-size digest of it,
+    and a follow-up with an equal salt (another string) still takes its prefix's keys, exactly."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=32, min_chars=0, verify_every=0)
+    text = " ".join(corpus(15, seed=4))
+    full = hf.encode(text, add_special_tokens=True).ids
+
+    def keys(tokens, salt):
+        extra_for = _extra_for(None, salt)
+        got = tokens.block_keys(16, 7, (None, salt), extra_for)
+        assert got == block_keys(full, 16, 7, extra_for(len(full) // 16, 0))
+        return got
+
+    distinct = set()
+    for i in range(20):
+        got = cache.encode_cached(text, True)
+        assert isinstance(got, CachedTokens)
+        distinct.add(tuple(keys(got, f"tenant-{i}-" + "s" * 100_000)))
+    assert len(distinct) == 20 and cache.stats.key_hits == 0  # each salt its own keys
+    assert len(cache._keys) == 20
+    assert max(len(repr(memo)) for memo in cache._keys) < 200  # not the 100 kB salts
+    salt = "".join(["tenant-5-", "s" * 100_000])  # equal to an earlier salt, not the same object
+    text += " " + " ".join(corpus(2, seed=30))
+    full = hf.encode(text, add_special_tokens=True).ids
+    got = cache.encode_cached(text, True)
+    assert isinstance(got, CachedTokens)
+    keys(got, salt)
+    assert cache.stats.key_hits == 1
+
+
 def test_a_process_that_adopts_anothers_chunks_tokenizes_only_what_is_new():
     """What one process stores (``on_stored``) another adopts, and a follow-up there reuses it,
     exactly; a chunk it already holds is not taken twice, and adopting keeps the memory bound."""

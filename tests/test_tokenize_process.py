@@ -1,6 +1,6 @@
 """The tokenize process (router/tokenize_proc.py): the same answer as tokenizing in the router, the
 same 400 for a bad chat request, and a tokenize thread whenever the child cannot answer (starting,
-dead, too slow), with the child started again."""
+dead, too slow, silent at its start, answering garbage), with the child started again."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import msgspec
 import orjson
@@ -19,6 +20,7 @@ import pytest
 
 from indexer.keys import key_seed
 from indexer.tokens import HFTokenizer
+from router import tokenize_proc
 from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.prompts import prompt_block_keys, prompt_tokens
@@ -128,6 +130,123 @@ async def test_a_dead_or_slow_child_sends_prompts_to_the_threads_and_is_started_
         await until_ready(proc)
         assert await proc.run("chat", raw, 16, 1, None, None, 4.0) is not None
         assert proc.jobs["done"] == 2
+    finally:
+        proc.stop()
+
+
+# a stand-in for the child that speaks its protocol badly on purpose (its last argument says how)
+FAKE_CHILD = """
+import socket, struct, sys, time
+import msgspec
+fd, mode = int(sys.argv[sys.argv.index("--fd") + 1]), sys.argv[-1]
+sock = socket.socket(fileno=fd)
+LEN = struct.Struct(">I")
+def send(msg):
+    payload = msgspec.msgpack.encode(msg)
+    sock.sendall(LEN.pack(len(payload)) + payload)
+def read(n):
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            sys.exit(0)
+        buf += got
+    return buf
+if mode == "silent":
+    time.sleep(120)
+    sys.exit(0)
+send(["ready", None])
+while True:
+    msg = msgspec.msgpack.decode(read(LEN.unpack(read(4))[0]))
+    if msg[0] != "t":
+        continue
+    if mode == "hang":
+        time.sleep(120)
+    elif mode == "short":
+        send(["r", msg[1]])
+    elif mode == "none-length":
+        send(["r", msg[1], None, 0, [], None, None, None, None])
+    elif mode == "misfit":  # 100 tokens, yet neither their keys nor the tokens
+        send(["r", msg[1], 100, 0, [], None, None, None, None])
+"""
+
+
+class FakeChild(TokenizeProcess):
+    def __init__(self, script: str, mode: str, **kwargs):
+        super().__init__("unused", 0, **kwargs)
+        self.script, self.mode = script, mode
+
+    def _command(self, fd: int) -> list[str]:
+        return [sys.executable, self.script, "--fd", str(fd), self.mode]
+
+
+@pytest.fixture
+def fake_child(tmp_path):
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+    return str(script)
+
+
+RAW = orjson.dumps({"model": "m", "prompt": "hello world"})
+
+
+async def test_a_child_that_never_says_it_is_ready_is_killed_and_started_again(fake_child):
+    proc = FakeChild(fake_child, "silent", timeout_s=30, restart_after_s=0.0, start_timeout_s=1.0)
+    await proc.start()
+    try:
+        first = proc.pid
+        assert await proc.run("completion", RAW, 16, 1, None, None, 4.0) is None  # still starting
+        assert proc.pid == first
+        await asyncio.sleep(1.1)
+        assert await proc.run("completion", RAW, 16, 1, None, None, 4.0) is None
+        assert proc.pid is None and proc.jobs == Counter(unavailable=2)  # killed: the threads meanwhile
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+        assert proc._wait_s == RESTART_AFTER_S  # as after a start that died before it was ready
+        proc._started_at -= RESTART_AFTER_S  # as if those seconds had passed
+        assert await proc.run("completion", RAW, 16, 1, None, None, 4.0) is None
+        assert proc.starts == 2 and proc.pid not in (None, first)
+    finally:
+        proc.stop()
+
+
+async def test_a_job_waiting_for_a_slot_when_the_child_is_killed_goes_to_the_threads_at_once(fake_child,
+                                                                                            monkeypatch):
+    """The first job holds the only slot until the child, stuck on it, is killed at its timeout; the
+    second, waiting for the slot meanwhile, gives up then, not at its own timeout."""
+    monkeypatch.setattr(tokenize_proc, "MAX_JOBS", 1)
+    proc = FakeChild(fake_child, "hang", timeout_s=3.0)
+    await proc.start()
+    try:
+        await until_ready(proc, timeout=30)
+
+        async def second() -> tuple[object, float]:
+            await asyncio.sleep(2.5)
+            began = time.monotonic()
+            got = await proc.run("completion", RAW, 16, 1, None, None, 4.0)
+            return got, time.monotonic() - began
+
+        first, (got, waited) = await asyncio.gather(proc.run("completion", RAW, 16, 1, None, None, 4.0), second())
+        assert first is None and got is None
+        assert proc.jobs == Counter(timeout=1, unavailable=1)
+        assert waited < 2.0  # about 0.5 s: the first job's timeout, not its own 3 s
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("mode", ["short", "none-length", "misfit"])
+async def test_a_malformed_answer_goes_to_the_threads_and_the_child_is_started_again(fake_child, mode):
+    proc = FakeChild(fake_child, mode, timeout_s=30, restart_after_s=0.0)
+    await proc.start()
+    try:
+        await until_ready(proc, timeout=30)
+        first = proc.pid
+        assert await proc.run("completion", RAW, 16, 1, None, None, 4.0) is None
+        assert proc.jobs == Counter(failed=1) and proc.pid is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+        assert await proc.run("completion", RAW, 16, 1, None, None, 4.0) is None  # started again at once
+        assert proc.starts == 2 and proc.pid not in (None, first)
     finally:
         proc.stop()
 
