@@ -169,8 +169,10 @@ class Lifecycle:
                                                        router.finish, booking)
         try:
             # watched as the open is: a pod that sends its head and then trickles (or stalls) the body
-            # must not keep the pod's request alive once the client has gone
-            payload = await unless_disconnected(request.scope, request.receive, resp.read())
+            # must not keep the pod's request alive once the client has gone. An answer already whole
+            # (vLLM's head and body come in one write) is read without the watch: nothing to wait for
+            payload = await (resp.read() if resp.complete else
+                             unless_disconnected(request.scope, request.receive, resp.read()))
         except PodIOError as exc:
             resp.close()
             self._end(router, booking, Outcome(pod_id, "502"))

@@ -316,12 +316,13 @@ class Router:
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         serving = self.registry.serving(*self.target(model))
         snap = self.snapshot(model, keys, tokens, serving)
-        single = not snap.disaggregated or one_prefill_cannot_serve(
+        disaggregated = snap.disaggregated
+        single = not disaggregated or one_prefill_cannot_serve(
             body, "/v1/completions" if kind == "completion" else "/v1/chat/completions") is None
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
                               unknown_request_tokens=self.settings.unknown_request_tokens,
                               output_tokens=self.output_tokens(body), single_prefill=single)
-        planner: Planner = self.pd_planner if snap.disaggregated else self.planner
+        planner: Planner = self.pd_planner if disaggregated else self.planner
         decision = planner.decide(snap, request, dry_run)
         elapsed = time.perf_counter() - started
         if not dry_run:

@@ -283,6 +283,12 @@ class UpstreamResponse:
         self.status = conn.status
         self.headers = Headers(conn.raw_headers)
 
+    @property
+    def complete(self) -> bool:
+        """The whole answer is in (or failed): reading the rest waits for nothing."""
+        conn = self._conn
+        return conn is None or conn.complete or conn.error is not None
+
     async def readany(self) -> bytes:
         """The body bytes that have come since the last call; b"" once the answer is complete."""
         conn = self._conn
