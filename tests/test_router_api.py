@@ -441,6 +441,16 @@ async def test_client_disconnect_cancels_the_upstream_request(http):
         assert services.metrics.client_disconnects._value.get() == 1
 
 
+async def _upstream_cancelled_once(pod: Pod, services) -> None:
+    """The pod saw its request cancelled (within 3 s), the booking went, and one disconnect was counted."""
+    deadline = time.monotonic() + 3
+    while pod.cancelled == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert pod.cancelled == 1
+    assert services.router.ledger.inflight(pod.name) == 0
+    assert services.metrics.client_disconnects._value.get() == 1
+
+
 @pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
 async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream_request(http):
     # under uvicorn's own listener a task polls receive() for the disconnect; under kvroute's the
@@ -450,12 +460,7 @@ async def test_client_leaving_before_the_first_token_cancels_the_queued_upstream
             with pytest.raises(asyncio.TimeoutError):
                 await s.post(base + "/v1/completions", json=completion(stream=True),
                              timeout=aiohttp.ClientTimeout(total=0.3))
-        deadline = time.monotonic() + 3
-        while pods[0].cancelled == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert pods[0].cancelled == 1
-        assert services.router.ledger.inflight("pod-0") == 0
-        assert services.metrics.client_disconnects._value.get() == 1
+        await _upstream_cancelled_once(pods[0], services)
 
 
 @pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol], ids=["uvicorn-listener", "kvroute-listener"])
@@ -468,12 +473,7 @@ async def test_client_leaving_mid_body_of_a_whole_answer_closes_the_upstream_req
                 resp = await s.post(base + "/v1/completions", json=completion(),
                                     timeout=aiohttp.ClientTimeout(total=0.5))
                 await resp.read()
-        deadline = time.monotonic() + 3
-        while pods[0].cancelled == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert pods[0].cancelled == 1
-        assert services.router.ledger.inflight("pod-0") == 0
-        assert services.metrics.client_disconnects._value.get() == 1
+        await _upstream_cancelled_once(pods[0], services)
 
 
 async def test_a_pod_that_cannot_be_reached_is_named_by_id_not_by_address():
