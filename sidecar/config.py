@@ -31,9 +31,7 @@ class SidecarSettings(BaseSettings):
     prefill_timeout: float = Field(60.0, gt=0, description="Seconds the whole prefill leg may take")
     decode_timeout: float = Field(600.0, gt=0, description=(
         "Longest wait in seconds for the decoder's next bytes (response headers or the next chunk)"))
-    connect_timeout: float = Field(5.0, gt=0, description=(
-        "Seconds to get a connection for either leg: to open one, and to wait for a free one while "
-        "--max-connections are in use"))
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to open a connection to either leg")
     fallback_on_prefill_error: bool = Field(True, description=(
         "On a prefill connection error, timeout or 5xx, prefill locally on the decode pod instead of failing"))
     prefill_scheme: Literal["http", "https"] = Field("http", description=(

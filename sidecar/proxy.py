@@ -394,10 +394,8 @@ class SidecarApp:
             extra["ssl"] = self.prefill_ssl
             if target.ip is None:  # connecting to the checked address: verify the certificate against the name
                 extra["server_hostname"] = target.host
-        # connect: opening a connection or waiting for a free one in the pool (--max-connections), as on
-        # the decode leg; total bounds the whole leg, both of those included
-        timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, connect=self.settings.connect_timeout,
-                                        sock_connect=self.settings.connect_timeout)
+        # total bounds the whole leg: a wait for a free pooled connection (--max-connections) included
+        timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout, sock_connect=self.settings.connect_timeout)
         limit = self.settings.max_prefill_answer_bytes
         started = time.perf_counter()
         result = PrefillResult("bad_response")
@@ -480,8 +478,10 @@ class SidecarApp:
             headers.append(("X-Request-Id", rid))
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
             headers.append(("Accept-Encoding", "identity"))
-        # connect: opening a connection or waiting for a free one in the pool (--max-connections)
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout,
+        # sock_connect bounds opening a connection; connect, the wait for a free one in the pool
+        # (--max-connections) too, by the decode timeout, the longest this leg waits for anything. Not by
+        # the connect timeout: a real-vLLM P/D run once gave up on the decoder after 5 s that way
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.decode_timeout,
                                         sock_connect=self.settings.connect_timeout,
                                         sock_read=self.settings.decode_timeout)
         started = time.perf_counter()
@@ -498,10 +498,11 @@ class SidecarApp:
             return
         except aiohttp.ConnectionTimeoutError:  # a TimeoutError too, so before it: no connection, not silence
             self.metrics.legs.labels(leg, "connect_error").inc()
-            log.warning("no connection to the decoder at %s within %ss", base, self.settings.connect_timeout)
-            await _send_error(send, 503, f"no connection to the decode node within the connect timeout "
-                              f"({self.settings.connect_timeout}s, waiting for a free pooled connection "
-                              "included)", "ServiceUnavailable")
+            log.warning("no connection to the decoder at %s (connect timeout %ss, pool wait %ss)", base,
+                        self.settings.connect_timeout, self.settings.decode_timeout)
+            await _send_error(send, 503, f"no connection to the decode node: none opened within the connect "
+                              f"timeout ({self.settings.connect_timeout}s) or free in the pool within the decode "
+                              f"timeout ({self.settings.decode_timeout}s)", "ServiceUnavailable")
             return
         except TimeoutError:
             self.metrics.legs.labels(leg, "timeout").inc()
