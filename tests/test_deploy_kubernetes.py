@@ -334,6 +334,9 @@ def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rende
         assert sc["capabilities"]["drop"] == ["ALL"]
     router = container(dep, "router")
     assert router["args"][0] == "serve"
+    # Drained before SIGTERM: it keeps serving while the endpoints forget it, within the grace period.
+    pre_stop = router["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and 3 <= int(pre_stop[1]) < pod["terminationGracePeriodSeconds"] / 2
     assert {p["containerPort"] for p in router["ports"]} == {8000, 5570}
 
 
