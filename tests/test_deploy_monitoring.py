@@ -371,6 +371,47 @@ def test_operator_monitors_find_the_ports_the_manifests_declare():
         assert bool(chosen) == (overlay == "vllm-pd")
 
 
+def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str]:
+    """Prometheus target relabeling (replace, keep, labeldrop), rules in the Operator's camelCase."""
+    labels = dict(labels)
+    for rule in rules:
+        action = rule.get("action", "replace")
+        regex = re.compile(f"^(?:{rule.get('regex', '(.*)')})$")
+        value = rule.get("separator", ";").join(labels.get(s, "") for s in rule.get("sourceLabels", []))
+        if action == "labeldrop":
+            labels = {k: v for k, v in labels.items() if not regex.match(k)}
+        elif action == "keep":
+            if not regex.match(value):
+                return {}
+        elif action == "replace":
+            m = regex.match(value)
+            if m:
+                labels[rule["targetLabel"]] = m.expand(rule.get("replacement", "$1").replace("$", "\\"))
+    return labels
+
+
+def test_router_service_monitor_keeps_the_routers_own_pod_label():
+    """The Operator puts namespace, service, pod and container target labels on every ServiceMonitor
+    target before the endpoint's own relabelings, and without honorLabels a target label renames the
+    scraped label of the same name (``exported_pod``): the router's ``pod`` (the model pod its
+    kvroute_pod_* and kvroute_requests_total series describe) would become the replica's name, and
+    every ``by (pod)`` alert and panel would group router replicas."""
+    endpoint = yaml.safe_load((PROM / "operator" / "servicemonitor-router.yaml").read_text())["spec"]["endpoints"][0]
+    meta = {"__meta_kubernetes_namespace": "kvroute", "__meta_kubernetes_service_name": "kvroute-router",
+            "__meta_kubernetes_pod_name": "kvroute-router-7d9f-abcde", "__meta_kubernetes_pod_container_name": "router"}
+    operator = [{"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
+                {"sourceLabels": ["__meta_kubernetes_service_name"], "targetLabel": "service"},
+                {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "pod"},
+                {"sourceLabels": ["__meta_kubernetes_pod_container_name"], "targetLabel": "container"},
+                {"targetLabel": "endpoint", "replacement": endpoint["port"]}]
+    target = {k: v for k, v in relabel(meta, operator + endpoint.get("relabelings", [])).items()
+              if not k.startswith("__")}
+    assert target["kubernetes_pod_name"] == "kvroute-router-7d9f-abcde" and target["job"] == "kvroute-router"
+    # every label the router's series carry themselves wins over the target's
+    router_labels = {"pod", "policy", "status", "reason", "cause", "kind", "state", "change", "outcome"}
+    assert endpoint.get("honorLabels") or not router_labels & set(target), sorted(router_labels & set(target))
+
+
 # ---------------------------------------------------------------------------------------------
 # A real Prometheus with the shipped Kubernetes scrape config
 # ---------------------------------------------------------------------------------------------
@@ -474,3 +515,22 @@ def test_real_prometheus_with_the_kubernetes_config_scrapes_router_sidecar_and_p
         assert all(r["health"] in ("ok", "unknown") for r in loaded), [(r["name"], r.get("lastError")) for r in loaded]
     finally:
         stop_process(proc)
+
+
+def test_the_routing_time_histogram_resolves_slow_decisions():
+    """The dashboard's routing p99 is histogram_quantile over kvroute_routing_seconds: with 0.1 s as
+    the highest bucket, a 0.3 s or a 2 s decision (a big prompt tokenized on the loop, a stalled
+    loop) both read as 0.1 s."""
+    from router.metrics import RouterMetrics
+
+    def p99(seconds: float) -> float:
+        m = RouterMetrics()
+        for _ in range(100):
+            m.routing_seconds.observe(seconds)
+        bounds = [float(s.labels["le"]) for fam in m.registry.collect() if fam.name == "kvroute_routing_seconds"
+                  for s in fam.samples if s.name.endswith("_bucket") and s.value >= 99]
+        return min(bounds)  # the bucket histogram_quantile interpolates in (+Inf: its highest finite bound)
+
+    assert p99(0.001) <= 0.001
+    assert 0.25 <= p99(0.3) <= 0.5
+    assert 1.0 <= p99(2.0) < float("inf")
