@@ -48,6 +48,7 @@ class FakeKube:
         self.watches = 0
         self.refuse_next_watch_with_410 = False
         self.fail_next_watches = 0
+        self.end_watches_at_once = False
         self.port = free_port()
         self.runner: web.AppRunner | None = None
 
@@ -129,6 +130,8 @@ class FakeKube:
             return web.json_response({"kind": "Status", "code": 410, "reason": "Expired"}, status=410)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
+        if self.end_watches_at_once:  # a proxy or API server that closes every watch stream at once
+            return resp
         if since < self.compacted:
             status = {"kind": "Status", "status": "Failure", "code": 410, "reason": "Expired",
                       "message": f"too old resource version: {since} ({self.compacted})"}
@@ -480,3 +483,20 @@ async def test_a_failing_watch_is_retried_with_backoff_and_converges(sims, kube,
         await until(lambda: set(services.registry.pods) == {"sim-a", "sim-b"}, what="sim-b after the failures")
         assert services.fleet_sync.stats.errors.get("http_500") == 3
         assert kube.fail_next_watches == 0
+
+
+async def test_a_watch_the_server_ends_at_once_is_opened_again_with_backoff_not_in_a_tight_loop(sims, kube, token):
+    """A 200 watch stream that ends at once (a proxy closing it, an API server restarting) is not an
+    error, but opening it again at once made thousands of watch requests a second."""
+    (url_a, ev_a), (url_b, ev_b), _ = sims
+    kube.put(pod_object("sim-a", url_a, ev_a))
+    async with running_router(settings_for(kube, token)) as (base, services):
+        await until(lambda: kube.open_watches, what="a watch")
+        kube.end_watches_at_once = True
+        kube.drop_watches()
+        watches = kube.watches
+        await asyncio.sleep(2.0)
+        assert kube.watches - watches < 30, kube.watches - watches
+        kube.end_watches_at_once = False
+        kube.put(pod_object("sim-b", url_b, ev_b))
+        await until(lambda: set(services.registry.pods) == {"sim-a", "sim-b"}, what="sim-b once watches stay open")

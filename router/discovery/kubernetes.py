@@ -214,9 +214,14 @@ class KubernetesDiscovery:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
+            started = time.monotonic()
             try:
                 await asyncio.wait_for(self.watch_once(), remaining)
-                backoff = 0.1
+                if time.monotonic() - started >= 1.0:  # a watch that ran its course
+                    backoff = 0.1
+                else:  # ended at once: a server (or proxy) that closes every watch must not be hammered
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(self.backoff_max_s, backoff * 2)
             except Gone:
                 self.stats.gone += 1
                 log.info("watch resourceVersion %s expired (410 Gone); re-listing", self.resource_version)
