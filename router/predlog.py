@@ -17,6 +17,7 @@ model), "model_s" (the calibrated model before it), "low_s", "high_s" (the inter
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import IO, Any
 
@@ -29,9 +30,10 @@ class PredictionLog:
     def __init__(self, path: str, max_bytes: int):
         self.path = path
         self.max_bytes = max_bytes
-        self.written = 0
         # unbuffered: one write(2) per line (a few microseconds), so a reader sees each line at once
         self._file: IO[bytes] | None = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the router's life
+        # appended to: what earlier runs wrote counts, so restarts cannot grow the file past max_bytes
+        self.written = os.fstat(self._file.fileno()).st_size
 
     def write(self, booking: Any, observed_s: float) -> None:
         f = self._file

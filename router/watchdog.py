@@ -61,7 +61,10 @@ class EventSilenceWatchdog:
     def check(self) -> list[str]:
         """One look at every pod; returns the pods whose entries were dropped now."""
         now, dropped = self.clock(), []
-        for pod, batches in self._batches().items():
+        per_pod = self._batches()
+        for pod in [p for p in self._seen if p not in per_pod]:  # left the fleet: forget it (pods churn)
+            del self._seen[pod]
+        for pod, batches in per_pod.items():
             requests = self.requests_to(pod)
             seen = self._seen.get(pod)
             if seen is None or batches != seen.batches:

@@ -70,3 +70,45 @@ def test_an_idle_pod_keeps_its_index_after_requests_that_stored_nothing_new(tmp_
             time.sleep(3.0)  # idle for three silences
             assert metric(base, "kvroute_event_silence_clears_total") == 0
             assert cached() > 0
+
+
+def test_the_prediction_log_stays_within_its_bound_across_restarts(tmp_path):
+    """The prediction log (router/predlog.py, here for want of a module of its own) is appended to:
+    a restarted router must count what earlier runs wrote, or each start adds max_bytes more."""
+    import types
+
+    from router.predlog import PredictionLog
+
+    booking = types.SimpleNamespace(pod_id="p", prefill_pod=None, mode="aggregated", work_tokens=100.0,
+                                    cached_tokens=16, new_blocks=2, running=1, predicted_ttft_s=0.1,
+                                    model_ttft_s=0.1, ttft_low_s=0.05, ttft_high_s=float("inf"))
+    path = tmp_path / "predictions.jsonl"
+    for _ in range(3):  # three runs of the router
+        log = PredictionLog(str(path), 2_000)
+        for _ in range(100):
+            log.write(booking, 0.1)
+        log.close()
+    assert 1_000 < path.stat().st_size <= 2_000
+
+
+def test_pods_that_left_are_forgotten_and_one_that_comes_back_is_watched_afresh():
+    """Rollouts replace every pod: the watchdog's memory follows the fleet instead of growing with
+    every pod it ever saw, and a pod id that returns (a DNS-discovered IP) starts a new silence."""
+    fleet, now, cleared = {"p"}, [0.0], []
+    requests = {"p": 0.0}
+    dog = EventSilenceWatchdog(lambda: {f"{p}@e": {"pod_id": p, "batches": 0} for p in fleet}, cleared.append,
+                               lambda pod: requests.get(pod, 0.0), silence_s=3.0, registry=CollectorRegistry(),
+                               clock=lambda: now[0])
+    assert dog.check() == []
+    now[0], requests["p"] = 5.0, 5.0
+    assert dog.check() == ["p"]
+    for rollout in range(50):
+        fleet = {f"pod-{rollout}-{i}" for i in range(4)}
+        dog.check()
+    assert len(dog._seen) == 4
+    fleet = {"p"}                          # the old id is back, a new pod that has not published yet
+    now[0] = 6.0
+    assert dog.check() == []
+    now[0], requests["p"] = 10.0, 10.0
+    assert dog.check() == ["p"]            # its own silence is noticed
+    assert cleared == ["p", "p"]
