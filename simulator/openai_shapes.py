@@ -23,12 +23,34 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permiss
 MAX_TOKEN_ID = 2**32 - 1
 
 
+# the ``type`` vLLM's FastAPI handler gives a request that fails its pydantic model (bad JSON, a field
+# of the wrong type): ``HTTPStatus.BAD_REQUEST.phrase`` (vllm/entrypoints/serve/exception_handling/
+# handlers/validation.py), not the "BadRequestError" of the checks in its serving code
+VALIDATION_TYPE = "Bad Request"
+
+# vLLM's CompletionRequest.max_tokens default (vllm/entrypoints/openai/completion/protocol.py)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 class ShapeError(ValueError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.err_type = err_type  # None: ERROR_TYPES[status]
+
+
+def invalid(key: str, message: str) -> ShapeError:
+    """A field that vLLM's pydantic request model would refuse: 400 "Bad Request", param ``body.<key>``
+    (the cleaned ``loc`` of its first validation error)."""
+    return ShapeError(message, param=f"body.{key}", err_type=VALIDATION_TYPE)
+
+
+def validation_message(error: dict) -> str:
+    """vLLM's message for one request-validation error: ``1 validation error:`` and the error dict
+    (``validation_exception_handler``, with its ``loc`` joined by dots)."""
+    return f"1 validation error:\n  {error}"
 
 
 @dataclass
@@ -48,6 +70,7 @@ class GenRequest:
     min_tokens: int = 0
     cache_salt: str | None = None   # folded into the first block's hash, as vLLM does
     lora: str | None = None         # the LoRA adapter the request named as its model
+    return_token_ids: bool = False  # vLLM's extra: prompt_token_ids / token_ids in the answer
 
 
 def _is_int(v: Any) -> bool:
@@ -59,16 +82,19 @@ def _opt(body: dict, key: str, types: tuple, what: str) -> Any:
     if v is None:
         return None
     if isinstance(v, bool) and bool not in types:
-        raise ShapeError(f"'{key}' must be {what}", param=key)
+        raise invalid(key, f"'{key}' must be {what}")
     if not isinstance(v, types):
-        raise ShapeError(f"'{key}' must be {what}", param=key)
+        raise invalid(key, f"'{key}' must be {what}")
     return v
 
 
 def _token_list(value: list, key: str) -> list[int]:
     if not all(type(t) is int for t in value):
-        raise ShapeError(f"'{key}' must be a string, a list of token ids or a list of one of those", param=key)
-    if value and (min(value) < 0 or max(value) > MAX_TOKEN_ID):
+        raise invalid(key, f"'{key}' must be a string, a list of token ids or a list of one of those")
+    for i, t in enumerate(value):
+        if t < 0:  # vLLM: list[Annotated[int, Field(ge=0)]], the first error's loc is prompt.<index>
+            raise invalid(f"{key}.{i}", f"token ids in '{key}' must be in [0, {MAX_TOKEN_ID}]")
+    if value and max(value) > MAX_TOKEN_ID:
         raise ShapeError(f"token ids in '{key}' must be in [0, {MAX_TOKEN_ID}]", param=key)
     return value
 
@@ -76,11 +102,15 @@ def _token_list(value: list, key: str) -> list[int]:
 def prompt_ids_of(body: dict, tokenizer: Tokenizer) -> list[int]:
     """The completion prompt as token ids: a string, a token-id list, or a one-element list of either."""
     prompt = body.get("prompt")
+    if prompt is None or prompt == "":
+        # CompletionRequest.validate_prompt_and_prompt_embeds, a model validator: "Bad Request"
+        raise ShapeError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt",
+                         err_type=VALIDATION_TYPE)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise ShapeError("'prompt' must not be empty", param="prompt")
+            raise ShapeError("The decoder prompt cannot be empty", param=None)
         try:
             add_special = completion_add_special_tokens(body)
         except ChatTemplateError as exc:
@@ -88,14 +118,12 @@ def prompt_ids_of(body: dict, tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, list):
         if not prompt:
-            raise ShapeError("'prompt' must not be empty", param="prompt")
+            raise ShapeError("The decoder prompt cannot be empty", param=None)
         if isinstance(prompt[0], (str, list)):
             raise ShapeError("batched prompts (more than one per request) are not supported by the simulator",
                              param="prompt")
         return _token_list(prompt, "prompt")
-    if prompt is None:
-        raise ShapeError("'prompt' is required", param="prompt")
-    raise ShapeError("'prompt' must be a string, a list of token ids or a list of one of those", param="prompt")
+    raise invalid("prompt", "'prompt' must be a string, a list of token ids or a list of one of those")
 
 
 def chat_ids_of(body: dict, tokenizer: Tokenizer, api: str = "chat") -> list[int]:
@@ -116,27 +144,34 @@ def chat_ids_of(body: dict, tokenizer: Tokenizer, api: str = "chat") -> list[int
 def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, max_model_len: int,
                      default_max_tokens: int, max_prompt_tokens: int,
                      adapters: Container[str] = ()) -> GenRequest:
+    """Check a request in vLLM 0.32's order: its pydantic model first (errors typed "Bad Request"),
+    then the model name (404), the output budget against ``max_model_len``, the prompt's length, and
+    the sampling parameters (``max_tokens`` clamped to what fits, as ``get_max_tokens`` does)."""
     if not isinstance(body, dict):
-        raise ShapeError("request body must be a JSON object")
+        raise ShapeError(validation_message({
+            "type": "model_attributes_type", "loc": "body",
+            "msg": "Input should be a valid dictionary or object to extract fields from",
+            "input": f"<{type(body).__name__} of {len(body)} items>" if isinstance(body, list) else str(body)}),
+            param="body", err_type=VALIDATION_TYPE)
     name = body.get("model")
     if name is not None and not isinstance(name, str):
-        raise ShapeError("'model' must be a string", param="model")
-    if name not in (None, "", model) and name not in adapters:
-        raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        raise invalid("model", "'model' must be a string")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise ShapeError("'stream' must be a boolean", param="stream")
+        raise invalid("stream", "'stream' must be a boolean")
     stream_options = body.get("stream_options")
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise ShapeError("'stream_options' must be an object", param="stream_options")
-        if not stream:
-            raise ShapeError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    if stream_options and not stream:  # vLLM's validator tests truthiness: {} passes
+        raise ShapeError("Stream options can only be defined when `stream=True`.", param="stream_options",
+                         err_type=VALIDATION_TYPE)
     n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n < 1):
-        raise ShapeError("'n' must be a positive integer", param="n")
+    if n is not None and not _is_int(n):
+        raise invalid("n", "'n' must be an integer")
+    if n is not None and n < 1:
+        raise ShapeError(f"n must be at least 1, got {n}.", param="n")
     if n not in (None, 1):
         raise ShapeError("n > 1 is not supported by the simulator", param="n")
     for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
@@ -145,99 +180,178 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         _opt(body, key, (bool,), "a boolean")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
-        raise ShapeError("'kv_transfer_params' must be an object or null", param="kv_transfer_params")
+        raise invalid("kv_transfer_params", "'kv_transfer_params' must be an object or null")
     request_id = _opt(body, "request_id", (str,), "a string")
     salt = body.get("cache_salt")
+    # validate_cache_salt (vllm/entrypoints/generate/base/protocol.py), run by a model validator: the
+    # error is typed "Bad Request" and names the parameter itself
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ShapeError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
-
+        raise ShapeError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt",
+                         err_type=VALIDATION_TYPE)
+    if salt is not None and (len(salt) > 128 or any(ch in "@/\\\0" for ch in salt)):
+        raise ShapeError("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+                         "'/', '\\\\', or NUL.", param="cache_salt", err_type=VALIDATION_TYPE)
     max_tokens = _opt(body, "max_tokens", (int,), "an integer")
+    budget_param = "max_tokens"
     if kind == "chat":
         mct = _opt(body, "max_completion_tokens", (int,), "an integer")
         if mct is not None:
-            max_tokens = mct
-    if max_tokens is not None and max_tokens < 1:
-        raise ShapeError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    min_tokens = _opt(body, "min_tokens", (int,), "an integer")
-    if min_tokens is not None and (min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens)):
-        raise ShapeError("min_tokens must be greater than or equal to 0 and less than or equal to max_tokens",
-                         param="min_tokens")
+            max_tokens, budget_param = mct, "max_completion_tokens"
+    asked = max_tokens is not None   # the client set the budget: the simulated model never stops early
+    if kind == "completion" and "max_tokens" not in body:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS   # CompletionRequest.max_tokens = 16 (null: no limit)
+    min_tokens = _opt(body, "min_tokens", (int,), "an integer") or 0
 
+    # the serving layer: model, then TokenizeParams (output budget, prompt length), then SamplingParams
+    if name not in (None, "", model) and name not in adapters:
+        raise ShapeError(f"The model `{name}` does not exist. Valid aliases: {model}.", status=404, param="model")
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ShapeError(f"{budget_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                         f"Please request fewer output tokens.", param=budget_param)
+    text_prompt = kind == "chat" or not isinstance(body.get("prompt"), list) or (
+        len(body["prompt"]) == 1 and isinstance(body["prompt"][0], str))
     ids = prompt_ids_of(body, tokenizer) if kind == "completion" else chat_ids_of(body, tokenizer)
     n_prompt = len(ids)
-    if n_prompt >= max_model_len:  # at least one output token must fit
+    if n_prompt > max_model_len:
+        # a text prompt is tokenized with truncation to max_model_len + 1 tokens: "at least" that many
+        said = f"at least {max_model_len + 1}" if text_prompt else str(n_prompt)
         raise ShapeError(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                         f"request has {n_prompt} input tokens. Please reduce the length of the input "
-                         f"messages.", param="messages" if kind == "chat" else "prompt")
+                         f"prompt contains {said} input tokens, which exceeds this limit even without any "
+                         f"output tokens. Please reduce the length of the input prompt.", param="input_tokens")
+    room = max_model_len - n_prompt
+    # get_max_tokens: what is asked, clamped to what fits (finishing 'length' there); nothing asked:
+    # up to max_model_len, and the simulated model stops ('stop') after default_max_tokens
+    limit = room if max_tokens is None else min(room, max_tokens)
+    if limit < 1:
+        raise ShapeError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
+    if min_tokens < 0:
+        raise ShapeError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > limit:
+        raise ShapeError(f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.")
+    ignore_eos = bool(body.get("ignore_eos"))
+    natural = max(default_max_tokens, min_tokens)   # where the simulated model samples its EOS
+    if asked:
+        max_tokens, capped = limit, True
+    elif natural >= limit:
+        max_tokens, capped = limit, True
+    else:
+        max_tokens, capped = natural, ignore_eos
     if n_prompt > max_prompt_tokens:
         raise ShapeError(f"The prompt ({n_prompt} tokens) needs more KV blocks than this pod has "
                          f"({max_prompt_tokens} tokens).", param="prompt")
-    if max_tokens is None:
-        capped = False
-        max_tokens = max(1, min(default_max_tokens, max_model_len - n_prompt))
-    else:
-        capped = True
-        if n_prompt + max_tokens > max_model_len:
-            raise ShapeError(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-                             f"model's maximum context length is {max_model_len} tokens and your request "
-                             f"has {n_prompt} input tokens ({max_tokens} > {max_model_len} - {n_prompt}).",
-                             param="max_tokens")
-    if body.get("ignore_eos"):
-        capped = True
     if n_prompt + max_tokens > max_prompt_tokens:
         raise ShapeError(f"The prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV blocks "
                          f"than this pod has ({max_prompt_tokens} tokens).", param="max_tokens")
-    # vLLM 0.32 StreamOptions: include_usage and continuous_usage_stats both default to false
+    # vLLM 0.32 should_include_usage: include_usage and continuous_usage_stats both default to false
     include_usage = bool(stream_options.get("include_usage")) if stream_options else False
     continuous = (include_usage and bool(stream_options.get("continuous_usage_stats", False))
                   if stream_options else False)
     return GenRequest(kind, ids, max_tokens, capped, stream, include_usage, continuous, kv, request_id,
-                      ignore_eos=bool(body.get("ignore_eos")), min_tokens=min_tokens or 0, cache_salt=salt,
-                      lora=name if name in adapters else None)
+                      ignore_eos=ignore_eos, min_tokens=min_tokens, cache_salt=salt,
+                      lora=name if name in adapters else None, return_token_ids=bool(body.get("return_token_ids")))
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, details: bool = True) -> dict:
-    """vLLM's usage object; ``prompt_tokens_details`` only with ``details`` (vLLM's
-    --enable-prompt-tokens-details), else null as vLLM sends it."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, details: bool = True,
+          created_cache_tokens: int | None = None) -> dict:
+    """vLLM's ``UsageInfo`` as a whole answer dumps it (every field): ``prompt_tokens_details`` only
+    with ``details`` (vLLM's --enable-prompt-tokens-details), else null; ``created_cache_tokens`` is
+    set by the chat API only (vllm/entrypoints/openai/chat_completion/serving.py
+    ``_make_prompt_tokens_details``), the completions API leaves it null."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens} if details else None}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens, "created_cache_tokens": created_cache_tokens,
+                                      "multimodal_tokens": None} if details else None,
+            "completion_tokens_details": None}
+
+
+def drop_none(obj: Any) -> Any:
+    """pydantic's ``exclude_none``: every null field left out, at any depth (lists kept as they are)."""
+    if isinstance(obj, dict):
+        return {k: drop_none(v) for k, v in obj.items() if v is not None}
+    return obj
+
+
+def running_usage(kind: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The ``usage`` of a chunk with ``continuous_usage_stats``: only the fields vLLM sets (dumped with
+    ``exclude_unset``): the output tokens so far; the chat API also sets ``completion_tokens_details``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                           "completion_tokens": completion_tokens}
+    if kind == "chat":
+        out["completion_tokens_details"] = None
+    return out
+
+
+def fingerprint(version: str, *parts: object) -> str:
+    """vLLM's default (``--fingerprint-mode full``) ``system_fingerprint``: ``vllm-<version>-<hash8>``
+    (vllm/entrypoints/serve/utils/fingerprint.py), the hash here over the pod's configuration."""
+    import hashlib
+    return f"vllm-{version}-{hashlib.sha256(repr(parts).encode()).hexdigest()[:8]}"
 
 
 def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
-                    kv_params: dict | None, created: int | None = None) -> dict:
+                    kv_params: dict | None, created: int | None = None, fingerprint: str | None = None,
+                    prompt_ids: list[int] | None = None, token_ids: list[int] | None = None) -> dict:
+    """``CompletionResponse.model_dump()``: every field, nulls included."""
     return {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": None, "prompt_logprobs": None}],
-            "service_tier": None, "system_fingerprint": None, "usage": use, "kv_transfer_params": kv_params}
+                         "stop_reason": None, "token_ids": token_ids, "prompt_logprobs": None,
+                         "prompt_token_ids": prompt_ids, "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": fingerprint, "usage": use,
+            "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}
 
 
 def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
-              kv_params: dict | None, created: int | None = None) -> dict:
+              kv_params: dict | None, created: int | None = None, fingerprint: str | None = None,
+              prompt_ids: list[int] | None = None, token_ids: list[int] | None = None) -> dict:
+    """``ChatCompletionResponse.model_dump()``: every field, nulls included, but the message's
+    ``tool_calls`` left out when empty (``ChatMessage._serialize``); its reasoning is ``reasoning``."""
     return {"id": rid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
             "choices": [{"index": 0,
                          "message": {"role": "assistant", "content": text, "refusal": None,
                                      "annotations": None, "audio": None, "function_call": None,
-                                     "tool_calls": [], "reasoning_content": None},
-                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
-            "service_tier": None, "system_fingerprint": None, "usage": use, "prompt_logprobs": None,
-            "kv_transfer_params": kv_params}
+                                     "reasoning": None},
+                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+                         "token_ids": token_ids, "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": fingerprint, "usage": use, "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids, "prompt_text": None, "kv_transfer_params": kv_params,
+            "ec_transfer_params": None, "metrics": None}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     prompt_ids: list[int] | None = None, token_ids: list[int] | None = None) -> dict:
+    """A ``CompletionStreamResponse`` dumped with ``exclude_unset``: the choice's ``stop_reason``,
+    ``prompt_token_ids`` and ``token_ids`` are set (null unless ``return_token_ids``)."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": None}]}
+                         "stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": token_ids}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_role_chunk(rid: str, model: str, created: int, prompt_ids: list[int] | None = None) -> dict:
+    """The first chat chunk (``exclude_unset``): the role, empty content, and the response-level
+    ``prompt_token_ids`` / ``prompt_text`` vLLM sets on it (null unless asked for)."""
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}],
+            "prompt_token_ids": prompt_ids, "prompt_text": None}
 
 
-def usage_chunk(rid: str, model: str, created: int, kind: str, use: dict) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               token_ids: list[int] | None = None) -> dict:
+    """A token chunk (``exclude_unset``): ``token_ids`` is set on every one, ``stop_reason`` on the
+    one that finishes."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, created: int, kind: str, use: dict, fingerprint: str | None = None) -> dict:
+    """The final usage chunk, dumped with ``exclude_none``: no null field at all (so no
+    ``prompt_tokens_details`` without --enable-prompt-tokens-details); ``system_fingerprint`` on it."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+    return drop_none({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                      "usage": use, "system_fingerprint": fingerprint})
 
 
 def models_body(model: str, max_model_len: int, created: int, adapters: Mapping[str, str] | None = None) -> dict:

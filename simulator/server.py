@@ -39,16 +39,21 @@ from simulator.metrics import PodMetrics, merge_expositions
 from simulator.nixl import LeaseTable, decode_params_problem, producer_params, remote_read
 from simulator.openai_shapes import (
     ERROR_TYPES,
+    VALIDATION_TYPE,
     GenRequest,
     ShapeError,
     chat_body,
     chat_chunk,
+    chat_role_chunk,
     completion_body,
     completion_chunk,
+    fingerprint,
     models_body,
     parse_generation,
+    running_usage,
     usage,
     usage_chunk,
+    validation_message,
 )
 from simulator.publisher import EventPublisher
 from simulator.request import FINISH, SimRequest
@@ -57,6 +62,7 @@ from simulator.settings import SimSettings
 log = logging.getLogger("kvroute.sim")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+VLLM_VERSION = "0.33.0"   # what /version answers and system_fingerprint names
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -89,6 +95,8 @@ class Pod:
         self.tokenizer = tokenizer
         self.http = http
         self.created = int(time.time())
+        self.fingerprint = fingerprint(VLLM_VERSION, s.model, s.max_model_len, s.block_size, s.num_gpu_blocks,
+                                       s.prefix_caching_hash_algo)
         cache_info = {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
                       "enable_prefix_caching": "True", "cache_dtype": "auto", "prefix_caching_hash_algo": "sha256",
                       "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
@@ -194,16 +202,33 @@ async def respond_json(send: Send, status: int, obj: Any, extra: Sequence[tuple[
 
 
 async def respond_error(send: Send, status: int, message: str, param: str | None = None,
-                        extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    body = error_body(status, message, param, err_type=ERROR_TYPES.get(status, "Error"))
+                        extra: Sequence[tuple[bytes, bytes]] = (), err_type: str | None = None) -> None:
+    body = error_body(status, message, param, err_type=err_type or ERROR_TYPES.get(status, "Error"))
     await respond(send, status, body, JSON_HEADERS + list(extra))
 
 
 def parse_json(raw: bytes) -> Any:
+    """The JSON body; what FastAPI makes of a bad one in vLLM: a request-validation error ("Bad
+    Request") naming ``body.<offset>`` (``json_invalid``, fastapi/routing.py) or ``body`` (none)."""
+    if not raw.strip():
+        raise ShapeError(validation_message({"type": "missing", "loc": "body", "msg": "Field required",
+                                             "input": "None"}), param="body", err_type=VALIDATION_TYPE)
     try:
         return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ShapeError(f"JSON decode error: {exc}") from exc
+    except orjson.JSONDecodeError:
+        import json
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError as exc:   # Python's message and offset, as FastAPI reports them
+            msg, pos = exc.msg, exc.pos
+        except ValueError as exc:
+            msg, pos = str(exc), 0
+        else:
+            msg, pos = "Invalid JSON", 0
+        raise ShapeError(validation_message({"type": "json_invalid", "loc": f"body.{pos}",
+                                             "msg": "JSON decode error", "input": "<dict of 0 items>",
+                                             "ctx": {"error": msg}}),
+                         param=f"body.{pos}", err_type=VALIDATION_TYPE) from None
 
 
 async def read_tokenizer_request(scope: dict, receive: Receive, model: str, adapters: Container[str] = ()) -> dict:
@@ -214,7 +239,7 @@ async def read_tokenizer_request(scope: dict, receive: Receive, model: str, adap
         raise ShapeError("request body must be a JSON object")
     name = body.get("model")
     if name not in (None, "", model) and name not in adapters:
-        raise ShapeError(f"The model `{name}` does not exist.", status=404, param="model")
+        raise ShapeError(f"The model `{name}` does not exist. Valid aliases: {model}.", status=404, param="model")
     return body
 
 
@@ -262,7 +287,7 @@ def build_app(pod: Pod):
 
     @route("GET", "/version")
     async def version(scope, receive, send):
-        await respond_json(send, 200, {"version": "0.33.0"})
+        await respond_json(send, 200, {"version": VLLM_VERSION})
 
     @route("GET", "/metrics")
     async def metrics(scope, receive, send):
@@ -367,7 +392,7 @@ def build_app(pod: Pod):
         try:
             await handler(scope, receive, send)
         except ShapeError as exc:
-            await respond_error(send, exc.status, exc.message, exc.param)
+            await respond_error(send, exc.status, exc.message, exc.param, err_type=exc.err_type)
         except (SimulatedDrop, ConnectionResetError):
             raise
         except Exception as exc:  # never a stack trace to the client
@@ -549,8 +574,24 @@ async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
     req.remote_tokens = req.n_prompt - 1  # the last prompt token is recomputed locally for logits
 
 
-def _usage_of(req: SimRequest, details: bool) -> dict:
-    return usage(req.n_prompt, req.num_output, req.cached_tokens, details)
+def _reported_cached(req: SimRequest, kv: dict | None) -> int:
+    """The ``cached_tokens`` vLLM 0.32 reports: on a decode leg whose params carry the prefill's
+    ``remote_prefill_cached_tokens`` (an int), that number, the prefill pod's own hits, not the
+    transferred tokens (vllm/v1/engine/output_processor.py ``RequestState.from_new_request`` and
+    ``num_cached_tokens = remote_prefill_cached_tokens``); else this engine's hits."""
+    if kv and kv.get("do_remote_prefill"):
+        cached = kv.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int):
+            return cached
+    return req.cached_tokens
+
+
+def _usage_of(req: SimRequest, gen: GenRequest, details: bool, block_size: int) -> dict:
+    created = None
+    if gen.kind == "chat":
+        # PrefillStats.finalize: prompt tokens in this request's full cached blocks, less its hits
+        created = max(0, min(req.n_prompt // block_size * block_size, req.n_prompt) - req.cached_tokens)
+    return usage(req.n_prompt, req.num_output, _reported_cached(req, gen.kv_transfer_params), details, created)
 
 
 def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
@@ -584,8 +625,11 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
                                         host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
                                         cached_tokens=req.cached_tokens)
     build = chat_body if gen.kind == "chat" else completion_body
-    use = _usage_of(req, pod.settings.enable_prompt_tokens_details)
-    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, use, kv_params))
+    use = _usage_of(req, gen, pod.settings.enable_prompt_tokens_details, pod.settings.block_size)
+    ids = gen.return_token_ids
+    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, use, kv_params,
+                              fingerprint=pod.fingerprint, prompt_ids=req.prompt if ids else None,
+                              token_ids=req.all_tokens[req.n_prompt:] if ids else None))
     headers = JSON_HEADERS + echo + _timing_headers(req)
     if faults.drop_after_chunks is not None:
         pod.metrics.faults.labels("drop").inc()
@@ -615,26 +659,40 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
                     "more_body": True})
         sent += 1
 
-    if chat:
-        await emit(chat_chunk(response_id, model, created, {"role": "assistant", "content": ""}, None))
+    ids = gen.return_token_ids
+    first = True
+    n_out = 0
     queue = req.queue
     while True:
         item = await queue.get()
         if item is FINISH:
             break
+        if first and chat:
+            # vLLM sends the role chunk with the first output, i.e. when the first token is out
+            role = chat_role_chunk(response_id, model, created, req.prompt if ids else None)
+            if gen.continuous_usage:
+                role["usage"] = running_usage("chat", req.n_prompt, 0)
+            await emit(role)
         text = pod.text_of(item)
         # FINISH is queued right after the last token, once finish_reason is set
         reason = req.finish_reason if req.finish_reason is not None and queue.qsize() == 1 else None
-        chunk = (chat_chunk(response_id, model, created, {"content": text}, reason) if chat
-                 else completion_chunk(response_id, model, created, text, reason))
-        if gen.continuous_usage:
-            chunk["usage"] = usage(req.n_prompt, 0, req.cached_tokens, pod.settings.enable_prompt_tokens_details)
+        chunk = (chat_chunk(response_id, model, created, {"content": text}, reason, [item] if ids else None)
+                 if chat else
+                 completion_chunk(response_id, model, created, text, reason,
+                                  req.prompt if ids and first else None, [item] if ids else None))
+        first = False
+        n_out += 1
+        if gen.continuous_usage:   # the output tokens so far, this chunk's included
+            chunk["usage"] = running_usage(gen.kind, req.n_prompt, n_out)
+        if reason is not None and not gen.include_usage:
+            chunk["system_fingerprint"] = pod.fingerprint  # on the terminal chunk unless a usage chunk follows
         await emit(chunk)
     if req.finish_reason == "abort":
         return
     if gen.include_usage:
         await emit(usage_chunk(response_id, model, created, gen.kind,
-                               _usage_of(req, pod.settings.enable_prompt_tokens_details)))
+                               _usage_of(req, gen, pod.settings.enable_prompt_tokens_details,
+                                         pod.settings.block_size), pod.fingerprint))
     if drop is not None and sent >= drop:
         pod.metrics.faults.labels("drop").inc()
         raise SimulatedDrop("simulated connection drop")

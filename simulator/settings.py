@@ -32,8 +32,9 @@ class SimSettings(BaseSettings):
     enable_prompt_tokens_details: bool = Field(False, description=(
         "as vLLM's --enable-prompt-tokens-details: usage carries prompt_tokens_details.cached_tokens (the "
         "prompt tokens served from the prefix cache); off, as vLLM's default, it is null"))
-    default_max_tokens: int = Field(16, ge=1, description="completion length when a request sets no "
-                                                          "max_tokens (the sim then finishes with 'stop')")
+    default_max_tokens: int = Field(16, ge=1, description="where the simulated model stops ('stop') when a "
+                                    "chat request sets no max_tokens, or a completion sets max_tokens null (a "
+                                    "completion without the field gets vLLM's default of 16, 'length')")
 
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")

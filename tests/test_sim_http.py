@@ -21,7 +21,8 @@ def pods():
 
 def test_prompt_tokens_details_are_null_unless_enabled_as_in_vllm():
     """vLLM sends ``usage.prompt_tokens_details`` only with --enable-prompt-tokens-details (off by
-    default) and null otherwise, in a whole answer and in a stream's usage chunk alike."""
+    default): null otherwise in a whole answer (``model_dump()``), and left out of a stream's usage
+    chunk, which vLLM 0.32 dumps with ``exclude_none=True`` (completion/serving.py)."""
     port = consecutive_free_ports(1)
     with kvroute_process(["sim", "--port", str(port)], ready_url=f"http://127.0.0.1:{port}/health"), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
@@ -31,7 +32,8 @@ def test_prompt_tokens_details_are_null_unless_enabled_as_in_vllm():
             assert "prompt_tokens_details" in use and use["prompt_tokens_details"] is None, use
         r = c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
         last = [line for line in r.text.splitlines() if line.startswith("data: {")][-1]
-        assert '"prompt_tokens_details":null' in last.replace(" ", ""), last
+        assert '"usage":{"prompt_tokens":40,"total_tokens":42,"completion_tokens":2}' in last, last
+        assert "null" not in last, last
 
 
 def client(base: str) -> openai.OpenAI:
@@ -97,30 +99,81 @@ def test_raw_sse_framing_and_request_id(pods):
     assert '"id":"cmpl-abc-123"' in events[0]
 
 
-@pytest.mark.parametrize("body,param", [
-    (b'{"prompt": "x", "max_tokens": ', None),                      # malformed JSON
-    (b'[1, 2, 3]', None),                                           # not an object
-    (b'{"prompt": 42}', "prompt"),                                  # wrong prompt type
-    (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens"),        # wrong type
-    (b'{"prompt": "x", "stream": "yes"}', "stream"),                # wrong type
-    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
-    (b'{"prompt": [1, -2, 3]}', "prompt"),                          # bad token id
-    (b'{"prompt": "' + b"a" * 5000 + b'"}', "prompt"),              # longer than max_model_len
-    (b'{"prompt": "' + b"a" * 4000 + b'", "max_tokens": 200}', "max_tokens"),
+@pytest.mark.parametrize("body,param,err_type", [
+    # what vLLM 0.32's pydantic request model refuses: FastAPI's handler types it "Bad Request" and
+    # names the field as body.<loc> (serve/exception_handling/handlers/validation.py)
+    (b'{"prompt": "x", "max_tokens": ', "body.30", "Bad Request"),  # malformed JSON: body.<offset>
+    (b'[1, 2, 3]', "body", "Bad Request"),                         # not an object
+    (b'', "body", "Bad Request"),                                  # no body
+    (b'{"prompt": 42}', "body.prompt", "Bad Request"),             # wrong prompt type
+    (b'{"prompt": "x", "max_tokens": "ten"}', "body.max_tokens", "Bad Request"),
+    (b'{"prompt": "x", "stream": "yes"}', "body.stream", "Bad Request"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "Bad Request"),
+    (b'{"prompt": [1, -2, 3]}', "body.prompt.1", "Bad Request"),  # token ids are Field(ge=0)
+    (b'{"prompt": ""}', "prompt", "Bad Request"),
+    # what its serving code refuses (VLLMValidationError): "BadRequestError"
+    (b'{"prompt": "' + b"a" * 5000 + b'"}', "input_tokens", "BadRequestError"),  # longer than max_model_len
+    (b'{"prompt": "x", "max_tokens": 5000}', "max_tokens", "BadRequestError"),   # more than max_model_len
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "BadRequestError"),
+    (b'{"prompt": [1, 2, 3], "max_tokens": 5, "min_tokens": 6}', None, "BadRequestError"),
 ])
-def test_bad_input_gets_vllm_error_shape(pods, body, param):
+def test_bad_input_gets_vllm_error_shape(pods, body, param, err_type):
     r = httpx.post(pods[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"]
+    assert err["type"] == err_type and err["code"] == 400 and err["message"]
     assert err["param"] == param
+
+
+def test_error_messages_are_vllms(pods):
+    """vLLM 0.32's words for the refusals a client most often meets (max_model_len 4096 here)."""
+    def err(body: dict, path: str = "/v1/completions") -> dict:
+        r = httpx.post(pods[0] + path, json=body)
+        assert r.status_code in (400, 404), r.text
+        return r.json()["error"]
+
+    # renderers/params.py TokenizeParams.__post_init__
+    assert err({"prompt": "x", "max_tokens": 5000})["message"] == (
+        "max_tokens=5000 cannot be greater than max_model_len=4096. Please request fewer output tokens.")
+    chat = err({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
+               "/v1/chat/completions")
+    assert chat["param"] == "max_completion_tokens" and chat["message"].startswith("max_completion_tokens=5000 ")
+    # renderers/params.py _token_len_check: a token-id prompt says its length; a text prompt was
+    # tokenized with truncation to max_model_len + 1, so "at least" that
+    assert err({"prompt": [1] * 4100})["message"] == (
+        "This model's maximum context length is 4096 tokens. However, your prompt contains 4100 input tokens, "
+        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.")
+    assert "your prompt contains at least 4097 input tokens" in err({"prompt": "a" * 5000})["message"]
+    # a prompt of exactly max_model_len leaves get_max_tokens 0: SamplingParams refuses it
+    assert err({"prompt": [1] * 4096, "max_tokens": 1})["message"] == "max_tokens must be at least 1, got 0."
+    assert err({"prompt": [1, 2], "max_tokens": 2, "min_tokens": 3})["message"] == (
+        "min_tokens must be less than or equal to max_tokens=2, got 3.")
+    # serve/engine/serving.py _check_model
+    assert err({"model": "gpt-9", "prompt": "x"})["message"] == (
+        "The model `gpt-9` does not exist. Valid aliases: sim-model.")
+    bad = httpx.post(pods[0] + "/v1/completions", content=b'{"prompt": "x", "max_tokens": ',
+                     headers={"content-type": "application/json"}).json()["error"]
+    assert bad["message"] == ("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.30', 'msg': 'JSON "
+                              "decode error', 'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting value'}}")
+
+
+def test_max_tokens_past_the_context_is_clamped_not_refused(pods):
+    """vLLM 0.32's ``get_max_tokens`` clamps max_tokens to max_model_len - prompt length (it no longer
+    refuses the request): the answer stops there with 'length'. A completion without max_tokens gets
+    CompletionRequest's default of 16 ('length' at 16)."""
+    r = httpx.post(pods[0] + "/v1/completions", json={"prompt": [7] * 4090, "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
+    d = httpx.post(pods[0] + "/v1/completions", json={"prompt": "hi", "stream": False}).json()
+    assert d["usage"]["completion_tokens"] == 16 and d["choices"][0]["finish_reason"] == "length"
 
 
 def test_unknown_model_is_404_and_sdk_raises(pods):
     r = httpx.post(pods[0] + "/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert r.status_code == 404
-    assert r.json()["error"]["message"] == "The model `gpt-9` does not exist."
+    assert r.json()["error"]["message"] == "The model `gpt-9` does not exist. Valid aliases: sim-model."
     with pytest.raises(openai.BadRequestError):
         client(pods[0]).completions.create(model="sim-model", prompt="x" * 5000)
 
@@ -184,3 +237,111 @@ def test_port_runs_picked_before_anything_binds_them_never_overlap():
     sizes = (6, 2, 8, 1, 4) * 40
     taken = [p for base, n in zip(runs, sizes) for p in range(base, base + n)]
     assert len(taken) == len(set(taken))
+
+
+def _sse(base: str, path: str, body: dict) -> list[dict]:
+    import json
+    r = httpx.post(base + path, json=body, timeout=10)
+    lines = [line for line in r.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_continuous_usage_counts_the_output_so_far_as_vllm(pods):
+    """vLLM 0.32 (completion/serving.py, chat_completion/serving.py): with continuous_usage_stats each
+    chunk's usage has the output tokens so far (this chunk's included), only the fields it sets
+    (exclude_unset: no prompt_tokens_details), and the chat role chunk carries usage with 0."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _sse(pods[0], "/v1/completions", {"prompt": [5] * 20, "max_tokens": 4, "stream": True,
+                                               "stream_options": opts})
+    assert [c["usage"] for c in chunks[:-1]] == [
+        {"prompt_tokens": 20, "total_tokens": 20 + k, "completion_tokens": k} for k in (1, 2, 3, 4)]
+    chat = _sse(pods[0], "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                                  "stream": True, "stream_options": opts})
+    n = chat[0]["usage"]["prompt_tokens"]
+    assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["usage"]["completion_tokens"] for c in chat[:-1]] == [0, 1, 2, 3]
+    assert chat[1]["usage"] == {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1,
+                                "completion_tokens_details": None}
+
+
+def test_stream_chunks_have_vllms_fields(pods):
+    """The keys vLLM 0.32 sets on each chunk (dumped with exclude_unset), the system_fingerprint on the
+    terminal chunk (no usage chunk) or on the usage chunk, whose nulls are all dropped."""
+    c = _sse(pods[0], "/v1/completions", {"prompt": [5] * 20, "max_tokens": 2, "stream": True})
+    assert c[0]["choices"][0] == {"index": 0, "text": c[0]["choices"][0]["text"], "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None, "prompt_token_ids": None,
+                                  "token_ids": None}
+    assert "system_fingerprint" not in c[0] and c[-1]["system_fingerprint"].startswith("vllm-")
+    chat = _sse(pods[0], "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                  "stream": True, "stream_options": {"include_usage": True}})
+    assert set(chat[0]) == {"id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"}
+    assert chat[1]["choices"][0] == {"index": 0, "delta": {"content": chat[1]["choices"][0]["delta"]["content"]},
+                                     "logprobs": None, "finish_reason": None, "token_ids": None}
+    assert chat[2]["choices"][0]["finish_reason"] == "length" and chat[2]["choices"][0]["stop_reason"] is None
+    assert "system_fingerprint" not in chat[2]   # a usage chunk follows: it carries the fingerprint
+    last = chat[-1]
+    assert last["choices"] == [] and last["system_fingerprint"].startswith("vllm-")
+    details = last["usage"].pop("prompt_tokens_details")
+    assert set(details) == {"cached_tokens", "created_cache_tokens"}   # multimodal_tokens: null, dropped
+    assert set(last["usage"]) == {"prompt_tokens", "total_tokens", "completion_tokens"}
+    # return_token_ids: the prompt's ids on the first chunk, each chunk's own ids
+    ids = _sse(pods[0], "/v1/completions", {"prompt": [5] * 20, "max_tokens": 2, "stream": True,
+                                            "return_token_ids": True})
+    assert ids[0]["choices"][0]["prompt_token_ids"] == [5] * 20 and ids[1]["choices"][0]["prompt_token_ids"] is None
+    assert all(len(x["choices"][0]["token_ids"]) == 1 for x in ids)
+
+
+def test_whole_answers_have_vllms_fields(pods):
+    """``model_dump()`` of vLLM 0.32's responses: every field, the chat message without an empty
+    ``tool_calls`` and with ``reasoning`` (not ``reasoning_content``), a system_fingerprint."""
+    out = httpx.post(pods[0] + "/v1/completions", json={"prompt": [5] * 20, "max_tokens": 2}).json()
+    assert set(out) == {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
+                        "usage", "kv_transfer_params", "ec_transfer_params", "metrics"}
+    assert set(out["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                                      "prompt_logprobs", "prompt_token_ids", "routed_experts"}
+    assert out["usage"]["completion_tokens_details"] is None
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": out["usage"]["prompt_tokens_details"]
+                                                     ["cached_tokens"], "created_cache_tokens": None,
+                                                     "multimodal_tokens": None}
+    assert out["system_fingerprint"].startswith("vllm-")
+    chat = httpx.post(pods[0] + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).json()
+    assert set(chat) == {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
+                         "usage", "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+                         "ec_transfer_params", "metrics"}
+    assert set(chat["choices"][0]["message"]) == {"role", "content", "refusal", "annotations", "audio",
+                                                  "function_call", "reasoning"}
+    assert set(chat["choices"][0]) == {"index", "message", "logprobs", "finish_reason", "stop_reason",
+                                       "token_ids", "routed_experts"}
+    assert isinstance(chat["usage"]["prompt_tokens_details"]["created_cache_tokens"], int)
+    ids = httpx.post(pods[0] + "/v1/completions",
+                     json={"prompt": [5] * 20, "max_tokens": 2, "return_token_ids": True}).json()["choices"][0]
+    assert ids["prompt_token_ids"] == [5] * 20 and len(ids["token_ids"]) == 2
+
+
+def test_chat_role_chunk_waits_for_the_first_token():
+    """vLLM sends a chat stream's first chunk (the role) with the first output, not at once: a client
+    timing the first chunk measures the time to the first token."""
+    import time
+    port = consecutive_free_ports(1)
+    with kvroute_process(["sim", "--port", str(port), "--step-overhead-s", "0.4"],
+                         ready_url=f"http://127.0.0.1:{port}/health"):
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
+                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                "stream": True}) as r:
+            first = next(r.iter_lines())
+            waited = time.monotonic() - t0
+        assert '"role":"assistant"' in first and waited >= 0.35, (first, waited)
+
+
+def test_cache_salt_is_checked_as_vllm_checks_it(pods):
+    """validate_cache_salt (vllm/entrypoints/generate/base/protocol.py, a model validator): non-empty,
+    at most 128 characters, no '@', '/', '\\\\' or NUL; the error names param cache_salt."""
+    for salt in ("", 7, "a/b", "tenant@x", "x" * 129):
+        r = httpx.post(pods[0] + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 400, salt
+        assert r.json()["error"]["param"] == "cache_salt" and r.json()["error"]["type"] == "Bad Request"
+    ok = httpx.post(pods[0] + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": "x" * 128})
+    assert ok.status_code == 200

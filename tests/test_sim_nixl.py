@@ -66,7 +66,11 @@ def test_prefill_then_decode_moves_kv_and_ends_the_lease(pair):
         assert d.status_code == 200, d.text
         out = d.json()
         assert out["usage"]["completion_tokens"] == 5 and out["kv_transfer_params"] is None
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 199  # all but the last token
+        # vLLM 0.32 reports the prefill pod's own hits (kv_transfer_params' remote_prefill_cached_tokens,
+        # 0 here: P was cold), not the 199 transferred tokens (v1/engine/output_processor.py)
+        assert kv["remote_prefill_cached_tokens"] == 0
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert d.headers["x-sim-cached-tokens"] == "199"  # the decoder did receive all but the last token
         assert metric(d_url, "kvsim_nixl_transfers_total", outcome="ok") == 1
         # vLLM 0.32 counts the whole prompt as transferred (measured: external hits = prompt tokens)
         assert metric(d_url, "vllm:external_prefix_cache_hits_total") == 200
@@ -125,7 +129,26 @@ def test_decoder_refuses_hosts_outside_the_allowlist(pair):
     flat = {**kv, "remote_block_ids": kv["remote_block_ids"][0]}
     d = httpx.post(d_url + "/v1/completions", json={"prompt": list(range(8000, 8050)), "max_tokens": 1,
                                                     "kv_transfer_params": flat})
-    assert d.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 49
+    assert d.headers["x-sim-cached-tokens"] == "49"
+
+
+def test_decode_leg_reports_the_prefill_pods_hits_as_cached_tokens(pair):
+    """vLLM 0.32: the scheduler adds ``remote_prefill_cached_tokens`` (P's prefix-cache hits) to the
+    prefill answer's params (v1/core/sched/scheduler.py), and a decode request carrying it reports that
+    number as ``prompt_tokens_details.cached_tokens`` (v1/engine/output_processor.py), whatever it
+    transferred; without it (a proxy that dropped it), the decoder's own count."""
+    p_url, d_url, _ = pair
+    prompt = list(range(9000, 9100))
+    prefill_leg(p_url, prompt)                       # warm P: the next prefill of it hits 96 tokens
+    kv = prefill_leg(p_url, prompt)["kv_transfer_params"]
+    assert kv["remote_prefill_cached_tokens"] == 96
+    d = httpx.post(d_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv})
+    assert d.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert d.headers["x-sim-cached-tokens"] == "99"
+    kv = prefill_leg(p_url, prompt)["kv_transfer_params"]
+    kv.pop("remote_prefill_cached_tokens")
+    d = httpx.post(d_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv})
+    assert d.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
 
 
 def test_a_decode_leg_waiting_for_its_read_counts_as_deferred_waiting():
