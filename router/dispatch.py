@@ -32,10 +32,10 @@ RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b
 
 # CR, LF and NUL, which would split or cut a header written out as is (one C-level search per name and value)
 _UNSENDABLE = re.compile(rb"[\r\n\0]")
-# never forwarded: hop-by-hop and internal headers (and, in upstream_headers, the request id, which
-# the router sets itself)
+# never forwarded: hop-by-hop and internal headers (and, in upstream_headers, the request id and the
+# content type, which the router sets itself)
 _NOT_FORWARDED = HOP_BY_HOP | INTERNAL
-_NEVER = _NOT_FORWARDED | {"x-request-id"}
+_NEVER = _NOT_FORWARDED | {"x-request-id", "content-type"}
 
 
 def forwardable(name: str) -> bool:
@@ -45,8 +45,12 @@ def forwardable(name: str) -> bool:
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_authorization: bool) -> dict[str, str]:
-    """The client's headers a pod may see, plus the request id. A header whose name or value holds
-    CR, LF or NUL is dropped: written out as is it would split the upstream request."""
+    """The client's headers a pod may see, plus the request id and ``content-type: application/json``.
+    A header whose name or value holds CR, LF or NUL is dropped: written out as is it would split the
+    upstream request. The content type is the router's to say: it has read the body as JSON, and vLLM
+    refuses a completion whose declared type is anything else (``validate_json_request``: 400), so a
+    client's ``curl -d`` (form-urlencoded) or a missing header would otherwise be a pod's 400 after
+    the router had booked it."""
     out: dict[str, str] = {}
     unsendable = _UNSENDABLE.search
     for k, v in raw:
@@ -58,6 +62,7 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_autho
         value = v.decode("latin-1")
         out[name] = f"{out[name]}, {value}" if name in out else value
     out["x-request-id"] = request_id
+    out["content-type"] = "application/json"
     return out
 
 

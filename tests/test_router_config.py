@@ -201,11 +201,14 @@ def test_header_filter_drops_hop_by_hop_and_internal_headers():
         assert not forwardable(name)
     for name in kept:
         assert forwardable(name)
-    # upstream_headers applies the same filter (written out there, on the hot path)
+    # upstream_headers applies the same filter (written out there, on the hot path), and says itself
+    # what the body it forwards is: JSON, whatever the client declared (vLLM refuses any other type)
     sent = [(name.upper().encode(), b"v") for name in dropped + kept]
-    assert upstream_headers(sent, "rid", drop_authorization=True) == {**dict.fromkeys(kept, "v"), "x-request-id": "rid"}
+    assert upstream_headers(sent, "rid", drop_authorization=True) == {
+        **dict.fromkeys(kept, "v"), "x-request-id": "rid", "content-type": "application/json"}
     raw = [(b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"), (b"Accept", b"a"), (b"accept", b"b")]
-    assert upstream_headers(raw, "rid", drop_authorization=True) == {"accept": "a, b", "x-request-id": "rid"}
+    assert upstream_headers(raw, "rid", drop_authorization=True) == {
+        "accept": "a, b", "x-request-id": "rid", "content-type": "application/json"}
     assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -57,3 +58,18 @@ def test_follow_ups_land_on_the_engine_holding_the_prefix(agg_engines, real_env,
             assert later[s] == [first[s]] * 2, f"session {s} left the engine holding its prefix"
         # every follow-up reused at least its system prompt on the engine that held it
         assert all(hits[n] >= 600 * list(first.values()).count(n) * 2 for n in urls)
+
+
+def test_a_body_declared_as_another_type_reaches_the_engine_as_json(agg_engines, real_env, tmp_path):
+    """vLLM refuses a completion whose Content-Type is not application/json (400); the router has read
+    the body as JSON and says so upstream, so `curl -d` (form-urlencoded) or no type at all is served."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 2}).encode()
+    direct = httpx.post(agg_engines[0].url + "/v1/completions", content=body, timeout=120,
+                        headers={"content-type": "application/x-www-form-urlencoded"})
+    assert direct.status_code == 400 and "application/json" in direct.text, direct.text
+    with running_router(tmp_path, [router_pod(e) for e in agg_engines], tokenizer=str(real_env.tokenizer)) as base:
+        for declared in ("application/x-www-form-urlencoded", "text/plain", None):
+            headers = {"content-type": declared} if declared else {}
+            r = httpx.post(base + "/v1/completions", content=body, headers=headers, timeout=120)
+            assert r.status_code == 200, (declared, r.text)
+            assert r.json()["usage"]["completion_tokens"] == 2
