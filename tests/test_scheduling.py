@@ -25,7 +25,7 @@ from router.scheduling import (
     register,
 )
 from router.scheduling.scorers import SCORERS
-from router.scheduling.snapshot import SIZE_BUCKETS, size_bucket
+from router.scheduling.snapshot import SIZE_BUCKETS, Prediction, size_bucket
 
 
 def policy(name, work_weight=0.0, affinity_bonus_ms=0.0):
@@ -644,3 +644,92 @@ def test_book_fills_every_booking_field_from_its_source():
     assert router.ledger.release(route.prefill_pod, booking.prefill_ticket)
     assert router.ledger.inflight(route.prefill_pod) == before - 1
     assert not router.ledger.release(route.prefill_pod, booking.prefill_ticket)
+
+
+def test_one_stalled_request_does_not_make_a_pod_refuse_everything():
+    """One TTFT of 60 s where ~0.1 s is usual (an adapter load, a grammar compile, a hiccup) counts as
+    at most OUTLIER_FACTOR times off: before, it moved the overhead from 5 ms to 1.2 s and the error
+    spread from 0.02 to 0.4, and the pod was predicted to miss a 0.5 s objective for hundreds of
+    requests. A pod that really is 20 times slower than the prior is still learnt."""
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200)
+    rng = random.Random(1)
+    for _ in range(300):
+        work = rng.uniform(500, 4000)
+        cal.observe("p", work, 0.005 + work / 20000 * rng.uniform(0.97, 1.03), cal.pod("p").predict(work))
+    pod = cal.pod("p")
+    cal.observe("p", 1000, 60.0, pod.predict(1000))
+    mean, sd = pod.error_model()
+    assert pod.overhead_s < 0.03 and pod.rate == pytest.approx(20000, rel=0.15) and sd < 0.2
+    model = pod.predict(2000)
+    assert Prediction(0.0, model - pod.overhead_s, pod.overhead_s, 2000, mean, sd).miss_probability(0.5) < 0.01
+    slow = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200)
+    for _ in range(100):
+        work = rng.uniform(200, 4000)
+        slow.observe("s", work, 0.005 + work / 1000)
+    assert slow.pod("s").rate == pytest.approx(1000, rel=0.1)
+
+
+def test_the_calibration_holds_over_a_long_run():
+    """The RLS covariance is kept exactly symmetric: computed as (P - k px^T) / forget, rounding left an
+    antisymmetric part that grew by 1/forget an observation, and every pod's fit diverged after about
+    10,000 observations (halflife 200)."""
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=200)
+    rng = random.Random(5)
+    for _ in range(12000):
+        work = rng.uniform(500, 4000)
+        running = rng.randint(0, 8)
+        cal.observe("p", work, 0.005 + work / 20000 + running * 0.002 + rng.gauss(0, 0.003), running=running)
+    pod = cal.pod("p")
+    assert all(pod._p[i][j] == pod._p[j][i] for i in range(3) for j in range(3))
+    assert pod.rate == pytest.approx(20000, rel=0.05)
+    assert pod.overhead_s == pytest.approx(0.005, abs=0.002)
+    assert pod.per_running_s == pytest.approx(0.002, abs=0.0005)
+
+
+def test_a_quiet_pods_batch_term_does_not_wind_up():
+    """A pod routed with nothing running beside it never moves the batch term: its variance grew by
+    1/forget an observation (NaN past the float range), and the first busy requests then took a gain
+    that drove it negative and the per-running cost wrong. It is held at the prior's."""
+    cal = Calibrator(prior_rate=20000, prior_overhead_s=0.005, halflife=20)
+    rng = random.Random(3)
+    pod = cal.pod("p")
+
+    def observe(n: int, running: int) -> None:
+        for _ in range(n):
+            work = rng.uniform(500, 4000)
+            cal.observe("p", work, 0.005 + work / 20000 + running * 0.002 + rng.gauss(0, 0.001), running=running)
+
+    observe(21000, 0)  # without the hold: 1e43 after 3,000, NaN in every parameter after 20,500
+    assert pod._p[2][2] <= 0.01 and math.isfinite(pod.overhead_s) and math.isfinite(pod.per_running_s)
+    cal.observe("p", 2000, 0.005 + 0.1 + 4 * 0.002 + 0.03, running=4)  # the first busy one, 30 ms late
+    observe(100, 4)
+    assert pod._p[2][2] > 0
+    assert pod.per_running_s == pytest.approx(0.002, abs=0.0005)
+    assert pod.predict(2000, 4) == pytest.approx(0.005 + 0.1 + 0.008, abs=0.003)
+
+
+def test_a_pod_that_left_the_fleet_is_not_learnt_again():
+    """A request's first token after its pod left (discovery) must not bring the pod's calibration
+    and event count back: with pods named anew on every rollout they grew without end."""
+    from router.config import PodConfig
+    from whatif.simulate import SimConfig, _build_router
+
+    now = [100.0]
+    router = _build_router(SimConfig(pods=2, objective_s=None), lambda: now[0])
+    model = router.registry.models()[0]
+    for gen in range(3):
+        pid = f"churn-{gen}"
+        state = router.registry.add(PodConfig(id=pid, url=f"http://{pid}:8000", model=model,
+                                              kv_events=[f"tcp://{pid}:5557"]), ready=True)
+        state.healthy = state.checked = True
+        router.track_pod(state)
+        plan = router.plan("completion", {"model": model, "prompt": list(range(gen * 1000, gen * 1000 + 600)),
+                                          "max_tokens": 4}, {})
+        booking = router.book(plan, next(c for c in plan.decision.ranked if c.pod_id == pid))
+        router.registry.remove(pid)
+        router.untrack_pod(pid)
+        now[0] += 0.2
+        router.first_token(booking)
+        router.ended(booking)
+    assert not [p for p in router.calibrator.pods if p.startswith("churn-")]
+    assert not [p for p in router.event_sources if p.startswith("churn-")]

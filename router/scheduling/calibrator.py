@@ -43,6 +43,17 @@ from dataclasses import dataclass, field
 from .snapshot import SIZE_BUCKETS, size_bucket
 
 _KT = 1000.0  # work is fitted in kilotokens to keep the two parameters on similar scales
+# an observation counts as at most this many times off its prediction (either way), in the fit and
+# in the error model: one stalled request (a LoRA load, a grammar compile, a pod's hiccup) of 60 s
+# where 0.1 s was predicted otherwise moved the overhead from 5 ms to 1.2 s and the error's spread
+# from 0.02 to 0.4, and the pod refused nearly everything for hundreds of requests. A pod that
+# really is slower is still learnt, a bounded step at a time. Predictions under
+# ``_OUTLIER_FLOOR_S`` are taken as that much for the upper bound (an overhead clamped to 0 by
+# impossibly fast answers can grow again).
+OUTLIER_FACTOR = 10.0
+_MAX_LOG_ERROR = math.log(OUTLIER_FACTOR)
+_OUTLIER_FLOOR_S = 0.01
+_P_PRIOR = (1.0, 1.0, 0.01)  # the prior's variances of (overhead_s, s_per_kilotoken, s_per_running)
 
 
 def _blend_sd(prior_sd: float, prior_n: float, var: float, n: float) -> float:
@@ -107,7 +118,7 @@ class PodCalibration:
     def __post_init__(self) -> None:
         self._theta = [self.overhead_s, _KT / self.rate, self.per_running_s]
         # a weak prior: a few observations outweigh it (the batch term starts at 0, a little firmer)
-        self._p = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.01]]
+        self._p = [[_P_PRIOR[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
 
     def predict(self, work_tokens: float, running: float = 0.0) -> float:
         return self.overhead_s + max(work_tokens, 0.0) / self.rate + max(running, 0.0) * self.per_running_s
@@ -161,6 +172,7 @@ class PodCalibration:
         if not (predicted_s > 0 and ttft_s > 0 and math.isfinite(ttft_s) and math.isfinite(predicted_s)):
             return
         r = math.log(ttft_s / predicted_s)
+        r = _MAX_LOG_ERROR if r > _MAX_LOG_ERROR else (-_MAX_LOG_ERROR if r < -_MAX_LOG_ERROR else r)
         w = max(1.0 - self.forget, 1.0 / (self.log_n + 1))
         d = r - self.log_mean
         self.log_mean += w * d
@@ -182,6 +194,8 @@ class PodCalibration:
         if not math.isfinite(ttft_s) or ttft_s < 0:
             return 0.0
         self.observe_error(predicted if predicted_s is None else predicted_s, ttft_s)
+        # the fit learns from the observation bounded to OUTLIER_FACTOR times its own prediction
+        ttft_s = min(max(ttft_s, predicted / OUTLIER_FACTOR), max(predicted, _OUTLIER_FLOOR_S) * OUTLIER_FACTOR)
         scale = 1.0
         if self.relative:  # the row and target over the TTFT (1 ms at least), times the pod's typical TTFT
             typical = self._typical
@@ -194,8 +208,23 @@ class PodCalibration:
         k = [v / denom for v in px]
         resid = ttft_s * scale - sum(t * xi for t, xi in zip(self._theta, x, strict=True))
         self._theta = [t + ki * resid for t, ki in zip(self._theta, k, strict=True)]
-        # P = (P - k x^T P) / forget; x^T P is px^T since P is symmetric
-        self._p = [[(p[i][j] - k[i] * px[j]) / self.forget for j in range(3)] for i in range(3)]
+        # P = (P - k x^T P) / forget; x^T P is px^T since P is symmetric, and it is kept exactly so:
+        # computed as it was, rounding left an antisymmetric part that the division by forget grew by
+        # 1/forget an observation, and after ~10,000 of one pod (halflife 200) the fit diverged
+        f = self.forget
+        p = [[(p[i][j] - k[i] * px[j]) / f for j in range(3)] for i in range(3)]
+        p[1][0], p[2][0], p[2][1] = p[0][1], p[0][2], p[1][2]
+        # no parameter is ever less known than the prior says: a direction the data does not move (the
+        # batch term of a pod that runs one request at a time) would otherwise grow by 1/forget an
+        # observation, past 1e13 after 10,000 (a busy observation then took a gain that lost P's
+        # precision), and overflow past 200,000
+        for i in range(3):
+            if p[i][i] > _P_PRIOR[i]:
+                s = math.sqrt(_P_PRIOR[i] / p[i][i])
+                for j in range(3):
+                    p[i][j] *= s
+                    p[j][i] *= s
+        self._p = p
         self.overhead_s = min(max(self._theta[0], 0.0), 2.0)
         s_per_kt = self._theta[1]
         rate = _KT / s_per_kt if s_per_kt > 0 else self.max_rate
