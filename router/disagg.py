@@ -10,6 +10,7 @@ allowlists read), the client-``kv_transfer_params`` strip, the sidecar's report 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -115,7 +116,7 @@ def sidecar_prefill_seconds(headers: Mapping[str, str], metrics: PDMetrics, remo
         seconds = float(raw) / 1000.0
     except ValueError:
         return None
-    if seconds < 0 or seconds != seconds:
+    if not 0.0 <= seconds < math.inf:  # negative, NaN or infinite: no duration
         return None
     metrics.prefill_observed.observe(seconds)
     return seconds

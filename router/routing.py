@@ -210,6 +210,7 @@ class Router:
         self._salts.pop(pod_id, None)
         self.ledger.forget(pod_id)
         self.calibrator.pods.pop(pod_id, None)
+        self.event_sources.pop(pod_id, None)
 
     # ---- the decision ----------------------------------------------------------------------
     def resolve_model(self, body: Mapping[str, Any]) -> str:
@@ -491,7 +492,9 @@ class Router:
             self.metrics.ttft_interval.labels(where).inc()
             if self.prediction_log is not None:
                 self.prediction_log.write(booking, ttft)
-            if not booking.remote:  # remote: learnt from the sidecar's report (observe_answer)
+            # remote: learnt from the sidecar's report (observe_answer); a pod that left the fleet
+            # meanwhile is not learnt again (its calibration would come back and stay)
+            if not booking.remote and booking.prefill_pod in self.registry.pods:
                 self.calibrator.observe(booking.prefill_pod, booking.work_tokens, ttft, booking.model_ttft_s,
                                         booking.running)
 
@@ -514,14 +517,14 @@ class Router:
         if booking.mode == "aggregated":
             return
         seconds = sidecar_prefill_seconds(headers, self.pd_metrics, booking.remote)
-        if seconds is not None:
+        if seconds is not None and booking.prefill_pod in self.registry.pods:
             self.calibrator.observe(booking.prefill_pod, booking.work_tokens, seconds)
 
     def _count_event_source(self, booking: Booking) -> None:
         """A pod that computed new full blocks has announced them (vLLM publishes BlockStored in the
         step that fills a block, before the first token): the event watchdog counts these requests,
         not all requests, since one answered wholly from cache publishes nothing."""
-        if booking.new_blocks > 0:
+        if booking.new_blocks > 0 and booking.pod_id in self.registry.pods:
             self.event_sources[booking.pod_id] = self.event_sources.get(booking.pod_id, 0) + 1
 
     # ---- introspection ---------------------------------------------------------------------

@@ -231,3 +231,38 @@ def test_decode_pods_are_ranked_by_admissions_own_test():
     assert by_id["d-risky"].ttft_s < 1.0 and by_id["d-risky"].miss_probability(1.0) > 0.25
     assert d.verdict.admitted and d.chosen.decode_pod == "d-safe"
     assert decide_pd([risky, safe], [], req(8000, objective=1.0), 10, params).chosen.decode_pod == "d-risky"
+
+
+def test_the_predicted_decider_takes_the_path_admission_would_admit():
+    """Remote is a little faster by the median but its prefill pod's predictions err widely (a 21 %
+    risk of missing 0.5 s); local on the same decode pod is safe. The decider compared medians only,
+    chose remote, and the request was refused although the decode pod could serve it."""
+    d = DecodeView(candidate=Candidate(pod_id="d0", role="decode", queue_tokens=4000, overhead_s=0.005,
+                                       log_error_sd=0.02), kv_capacity_tokens=100_000)
+    p = Candidate(pod_id="p0", role="prefill", queue_tokens=2500, overhead_s=0.005, log_error_sd=0.4)
+    params = PDParams(decider="predicted")
+    got = decide_pd([d], [p], req(4000, objective=0.5), 100, params, miss_tolerance=0.1)
+    o = got.ranked[0]
+    assert o.remote.ttft_s < o.local.ttft_s < 0.5
+    assert o.mode == "local" and got.verdict.admitted and "likely to meet" in o.reason
+    # without an objective, or when the faster path is safe too, the medians decide as before
+    assert decide_pd([d], [p], req(4000), 100, params, miss_tolerance=0.1).ranked[0].mode == "remote"
+    safe = Candidate(pod_id="p0", role="prefill", queue_tokens=2500, overhead_s=0.005, log_error_sd=0.02)
+    assert decide_pd([d], [safe], req(4000, objective=0.5), 100, params, miss_tolerance=0.1).ranked[0].mode == "remote"
+
+
+def test_a_sidecar_duration_that_is_not_finite_is_ignored():
+    """x-kvroute-prefill-ms of "inf" (or "1e400") made the prefill-leg histogram's sum infinite for good."""
+    from prometheus_client import CollectorRegistry
+
+    from router.disagg import pd_metrics, sidecar_prefill_seconds
+
+    registry = CollectorRegistry()
+    metrics = pd_metrics(registry)
+    def told(ms: str) -> dict[str, str]:
+        return {"x-kvroute-prefill": "remote", "x-kvroute-prefill-ms": ms}
+
+    for raw in ("inf", "1e400", "-Infinity", "nan", "-5"):
+        assert sidecar_prefill_seconds(told(raw), metrics, True) is None
+    assert sidecar_prefill_seconds(told("12.5"), metrics, True) == 0.0125
+    assert registry.get_sample_value("kvroute_pd_prefill_leg_seconds_sum") == 0.0125

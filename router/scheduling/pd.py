@@ -248,6 +248,16 @@ def option_for(decode: DecodeView, prefills: Sequence[Candidate], request: Reque
     best_remote = ranking[0] if ranking else None
     uncached = max(0, request.prompt_tokens - int(decode.candidate.effective_cached_tokens))
     mode, reason = decide_mode(params.decider, local, best_remote, uncached, request, params)
+    if params.decider == "predicted" and limit_s is not None and best_remote is not None and request.single_prefill:
+        # the decider compares medians; admission asks each path's risk: a path likely to meet the
+        # objective beats one that is not, or the request is refused while this pod could serve it
+        remote_path = mode == "remote"
+        if not likely_to_meet(best_remote.prediction if remote_path else local, limit_s, miss_tolerance,
+                              best_remote.ttft_s if remote_path else None) and \
+                likely_to_meet(local if remote_path else best_remote.prediction, limit_s, miss_tolerance,
+                               None if remote_path else best_remote.ttft_s):
+            mode = "local" if remote_path else "remote"
+            reason = f"{reason}; but only {mode} is likely to meet the objective"
     need = request.prompt_tokens + max(output_tokens, 0)
     free = kv_free_tokens(decode)
     ttft = best_remote.ttft_s if mode == "remote" and best_remote else local.ttft_s
