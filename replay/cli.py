@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcommon.settings import ConfigError, add_settings_arguments, settings_from_args
+from kvcommon.settings import ConfigError, add_settings_arguments, settings_error, settings_from_args
 from replay.settings import ReplaySettings
 
 DESCRIPTION = ("Replay a trace (mooncake:PATH, azure:PATH) or a synthetic workload (multiturn, shared-prefix) "
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(ReplaySettings, args)
     except (ConfigError, ValueError) as exc:
-        parser.error(str(exc))
+        parser.error(settings_error(exc))
         return 2
     from replay.runner import RunError
     from replay.workloads import TraceError

@@ -204,6 +204,7 @@ def summarize(records: Sequence[RequestRecord], *, duration: float, slo_ttft: fl
         "ttft_p99": q(ttfts, 99),
         # the same over all requests sent (nearest rank; inf when the rank falls on a rejection)
         "ttft_p50_all": q_all(50),
+        "ttft_p90_all": q_all(90),
         "ttft_p99_all": q_all(99),
         "admitted_late": (late_admitted / len(sent) if sent else None) if slo_ttft is not None else None,
         "slo_ttft": slo_ttft,

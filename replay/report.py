@@ -18,6 +18,8 @@ Definitions:
   TPOT   per request (E2E - TTFT) / (output tokens - 1), first token excluded
   ITL    every gap between consecutive streamed token chunks, pooled over requests
   E2E    time from sending the request to the end of its stream
+  TTFT, all sent  nearest-rank percentile over ALL requests sent; 'miss' when the rank falls on a
+                  rejected or failed request (the plain TTFT rows cover successful requests only)
   SLO attainment  requests with TTFT <= SLO (and TPOT <= SLO when given) / ALL requests sent;
                   rejected (429) and failed requests count as misses
   Goodput         requests meeting the SLO per second of run duration
@@ -39,6 +41,13 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def _row(name: str, value: Any, digits: int = 2) -> str:
     return f"{name:<40}{_fmt(value, digits):<10}"
+
+
+def _ms_or_miss(seconds: float | None) -> str | None:
+    """A TTFT over all requests sent, in ms; 'miss' where the rank falls on a rejected or failed request."""
+    if seconds is None:
+        return None
+    return f"{seconds * 1000:.2f}" if math.isfinite(seconds) else "miss"
 
 
 def _pct(value: float | None) -> str | None:
@@ -86,6 +95,9 @@ def format_table(summary: dict[str, Any], config: dict[str, Any] | None = None, 
         lines.append(_row(f"Median {label} (ms):", s.get(f"median_{key}_ms")))
         lines.append(_row(f"P90 {label} (ms):", s.get(f"p90_{key}_ms")))
         lines.append(_row(f"P99 {label} (ms):", s.get(f"p99_{key}_ms")))
+        if key == "ttft" and (s.get("failed") or 0):  # the rows above leave out rejected and failed requests
+            for p in (50, 90, 99):
+                lines.append(_row(f"P{p} TTFT, all sent (ms):", _ms_or_miss(s.get(f"ttft_p{p}_all"))))
     lines.append("{s:{c}^{n}}".format(s="Objective", n=WIDTH, c="-"))
     lines.append(_row("TTFT SLO (ms):", None if s.get("slo_ttft") is None else s["slo_ttft"] * 1000, 0))
     if s.get("slo_tpot") is not None:
@@ -153,6 +165,7 @@ COMPARE_ROWS: list[tuple[str, str, str]] = [
     ("median_ttft_ms", "Median TTFT (ms)", "f1"),
     ("p90_ttft_ms", "P90 TTFT (ms)", "f1"),
     ("p99_ttft_ms", "P99 TTFT (ms)", "f1"),
+    ("ttft_p99_all", "P99 TTFT all sent (ms)", "s_ms"),
     ("median_tpot_ms", "Median TPOT (ms)", "f2"),
     ("p99_tpot_ms", "P99 TPOT (ms)", "f2"),
     ("median_e2el_ms", "Median E2E (ms)", "f1"),
@@ -168,7 +181,16 @@ def _cell(value: Any, kind: str) -> str:
         return f"{100 * value:.1f}%"
     if kind == "int":
         return str(int(value))
+    if kind == "s_ms":  # seconds shown in ms; infinite when the rank falls on a rejected or failed request
+        return _ms_or_miss(value) or "-"
     return f"{value:.{int(kind[1])}f}"
+
+
+def _value(summary: dict[str, Any], key: str, kind: str) -> Any:
+    value = summary.get(key)
+    if kind == "s_ms" and key in summary and value is None and summary.get("requests"):
+        return math.inf  # JSON has no infinity: a saved miss reads back as null
+    return value
 
 
 def format_compare(results: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
@@ -177,7 +199,8 @@ def format_compare(results: Sequence[dict[str, Any]], names: Sequence[str]) -> s
     head = f"{'':<26}" + "".join(f"{n:>{width}}" for n in names)
     lines = [head, "-" * len(head)]
     for key, title, kind in COMPARE_ROWS:
-        lines.append(f"{title:<26}" + "".join(f"{_cell(r['summary'].get(key), kind):>{width}}" for r in results))
+        lines.append(f"{title:<26}" + "".join(f"{_cell(_value(r['summary'], key, kind), kind):>{width}}"
+                                              for r in results))
     pods = sorted({p for r in results for p in (r["summary"].get("per_pod") or {})})
     for pod in pods:
         lines.append(f"{'  to ' + pod:<26}" + "".join(

@@ -197,13 +197,14 @@ async def run(target: str | Sequence[str], requests: Sequence[RequestSpec], arri
     a conversation's turns land on different replicas, as behind a Service without session affinity.
     """
     n = min(len(requests), len(arrivals))
-    n = arrival_mod.cut(list(arrivals[:n]), duration=duration, max_requests=max_requests)
     specs = list(requests[:n])
     offsets = [float(a) for a in arrivals[:n]]
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    if any(b < a for a, b in zip(offsets, offsets[1:])):  # sort before cutting: the cut needs time order
         order = sorted(range(n), key=lambda i: offsets[i])
         specs = [specs[i] for i in order]
         offsets = [offsets[i] for i in order]
+    n = arrival_mod.cut(offsets, duration=duration, max_requests=max_requests)
+    specs, offsets = specs[:n], offsets[:n]
     bases = [base_url(t) for t in ([target] if isinstance(target, str) else target)]
     if not bases:
         raise RunError("no target given")
@@ -273,6 +274,8 @@ async def run(target: str | Sequence[str], requests: Sequence[RequestSpec], arri
                 rec.error = "incomplete"
             except (aiohttp.ClientError, OSError) as exc:
                 rec.error = "connection" if rec.status == 0 else f"{type(exc).__name__}"
+            except Exception as exc:  # an answer the client cannot read (bad usage, ...) is a miss, never a success
+                rec.error = f"bad_response:{type(exc).__name__}"
             finally:
                 if sem is not None:
                     sem.release()

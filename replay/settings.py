@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from replay.workloads import MAX_REQUESTS as COUNT_MAX
+from replay.workloads import MAX_TOKENS
+
 
 class ReplaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVROUTE_REPLAY_", env_nested_delimiter="__", extra="ignore")
@@ -24,45 +27,53 @@ class ReplaySettings(BaseSettings):
 
     # Workload
     workload: str = Field("multiturn", description="mooncake:PATH, azure:PATH, multiturn or shared-prefix")
-    seed: int = Field(0, description="Seed for prompts, session order and arrivals")
-    block_size: int = Field(512, description="Tokens per trace hash id (Mooncake uses 512)")
-    vocab_size: int = Field(256, description="Prompt token ids are drawn from 0..vocab-size-1")
-    system_prompts: int = Field(20, description="multiturn: number of distinct system prompts")
-    system_prompt_len: int = Field(2048, description="multiturn/shared-prefix: tokens per system prompt")
-    sessions: int = Field(400, description="multiturn: number of sessions")
-    turns: int = Field(5, description="multiturn: turns per session")
-    turn_tokens: int = Field(300, description="multiturn: new tokens each turn appends")
-    output_len: int = Field(100, description="multiturn/shared-prefix: output tokens per request")
-    num_groups: int = Field(10, description="shared-prefix: groups (distinct system prompts)")
-    prompts_per_group: int = Field(10, description="shared-prefix: questions per group")
-    question_len: int = Field(256, description="shared-prefix: tokens per question")
-    max_output_len: int | None = Field(None, description="Cap every request's output length")
+    seed: int = Field(0, ge=0, description="Seed for prompts, session order and arrivals")
+    block_size: int = Field(512, gt=0, le=MAX_TOKENS, description="Tokens per trace hash id (Mooncake uses 512)")
+    vocab_size: int = Field(256, ge=2, description="Prompt token ids are drawn from 0..vocab-size-1")
+    system_prompts: int = Field(20, gt=0, le=COUNT_MAX, description="multiturn: number of distinct system prompts")
+    system_prompt_len: int = Field(2048, ge=0, le=MAX_TOKENS,
+                                   description="multiturn/shared-prefix: tokens per system prompt")
+    sessions: int = Field(400, gt=0, le=COUNT_MAX, description="multiturn: number of sessions")
+    turns: int = Field(5, gt=0, le=COUNT_MAX, description="multiturn: turns per session")
+    turn_tokens: int = Field(300, gt=0, le=MAX_TOKENS, description="multiturn: new tokens each turn appends")
+    output_len: int = Field(100, gt=0, le=MAX_TOKENS, description="multiturn/shared-prefix: output tokens per request")
+    num_groups: int = Field(10, gt=0, le=COUNT_MAX, description="shared-prefix: groups (distinct system prompts)")
+    prompts_per_group: int = Field(10, gt=0, le=COUNT_MAX, description="shared-prefix: questions per group")
+    question_len: int = Field(256, gt=0, le=MAX_TOKENS, description="shared-prefix: tokens per question")
+    max_output_len: int | None = Field(None, gt=0, le=MAX_TOKENS, description="Cap every request's output length")
 
     # Arrivals
     arrival: Literal["auto", "trace", "poisson", "gamma", "constant"] = Field(
         "auto", description="Arrival process; auto = trace timestamps for traces, else poisson")
-    rate: float | None = Field(None, description="Requests per second for poisson, gamma and constant")
-    burstiness: float = Field(1.0, description="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier)")
-    time_scale: float = Field(1.0, description="Trace arrivals: send time = trace time x this (0.1 = 10x faster)")
+    rate: float | None = Field(None, gt=0, allow_inf_nan=False,
+                               description="Requests per second for poisson, gamma and constant")
+    burstiness: float = Field(1.0, gt=0, allow_inf_nan=False,
+                              description="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier)")
+    time_scale: float = Field(1.0, gt=0, allow_inf_nan=False,
+                              description="Trace arrivals: send time = trace time x this (0.1 = 10x faster)")
 
     # Limits
     duration: float | None = Field(None, description="Send only requests scheduled before this many seconds")
     max_requests: int | None = Field(None, description="Send at most this many requests")
-    max_concurrency: int | None = Field(None, description="At most this many requests in flight (the rest wait)")
-    max_input_len: int | None = Field(None, description="Longest prompt sent, in tokens")
+    max_concurrency: int | None = Field(None, gt=0, description="At most this many requests in flight (the rest wait)")
+    max_input_len: int | None = Field(None, gt=0, description="Longest prompt sent, in tokens")
     input_len_policy: Literal["truncate", "skip"] = Field(
         "truncate", description="Longer prompts are cut to --max-input-len (prefix kept) or skipped")
-    request_timeout: float = Field(600.0, description="Seconds of silence on a stream before it counts as an error")
-    drain_timeout: float | None = Field(None, description="After the last send, wait at most this long for streams")
+    request_timeout: float = Field(600.0, gt=0, allow_inf_nan=False,
+                                   description="Seconds of silence on a stream before it counts as an error")
+    drain_timeout: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                        description="After the last send, wait at most this long for streams")
 
     # SLO and measurement
-    slo_ttft: float | None = Field(None, description="TTFT objective in seconds (for SLO attainment and goodput)")
-    slo_tpot: float | None = Field(None, description="TPOT objective in seconds (optional)")
+    slo_ttft: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                   description="TTFT objective in seconds (for SLO attainment and goodput)")
+    slo_tpot: float | None = Field(None, gt=0, allow_inf_nan=False, description="TPOT objective in seconds (optional)")
     send_slo_header: bool = Field(False, description="Send --slo-ttft to the router as header x-slo-ttft-ms")
     pod_metrics: list[str] = Field(
         default_factory=list,
         description="Pod URLs whose prefix-cache counters give the hit rate (several URLs or a JSON list)")
-    lateness_warn_ms: float = Field(10.0, description="Warn when send lateness p99 exceeds this")
+    lateness_warn_ms: float = Field(10.0, ge=0, allow_inf_nan=False,
+                                    description="Warn when send lateness p99 exceeds this")
 
     # Outputs
     label: str | None = Field(None, description="Name of this run in reports and file names")

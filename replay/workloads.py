@@ -37,6 +37,11 @@ NS_SYSTEM = 3
 NS_TURN = 4
 NS_QUESTION = 5
 
+# Longest prompt or output a trace row or flag may ask for: a clear error above it, not a hang building
+# millions of blocks or a body whose max_tokens JSON cannot encode.
+MAX_TOKENS = 100_000_000
+MAX_REQUESTS = 10_000_000  # requests a synthetic workload may build
+
 # Printable ASCII used for text prompts (chat endpoints): token id -> one character.
 _PRINTABLE = "".join(chr(c) for c in range(33, 127))
 
@@ -59,6 +64,8 @@ class TokenBank:
     def __init__(self, seed: int = 0, vocab_size: int = 256):
         if vocab_size < 2:
             raise ValueError("vocab_size must be at least 2")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.seed = int(seed)
         self.vocab_size = int(vocab_size)
         self._block_lengths: dict[tuple[int, ...], int] = {}
@@ -173,7 +180,14 @@ def _positive_int(value: object, what: str, where: str, allow_zero: bool = False
     v = int(value)
     if v < 0 or (v == 0 and not allow_zero):
         raise TraceError(f"{where}: {what} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+    if v > MAX_TOKENS:
+        raise TraceError(f"{where}: {what} must be at most {MAX_TOKENS}, got {v}")
     return v
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise TraceError(f"--block-size must be > 0, got {block_size}")
 
 
 def mooncake(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_size: int = 256,
@@ -186,6 +200,7 @@ def mooncake(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_si
     full one (as vLLM's timed-trace replay does). ``len(hash_ids)`` must equal
     ``ceil(input_length / block_size)``.
     """
+    _check_block_size(block_size)
     bank = bank or TokenBank(seed, vocab_size)
     p = Path(path)
     try:
@@ -212,8 +227,9 @@ def mooncake(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_si
         n_in = _positive_int(row["input_length"], "input_length", where)
         n_out = _positive_int(row["output_length"], "output_length", where)
         hashes = row["hash_ids"]
-        if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
-            raise TraceError(f"{where}: hash_ids must be a list of integers")
+        if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
+                                                   for h in hashes):
+            raise TraceError(f"{where}: hash_ids must be a list of integers, each >= 0")
         expected = math.ceil(n_in / block_size)
         if len(hashes) != expected:
             raise TraceError(f"{where}: {len(hashes)} hash_ids for input_length {n_in}, expected "
@@ -250,6 +266,7 @@ def azure(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_size:
 
     The trace has no prefix information, so every prompt is made of blocks private to its row.
     """
+    _check_block_size(block_size)
     bank = bank or TokenBank(seed, vocab_size)
     p = Path(path)
     try:
@@ -265,7 +282,6 @@ def azure(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_size:
         if any(c not in cols for c in need):
             raise TraceError(f"{p}:1: expected a header with {', '.join(need)}, got {cols}")
         i_ts, i_in, i_out = (cols.index(c) for c in need)
-        t0: float | None = None
         for lineno, row in enumerate(reader, start=2):
             if not row or not any(cell.strip() for cell in row):
                 continue
@@ -279,16 +295,20 @@ def azure(path: str | Path, *, block_size: int = 512, seed: int = 0, vocab_size:
                 raise TraceError(f"{where}: ContextTokens and GeneratedTokens must be integers") from exc
             if n_in <= 0 or n_out < 0:
                 raise TraceError(f"{where}: token counts must be positive, got {n_in}, {n_out}")
-            t0 = ts if t0 is None else t0
+            if max(n_in, n_out) > MAX_TOKENS:
+                raise TraceError(f"{where}: token counts must be at most {MAX_TOKENS}, got {n_in}, {n_out}")
             idx = len(specs)
             segs: list[Segment] = []
             for j in range(math.ceil(n_in / block_size)):
                 key = (NS_AZURE, idx, j)
                 bank.declare(key, block_size)
                 segs.append((key, min(block_size, n_in - j * block_size)))
-            specs.append(RequestSpec(idx, tuple(segs), max(1, n_out), bank, timestamp=max(0.0, ts - t0)))
+            specs.append(RequestSpec(idx, tuple(segs), max(1, n_out), bank, timestamp=ts))
     if not specs:
         raise TraceError(f"{p}: the trace holds no requests")
+    t0 = min(s.timestamp or 0.0 for s in specs)  # the earliest row, wherever it is in the file
+    for s in specs:
+        s.timestamp = (s.timestamp or 0.0) - t0
     specs.sort(key=lambda s: s.timestamp or 0.0)
     return _reindex(specs)
 
@@ -311,6 +331,9 @@ def multiturn(*, system_prompts: int = 20, system_prompt_len: int = 2048, sessio
             raise TraceError(f"multiturn: {name} must be > 0, got {v}")
     if system_prompt_len < 0 or turn_tokens <= 0:
         raise TraceError("multiturn: system_prompt_len must be >= 0 and turn_tokens > 0")
+    if sessions * turns > MAX_REQUESTS or system_prompt_len + turns * turn_tokens > MAX_TOKENS:
+        raise TraceError(f"multiturn: at most {MAX_REQUESTS} requests (sessions x turns) of at most {MAX_TOKENS} "
+                         f"tokens (system_prompt_len + turns x turn_tokens)")
     bank = bank or TokenBank(seed, vocab_size)
     rng = np.random.default_rng([seed, 7])
     order = np.repeat(np.arange(sessions), turns)
@@ -345,6 +368,9 @@ def shared_prefix(*, num_groups: int = 10, prompts_per_group: int = 10, system_p
                     ("question_len", question_len), ("output_len", output_len)):
         if v <= 0:
             raise TraceError(f"shared-prefix: {name} must be > 0, got {v}")
+    if num_groups * prompts_per_group > MAX_REQUESTS or system_prompt_len + question_len > MAX_TOKENS:
+        raise TraceError(f"shared-prefix: at most {MAX_REQUESTS} requests (num_groups x prompts_per_group) of at "
+                         f"most {MAX_TOKENS} tokens")
     bank = bank or TokenBank(seed, vocab_size)
     pairs = [(g, q) for g in range(num_groups) for q in range(prompts_per_group)]
     order = np.random.default_rng([seed, 11]).permutation(len(pairs)).tolist()

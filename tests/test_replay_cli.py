@@ -166,3 +166,23 @@ def test_mooncake_against_a_simulated_pod(tmp_path):
         # every request starts with trace block 0, so later requests hit the pod's prefix cache
         assert s["hit_rate"] is not None and s["hit_rate"] > 0
         assert s["usage_hit_rate"] is not None and s["usage_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-size", "0"], "block_size"),
+    (["--output-len", "100000000000000000000"], "output_len"),
+    (["--sessions", "1000000000000"], "sessions"),
+    (["--request-timeout", "0"], "request_timeout"),
+    (["--drain-timeout", "-1"], "drain_timeout"),
+    (["--max-input-len", "-5"], "max_input_len"),
+    (["--max-output-len", "-5"], "max_output_len"),
+    (["--max-concurrency", "-1"], "max_concurrency"),
+    (["--time-scale", "inf"], "time_scale"),
+    (["--seed", "-1"], "seed"),
+])
+def test_out_of_range_settings_are_clear_errors(flags, message, capsys):
+    """Before: a stack trace (ZeroDivisionError, TypeError, MemoryError), a silent empty prompt, or no timeout."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--target", "http://127.0.0.1:9", "multiturn", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: {message}:" in err and "Traceback" not in err

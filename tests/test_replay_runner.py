@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
+from aiohttp import web
 
 from replay import arrivals, fake_backend, runner, workloads
 from replay.fake_backend import Behaviour
 from replay.metrics import RequestRecord, peak_concurrency, summarize
+from replay.report import format_compare, format_table
 from tests.helpers import free_port
 
 
@@ -181,3 +184,74 @@ async def test_drain_timeout_cancels_and_counts_unfinished_requests(backend):
     s = res.summary
     assert s["requests"] == 3 and s["completed"] == 0
     assert s["errors_by_status"] == {"cancelled": 3} and s["slo_attainment"] == 0.0
+
+
+@pytest.mark.e2e
+async def test_an_answer_the_client_cannot_read_is_a_failure_not_a_success():
+    """A stream whose usage is garbage raised inside the request's task: the record stayed status 200 with no
+    error, so it counted as completed and met the objective (and 'Task exception was never retrieved')."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        usage = {"completion_tokens": "n/a"} if request.headers.get("x-mode") == "str" else [1]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                         + b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    app_runner = web.AppRunner(app)
+    await app_runner.setup()
+    port = free_port()
+    await web.TCPSite(app_runner, "127.0.0.1", port).start()
+    try:
+        specs = _specs(n=2, groups=1)
+        for mode in ("str", "list"):
+            res = await runner.run(f"http://127.0.0.1:{port}", specs, [0.0, 0.0], model="m", slo_ttft=5.0,
+                                   headers={"x-mode": mode})
+            s = res.summary
+            assert (s["requests"], s["completed"], s["errors"], s["slo_attainment"]) == (2, 0, 2, 0.0)
+            assert all(r.error and r.error.startswith("bad_response:") for r in res.records)
+    finally:
+        await app_runner.cleanup()
+
+
+@pytest.mark.e2e
+async def test_unsorted_arrivals_are_cut_by_time_not_by_list_order(backend):
+    url, state = await backend()
+    specs = _specs(n=3, groups=1)
+    res = await runner.run(url, specs, [0.5, 0.0, 0.1], model="fake-model", duration=0.3)
+    assert res.summary["requests"] == 2 and state.requests == 2  # before: all 3, the one at 0.5 s included
+    assert sorted(r.scheduled for r in res.records) == [0.0, 0.1]
+
+
+@pytest.mark.e2e
+async def test_the_fake_backend_keeps_a_bounded_header_log(backend, monkeypatch):
+    monkeypatch.setattr(fake_backend, "MAX_HEADERS", 3)
+    url, state = await backend()
+    specs = _specs(n=6, groups=1)
+    res = await runner.run(url, specs, arrivals.constant(6, 200.0), model="fake-model")
+    assert res.summary["completed"] == 6 and state.requests == 6 and len(state.headers) == 3
+
+
+def test_table_and_compare_show_ttft_over_all_requests_sent():
+    """The plain TTFT rows cover successful requests only: with rejections the table also gives the
+    percentiles over ALL requests sent ('miss' where the rank falls on a rejection), saved files too."""
+    recs = [RequestRecord(i, 0.0, 10, sent=0.0, status=200, ttft=0.2 + i / 100, e2e=1.0, output_tokens=2)
+            for i in range(21)]
+    recs += [RequestRecord(21 + i, 0.0, 10, sent=0.0, status=429, error="busy") for i in range(39)]
+    s = summarize(recs, duration=1.0, slo_ttft=0.5)
+    assert s["p99_ttft_ms"] == pytest.approx(398.0) and s["ttft_p90_all"] == float("inf")
+    table = format_table(s, definitions=False)
+    assert "P99 TTFT, all sent (ms):                miss" in table
+    saved = orjson.loads(orjson.dumps({"summary": s}))  # JSON has no infinity: null once saved
+    row = next(line for line in format_compare([saved], ["rr"]).splitlines() if line.startswith("P99 TTFT all"))
+    assert row.split()[-1] == "miss"
+    ok = summarize(recs[:21], duration=1.0)
+    assert "all sent" not in format_table(ok, definitions=False)  # nothing left out: no extra rows
+    assert ok["ttft_p50_all"] == pytest.approx(0.3) and ok["ttft_p99_all"] == pytest.approx(0.4)
+    lines = format_compare([{"summary": ok}], ["a"]).splitlines()
+    row = next(line for line in lines if line.startswith("P99 TTFT all"))
+    assert row.split()[-1] == "400.00"
+    assert format_compare([{"summary": {"requests": 3}}], ["old"]).count("miss") == 0  # older files: no key, "-"

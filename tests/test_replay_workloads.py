@@ -189,3 +189,39 @@ def test_token_bank_blocks_independent_of_request_order():
     b.declare((1, 2), 8)
     b.ids((1, 9))
     assert a.ids((1, 2)).tolist() == b.ids((1, 2)).tolist()
+
+
+def test_azure_rows_out_of_order_keep_their_spacing(tmp_path):
+    """Times are counted from the trace's earliest row, not its first line (which clamped earlier rows to 0)."""
+    p = tmp_path / "a.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.0,10,4\n"
+                 "2023-11-16 18:15:46.0,11,4\n2023-11-16 18:15:48.0,12,4\n")
+    specs = workloads.azure(p)
+    assert [(s.timestamp, s.input_len) for s in specs] == [(0.0, 11), (2.0, 12), (4.0, 10)]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"timestamp": 0, "input_length": 10, "output_length": 2 ** 40, "hash_ids": [1]}, "output_length must be at most"),
+    ({"timestamp": 0, "input_length": 10, "output_length": 1e300, "hash_ids": [1]}, "output_length must be at most"),
+    ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}, "hash_ids must be a list of"),
+])
+def test_huge_lengths_and_negative_hash_ids_are_trace_errors(tmp_path, row, message):
+    p = _write(tmp_path, [row])
+    with pytest.raises(TraceError, match=message) as exc:
+        workloads.mooncake(p)
+    assert f"{p}:1:" in str(exc.value)
+
+
+def test_huge_azure_counts_bad_block_size_and_seed_are_clear_errors(tmp_path):
+    p = tmp_path / "a.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,100000000000,4\n")
+    with pytest.raises(TraceError, match=r"a.csv:2: token counts must be at most"):
+        workloads.azure(p)  # before: minutes building 200 million blocks
+    with pytest.raises(TraceError, match="--block-size must be > 0"):
+        workloads.mooncake(TRACE, block_size=0)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        TokenBank(seed=-1)
+    with pytest.raises(TraceError, match="at most"):
+        workloads.multiturn(sessions=1, turns=10 ** 6)
+    with pytest.raises(TraceError, match="at most"):
+        workloads.shared_prefix(num_groups=10 ** 6, prompts_per_group=10 ** 6)
