@@ -76,6 +76,8 @@ class FleetCollector(Collector):
                             "(its own metric, reason=deferred)",
         "running": "Requests running on the pod (its own metric)",
         "kv_usage": "KV cache usage 0..1 (its own metric)",
+        "scrape_age_seconds": "Seconds since the pod's /metrics was last read (waiting, running and KV "
+                              "usage are that old; absent before the first read)",
         "booked_requests": "Requests the router sent there that have not produced a first token",
         "booked_tokens": "Prefill tokens the router has booked there",
         "prefill_tokens_per_s": "Calibrated prefill rate",

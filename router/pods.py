@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
         try:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
+            continue
+        if not 0.0 <= value < math.inf:  # NaN, infinite or negative: no load signal (int(nan) would raise)
             continue
         if name == "vllm:num_requests_waiting":
             m.waiting += value
@@ -235,6 +238,11 @@ class PodRegistry:
         if m.num_gpu_blocks:
             pod.num_gpu_blocks = m.num_gpu_blocks
         pod.last_scrape = self._clock()
+
+    def scrape_age(self, pod: PodState) -> float | None:
+        """Seconds since the pod's /metrics was last read and applied (None before the first read). Its
+        load signals are that old: a pod whose /metrics fails while /health passes keeps its last ones."""
+        return None if pod.last_scrape is None else max(0.0, self._clock() - pod.last_scrape)
 
     # ---- polling -------------------------------------------------------------------------
     async def check_health(self, pod: PodState) -> bool:

@@ -542,7 +542,8 @@ class Router:
             row: dict[str, Any] = {
                 "healthy": 1.0 if p.healthy else 0.0, "waiting": p.waiting, "running": p.running,
                 "waiting_deferred": p.waiting_deferred,
-                "kv_usage": p.kv_usage, "booked_requests": n, "booked_tokens": tokens,
+                "kv_usage": p.kv_usage, "scrape_age_seconds": self.registry.scrape_age(p),
+                "booked_requests": n, "booked_tokens": tokens,
                 "prefill_tokens_per_s": cal.rate, "overhead_seconds": cal.overhead_s,
                 "per_running_seconds": cal.per_running_s,
                 "mean_abs_prediction_error_seconds": (cal.abs_error_sum / cal.samples) if cal.samples else None,

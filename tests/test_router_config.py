@@ -33,6 +33,21 @@ def test_parse_vllm_metrics_sums_engines_and_reads_the_deprecated_kv_name():
     assert parse_vllm_metrics("garbage\nvllm:num_requests_waiting{x=\"1\"} notanumber\n").waiting == 0
 
 
+def test_a_load_figure_that_is_not_a_finite_count_is_ignored_and_a_pods_figures_carry_their_age():
+    """NaN, infinite or negative gauges carry no load (int(nan) raised in the scrape loop, every
+    interval, and the pod kept its old figures); the age of what was last read is exported."""
+    page = ("vllm:num_requests_waiting NaN\nvllm:num_requests_waiting 3\nvllm:num_requests_running +Inf\n"
+            "vllm:kv_cache_usage_perc -1\nvllm:num_requests_waiting_by_reason{reason=\"deferred\"} nan\n")
+    m = parse_vllm_metrics(page)
+    assert (m.waiting, m.running, m.kv_usage, m.deferred) == (3, 0, None, None)
+    now = [100.0]
+    reg = PodRegistry([PodConfig(id="a", url="http://a")], clock=lambda: now[0])
+    assert reg.scrape_age(reg.pods["a"]) is None           # never read: no age, no gauge
+    reg.apply_metrics("a", m)
+    now[0] = 142.5                                           # then its /metrics stopped answering
+    assert (reg.pods["a"].waiting, reg.scrape_age(reg.pods["a"])) == (3, 42.5)
+
+
 def test_one_engines_load_is_read_by_its_engine_label():
     assert (parse_vllm_metrics(VLLM_METRICS, "1").waiting, parse_vllm_metrics(VLLM_METRICS, "1").running) == (2, 0)
     m = parse_vllm_metrics(VLLM_METRICS, "0")
