@@ -47,7 +47,7 @@ def invalid(key: str, message: str) -> ShapeError:
     return ShapeError(message, param=f"body.{key}", err_type=VALIDATION_TYPE)
 
 
-def validation_message(error: dict) -> str:
+def validation_message(error: dict | str) -> str:
     """vLLM's message for one request-validation error: ``1 validation error:`` and the error dict
     (``validation_exception_handler``, with its ``loc`` joined by dots)."""
     return f"1 validation error:\n  {error}"

@@ -231,10 +231,28 @@ def parse_json(raw: bytes) -> Any:
                          param=f"body.{pos}", err_type=VALIDATION_TYPE) from None
 
 
+MEDIA_TYPE_MESSAGE = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def parse_json_request(scope: dict, raw: bytes) -> Any:
+    """The JSON body of a request to one of vLLM's JSON routes, in FastAPI's order there: a body
+    declared as JSON (or not declared) is parsed first, so bad JSON is what is reported; then vLLM's
+    ``validate_json_request`` refuses any media type but ``application/json`` (a 400, "Bad Request")."""
+    ctype = header(scope, b"content-type")
+    media = (ctype or "").split(";", 1)[0]   # as vLLM splits it: lower-cased, not stripped
+    main, _, sub = media.strip().lower().partition("/")
+    body = None
+    if raw and (not ctype or (main == "application" and (sub == "json" or sub.endswith("+json")))):
+        body = parse_json(raw)
+    if media.lower() != "application/json":   # a dependency: before the body's own validation
+        raise ShapeError(validation_message(MEDIA_TYPE_MESSAGE), err_type=VALIDATION_TYPE)
+    return parse_json(raw) if body is None else body
+
+
 async def read_tokenizer_request(scope: dict, receive: Receive, model: str, adapters: Container[str] = ()) -> dict:
     """The JSON object body of /tokenize or /detokenize, naming this pod's model, one of its adapters or
     none (vLLM's checks)."""
-    body = parse_json(await read_body(scope, receive))
+    body = parse_json_request(scope, await read_body(scope, receive))
     if not isinstance(body, dict):
         raise ShapeError("request body must be a JSON object")
     name = body.get("model")
@@ -504,7 +522,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     if faults.delay_s:
         pod.metrics.faults.labels("delay").inc()
         await asyncio.sleep(faults.delay_s)
-    body = parse_json(raw)
+    body = parse_json_request(scope, raw)
     gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, adapters=pod.loras,
                            max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
                            max_prompt_tokens=pod.max_prompt_tokens)

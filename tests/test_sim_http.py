@@ -158,6 +158,23 @@ def test_error_messages_are_vllms(pods):
                               "decode error', 'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting value'}}")
 
 
+def test_a_body_not_declared_as_json_is_refused_as_vllm_refuses_it(pods):
+    """vLLM's JSON routes depend on ``validate_json_request`` (serve/utils/api_utils.py): any media type
+    but application/json is a 400 (the declared type, not the body, decides); FastAPI decodes a body
+    declared as JSON, or not declared, first, so bad JSON is reported before the type."""
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    refused = "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+    for path in ("/v1/completions", "/tokenize"):
+        for declared in ("text/plain", "application/x-www-form-urlencoded", None, "application/vnd.api+json"):
+            r = httpx.post(pods[0] + path, content=body, headers={"content-type": declared} if declared else {})
+            assert r.status_code == 400, (path, declared, r.text)
+            assert r.json()["error"] == {"message": refused, "type": "Bad Request", "param": None, "code": 400}
+        ok = httpx.post(pods[0] + path, content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+        assert ok.status_code == 200, ok.text
+    bad_json = httpx.post(pods[0] + "/v1/completions", content=b"{", headers={})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body.1"
+
+
 def test_max_tokens_past_the_context_is_clamped_not_refused(pods):
     """vLLM 0.32's ``get_max_tokens`` clamps max_tokens to max_model_len - prompt length (it no longer
     refuses the request): the answer stops there with 'length'. A completion without max_tokens gets
