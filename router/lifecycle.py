@@ -4,7 +4,8 @@
 ``Lifecycle.serve`` carries it out:
 
 1. a rejected plan answers 429/503 at once (nothing is booked);
-2. for each pod in the plan's ranking (the first, then up to ``retries`` more): ``Router.book``
+2. for each pod in the plan's ranking (the first, then up to ``retries`` more, skipping pods that
+   left the fleet or went unhealthy since the ranking was made): ``Router.book``
    holds the route in the ledger and the request is sent (``Dispatcher.open``); a connection
    failure or a 5xx before the first byte ends that attempt and the next pod is tried; a client
    that leaves meanwhile ends the request (499, and the pod's connection is dropped so it aborts);
@@ -87,7 +88,13 @@ class Lifecycle:
         if not plan.decision.verdict.admitted:
             return self.reject(router, plan, rid, figures)
         failure: tuple[str, UpstreamError] | None = None
-        for cand in plan.decision.ranked[: 1 + max(self.settings.retries, 0)]:
+        tries = 1 + max(self.settings.retries, 0)
+        for cand in plan.decision.ranked:
+            if failure is not None and not self._still_candidate(cand.pod_id):
+                continue  # the ranking was made before the first try: a pod that left or went down since is skipped
+            if tries == 0:
+                break
+            tries -= 1
             route = plan.decision.routes[cand.pod_id]
             booking = router.book(plan, cand)
             try:
@@ -116,6 +123,10 @@ class Lifecycle:
         log.info("request %s: pod %s could not be reached (%s)", rid, pod_id, exc.cause)
         return error_response(502, f"pod {pod_id} could not be reached ({exc.kind})",
                               headers={POD_HEADER: pod_id, "x-request-id": rid})
+
+    def _still_candidate(self, pod_id: str) -> bool:
+        pod = self.registry.pods.get(pod_id)
+        return pod is not None and pod.healthy and pod.ready
 
     async def _open(self, router: Router, booking: Booking, url: str, raw: bytes, headers: dict[str, str],
                     request: Request) -> Opened | None:

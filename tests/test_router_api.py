@@ -514,6 +514,26 @@ async def test_5xx_before_first_byte_is_retried_once_on_the_next_pod():
         assert len(r.headers.get_list("x-kvroute-pod")) == len(r.headers.get_list("content-length")) == 1
 
 
+async def test_a_retry_skips_pods_that_went_unhealthy_after_the_ranking():
+    # the ranking is made before the first try; pods marked down while that try was queued on its pod
+    # are not retried (they were, from the stale ranking)
+    async with pods_running(3, fail_status=503, first_delay=0.5) as pods, \
+            running_router(settings_for(pods, health_interval_s=30)) as (base, services):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            first = (await c.post("/debug/route", json=completion())).json()["chosen"]
+            by_name = {p.name: p for p in pods}
+            by_name[first].fail_times = 1
+            sent = asyncio.create_task(c.post("/v1/completions", json=completion()))
+            while not by_name[first].seen:
+                await asyncio.sleep(0.02)
+            for name in by_name.keys() - {first}:
+                services.registry.pods[name].healthy = False
+            r = await sent
+        assert r.status_code == 503 and r.json()["error"]["message"] == "boom", r.text
+        assert [len(p.seen) for p in pods if p.name != first] == [0, 0]
+        assert all(services.router.ledger.inflight(p.name) == 0 for p in pods)
+
+
 async def test_connection_failure_is_retried_and_marks_the_pod():
     async with pods_running(1) as pods:
         dead_port = free_port()
