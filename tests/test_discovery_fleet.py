@@ -64,3 +64,47 @@ def test_a_discovered_data_parallel_pod_joins_and_leaves_as_one_pod_per_engine()
     calls.clear()
     sync.sync([])
     assert sorted(calls) == [("leave", "v#0"), ("leave", "v#1")]
+
+
+def test_a_single_pod_update_makes_the_changes_a_whole_snapshot_would_in_the_same_order():
+    """``update`` (one pod changed or gone) against ``sync`` of the whole fleet with that change, over
+    a long random run of joins, moves, readiness flips, data-parallel resizes and leaves."""
+    import random
+
+    def recorder() -> tuple[FleetSync, list[tuple]]:
+        calls: list[tuple] = []
+        sync = FleetSync(lambda p: calls.append(("join", p.id, p.config, p.ready)),
+                         lambda pid: calls.append(("leave", pid)), lambda pid, r: calls.append(("ready", pid, r)),
+                         expand=data_parallel_ranks)
+        return sync, calls
+
+    def dp_pod(name: str, ip: int, dp: int, ready: bool) -> DiscoveredPod:
+        host = f"10.0.0.{ip}"
+        return DiscoveredPod(PodConfig(id=name, url=f"http://{host}:8000", data_parallel_size=dp,
+                                       kv_events=[f"tcp://{host}:{5557 + r}" for r in range(dp)]), ready)
+
+    rng = random.Random(7)
+    whole, whole_calls = recorder()
+    single, single_calls = recorder()
+    fleet: dict[str, DiscoveredPod] = {}
+    for name in ("a", "b", "c"):  # a first list
+        fleet[name] = dp_pod(name, 1, 1, True)
+    whole.sync(fleet)
+    single.sync(fleet)
+    for _ in range(2000):
+        name = rng.choice("abcdefgh")
+        new = None if rng.random() < 0.25 else dp_pod(name, rng.randint(1, 3), rng.choice((1, 1, 2, 3)),
+                                                      rng.random() < 0.6)
+        if new is None:
+            fleet.pop(name, None)
+        else:
+            fleet[name] = new
+        whole_calls.clear()
+        single_calls.clear()
+        whole.sync(fleet)
+        single.update(name, new)
+        assert single_calls == whole_calls
+        assert single.current == whole.current
+    whole.sync({})
+    single.sync({})  # a re-list after updates still knows every unit the updates made
+    assert single.current == whole.current == {}

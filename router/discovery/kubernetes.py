@@ -15,6 +15,10 @@ Keeping the fleet right, not just usually right:
 - a full re-list every ``discovery_relist_s`` regardless, replacing the fleet with what the list
   says, so a DELETE a watch never delivered cannot leave a dead pod routable for longer than that;
 - any error is counted, logged and retried with capped backoff; the fleet keeps what it had.
+
+A watch event changes the one pod it names (``FleetSync.update``), in the order received, so a burst
+costs time in proportion to its events, not events x fleet size; the stream yields to the event loop
+every ``YIELD_EVERY`` events, so a burst already buffered does not hold up routing while it is applied.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ EVENTS_PORT, REPLAY_PORT, DP_SIZE = ("kvroute.io/kv-events-port", "kvroute.io/kv
                                      "kvroute.io/data-parallel-size")
 DP_START = "kvroute.io/data-parallel-start-rank"
 ROLES = ("prefill", "decode", "both")
+YIELD_EVERY = 64  # watch events applied between two yields to the event loop
 
 
 class Gone(Exception):
@@ -297,10 +302,14 @@ class KubernetesDiscovery:
                 raise Gone()
             if resp.status != 200:
                 raise APIError(resp.status, (await resp.read()).decode(errors="replace"))
+            applied = 0
             async for line in resp.content:
                 line = line.strip()
                 if line:
                     self.apply_event(orjson.loads(line))
+                    applied += 1
+                    if applied % YIELD_EVERY == 0:  # lines already buffered are read without a pause:
+                        await asyncio.sleep(0)  # let requests be routed between slices of a burst
 
     def apply_event(self, event: Mapping[str, Any]) -> None:
         """One watch event: ADDED/MODIFIED/DELETED change the fleet; BOOKMARK moves the version."""
@@ -330,7 +339,9 @@ class KubernetesDiscovery:
                 self.pods[name] = pod
         else:
             return
-        self.sync.sync(self.pods)
+        # this pod only: a whole-fleet sync per event cost O(fleet) each (1.3 ms at 1,000 pods), so a
+        # rollout's burst of events held the event loop for seconds; re-lists still sync the whole fleet
+        self.sync.update(name, self.pods.get(name))
 
 
 def _kind(exc: BaseException) -> str:
