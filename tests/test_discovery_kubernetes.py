@@ -259,8 +259,16 @@ def test_pods_that_cannot_be_routed_to_are_skipped():
     bad_port["metadata"]["annotations"]["kvroute.io/http-port"] = "http"
     finished = pod_object("a", "http://x:1", 2)
     finished["status"]["phase"] = "Succeeded"
-    for obj in (no_ip, no_model, bad_role, bad_port, finished):
+    not_an_ip = []  # skipped, never raised (a re-list with one of them failed whole) nor turned into a URL
+    for ip in ("10.0.0.1/evil", "10.0.0.1:99", "host name", "999.1.1.1"):
+        obj = pod_object("a", "http://x:1", 2)
+        obj["status"]["podIP"] = ip
+        not_an_ip.append(obj)
+    for obj in (no_ip, no_model, bad_role, bad_port, finished, *not_an_ip):
         assert pod_from_object(obj) is None
+    v6 = pod_object("a", "http://x:1", 2)
+    v6["status"]["podIP"] = "fd00::5"
+    assert pod_from_object(v6).config.url == "http://[fd00::5]:1"
 
 
 # ---------------------------------------------------------------------------------------------

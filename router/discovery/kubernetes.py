@@ -24,6 +24,7 @@ every ``YIELD_EVERY`` events, so a burst already buffered does not hold up routi
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import ssl
@@ -101,7 +102,10 @@ def pod_from_object(obj: Mapping[str, Any]) -> DiscoveredPod | None:
     http = _port(ann.get(HTTP_PORT, 8000))
     if not model or role not in ROLES or http is None:
         return None
-    host = _host(str(ip))
+    try:  # an address, nothing else: "10.0.0.1/x" made a URL whose host was 10.0.0.1 and port 80
+        host = _host(str(ipaddress.ip_address(str(ip))))
+    except ValueError:
+        return None
     engine = _port(ann.get(ENGINE_PORT, http)) or http
     events, replay = _port(ann.get(EVENTS_PORT)), _port(ann.get(REPLAY_PORT))
     try:
@@ -119,9 +123,12 @@ def pod_from_object(obj: Mapping[str, Any]) -> DiscoveredPod | None:
                 return None
             endpoints.append(EventEndpoint(endpoint=f"tcp://{host}:{events + r}",
                                            replay=f"tcp://{host}:{replay + r}" if replay is not None else None))
-    config = PodConfig(id=str(name), url=f"http://{host}:{http}", role=role, model=str(model), kv_events=endpoints,
-                       metrics_url=f"http://{host}:{engine}" if engine != http else None,
-                       data_parallel_size=dp, data_parallel_start_rank=start)
+    try:  # what the pod checks refuse (a model name, ...): this pod is skipped, the list or watch goes on
+        config = PodConfig(id=str(name), url=f"http://{host}:{http}", role=role, model=str(model),
+                           kv_events=endpoints, metrics_url=f"http://{host}:{engine}" if engine != http else None,
+                           data_parallel_size=dp, data_parallel_start_rank=start)
+    except ValueError:  # pydantic's ValidationError included
+        return None
     return DiscoveredPod(config, is_ready(obj))
 
 
