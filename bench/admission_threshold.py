@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import routing_worlds as rw  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 from bench.routing_quality import simulated_row  # noqa: E402
 from fleet.trial import FleetSpec  # noqa: E402
 from replay.arrivals import gamma  # noqa: E402
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                          "requests": r["requests"]})
             print(f"{name:<58} {v:<5g} met {100 * r['slo_attainment']:5.1f} %  rejected {100 * r['rejected']:4.1f} %"
                   f"  late {100 * (r['admitted_late'] or 0):4.1f} %", flush=True)
-    command = "python bench/admission_threshold.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    Path(args.out).write_text(json.dumps({"command": command, "duration_s": args.duration, "settings": fixed,
+    Path(args.out).write_text(json.dumps({**stamp("admission_threshold.py", argv), "duration_s": args.duration,
+                                          "settings": fixed,
                                           "rows": rows}, indent=2))
     names = list(dict.fromkeys(r["world"] for r in rows))
     met = {(r["world"], r["value"]): r["met"] for r in rows}

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import admission_threshold as at  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 from bench.routing_quality import simulated_row  # noqa: E402
 
 HELD_OUT = ("cost timing at 12,500 tokens/s, 60 req/s", "2 pods at 25,000 and 6 at 15,000 tokens/s, prior 30,000",
@@ -77,18 +78,19 @@ def main(argv: list[str] | None = None) -> int:
                              "admitted_late": r["admitted_late"], "rejected": r["rejected"], **cov})
                 a, near = cov["all"], cov["near_objective"]
                 near_txt = f"{100 * near['inside']:5.1f} % of {near['n']}" if near["n"] else "  none"
-                print(f"{name:<58} {label:<8} inside {100 * a['inside']:5.1f} % (below {100 * a['below']:4.1f}, "
-                      f"above {100 * a['above']:4.1f})  near the objective {near_txt}  median |ln err| "
-                      f"{cov['median_abs_log_error']:.3f}  met {100 * r['slo_attainment']:5.1f} %  late "
+                all_txt = (f"{100 * a['inside']:5.1f} % (below {100 * a['below']:4.1f}, above {100 * a['above']:4.1f})"
+                           if a["n"] else "  none (no first token)")
+                err = cov["median_abs_log_error"]
+                print(f"{name:<58} {label:<8} inside {all_txt}  near the objective {near_txt}  median |ln err| "
+                      f"{'—' if err is None else f'{err:.3f}'}  met {100 * r['slo_attainment']:5.1f} %  late "
                       f"{100 * (r['admitted_late'] or 0):4.1f} %", flush=True)
-    command = "python bench/calibration.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    Path(args.out).write_text(json.dumps({"command": command, "duration_s": args.duration, "level": LEVEL,
+    Path(args.out).write_text(json.dumps({**stamp("calibration.py", argv), "duration_s": args.duration, "level": LEVEL,
                                           "rows": rows}, indent=2))
     print(f"({time.monotonic() - started:.0f} s)")
     heads = []
     for label, _ in MODELS:
         mine = [r for r in rows if r["error_model"] == label]
-        ok = sum(abs(r["all"]["inside"] - LEVEL) <= 0.05 for r in mine)
+        ok = sum(r["all"]["n"] > 0 and abs(r["all"]["inside"] - LEVEL) <= 0.05 for r in mine)
         near = [r for r in mine if r["near_objective"]["n"]]
         ok_near = sum(abs(r["near_objective"]["inside"] - LEVEL) <= 0.05 for r in near)
         heads.append(f"{label}: within 5 points of {LEVEL:.0%} in {ok}/{len(mine)} worlds, near the objective "

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
+from bench.provenance import commit, stamp  # noqa: E402
 from indexer.tokens import HFTokenizer  # noqa: E402
 from simulator.testing import free_port, stop_process, wait_ready  # noqa: E402
 
@@ -103,7 +104,7 @@ def main() -> int:
         fill, _ = ov.chat_requests(tok, args.size, count=args.prefill, follow_up=0.0, conversations=args.prefill,
                                    seed=99, sample=10)
     procs: list = []
-    results: dict[str, dict] = {name: {"tree": tree, "env": env, "rounds": [], "latencies": []}
+    results: dict[str, dict] = {name: {"tree": tree, "commit": commit(tree), "env": env, "rounds": [], "latencies": []}
                                 for name, tree, env in conditions}
     try:
         _, upstream = ov.start_backend(procs)
@@ -147,7 +148,7 @@ def main() -> int:
               f"p99.9 {got['pooled_p999_ms']:.2f} max {got['pooled_max_ms']:.1f} ms; "
               f"cold prompts sent {got['big_sent_mean']:.0f} a round")
     if args.json:
-        out = {"command": " ".join(sys.argv), "size": args.size, "seconds": args.seconds, "rounds": args.rounds,
+        out = {**stamp("cold_beside_small.py"), "size": args.size, "seconds": args.seconds, "rounds": args.rounds,
                "cap": args.cap, "prefill": args.prefill, "cold_distinct": n_big, "conditions": summary}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import stamp  # noqa: E402
 from fleet.trial import FleetSpec, Target, format_rows, row, run_trial  # noqa: E402
 from replay.arrivals import poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {target.name:<78} met {r['slo_attainment'] * 100:5.1f} %  hit {100 * (r['hit_rate'] or 0):5.1f} %"
                   f"  p50 {r['ttft_p50'] or 0:6.2f} s  p99 {r['ttft_p99'] or 0:6.2f} s  errors {r['errors']}"
                   f"  ({r['wall_s']:.0f} s)", flush=True)
-        result = {"command": "python bench/data_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "pods": args.pods, "ranks": args.ranks, "rate": args.rate, "duration_s": args.duration,
+        result = {**stamp("data_parallel.py", argv), "pods": args.pods, "ranks": args.ranks, "rate": args.rate,
+                  "duration_s": args.duration,
                   "objective_s": args.objective, "requests": n, "rows": rows}
         (out / "data_parallel.json").write_text(json.dumps(result, indent=2, default=str))
         if args.json:

@@ -51,6 +51,7 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import commit  # noqa: E402
 from router.routing import Router  # noqa: E402
 from whatif.simulate import SimConfig, _build_router  # noqa: E402
 
@@ -187,8 +188,8 @@ def count_main(sizes: list[int], json_path: str | None, argv: list[str]) -> int:
                if len(rows) > 1 and sizes[-1] != sizes[0] else None)
     if json_path:
         Path(json_path).write_text(json.dumps({
-            "command": "python bench/decision_cost.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
-            "python": platform.python_version(), "rows": rows,
+            "command": "python bench/decision_cost.py " + " ".join(argv), "commit": commit(),
+            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "rows": rows,
             "instructions_per_added_pod": round(per_pod) if per_pod is not None else None}, indent=2) + "\n")
     head = ", ".join(f"{r['pods']} pods {r['instructions_per_decision']:,}" for r in rows)
     print(f"decision instructions: {head}" + (f"; {per_pod:,.0f} per added pod" if per_pod is not None else ""))
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": "python bench/decision_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "rows": rows,
+            "commit": commit(), "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "rows": rows,
             "us_per_added_pod": round(per_pod, 2) if per_pod is not None else None}, indent=2) + "\n")
     head = ", ".join(f"{r['pods']} pods {r['us_per_decision']:.1f} us" for r in rows)
     print(f"decision cost: {head}" + (f"; {per_pod:.2f} us per added pod" if per_pod is not None else ""))
@@ -249,8 +250,8 @@ def sized_main(pods: list[int], sizes: list[int], json_path: str | None, argv: l
                   f"follow-up, {row['us_new_conversation_median']:8.1f} us per new conversation", flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps({
-            "command": "python bench/decision_cost.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
-            "python": platform.python_version(), "rows": rows}, indent=2) + "\n")
+            "command": "python bench/decision_cost.py " + " ".join(argv), "commit": commit(),
+            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "rows": rows}, indent=2) + "\n")
     print("decision cost per follow-up: " + ", ".join(
         f"{r['mean_prompt_tokens']:,.0f} tokens at {r['pods']} pods {r['us_follow_up_median']:.0f} us" for r in rows))
     return 0

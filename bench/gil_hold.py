@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 
 def longest_gap_ms(work) -> tuple[float, float]:
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             ov.stop_process(p)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/gil_hold.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]), **out}, indent=2))
+        Path(args.json).write_text(json.dumps({**stamp("gil_hold.py", argv), **out}, indent=2))
     gaps = {k: max(r["longest_gap_ms"] for r in v) for k, v in out["calls"].items()}
     mixed = {k: max(r["small_p99_ms"] for r in v) for k, v in out["mixed"].items()}
     print("longest loop gap per call: " + ", ".join(f"{k} {v:.1f} ms" for k, v in gaps.items())

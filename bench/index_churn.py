@@ -155,13 +155,17 @@ def main() -> None:
         print(json.dumps(measure(a, a.one)))
         return
     trees = [t.split("=", 1) for t in a.tree] or [["this", str(Path(__file__).resolve().parent.parent)]]
-    out: dict = {"command": " ".join(sys.argv), "blocks": a.blocks, "cap": a.cap, "pods": a.pods,
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.provenance import commit
+
+    out: dict = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "blocks": a.blocks, "cap": a.cap,
+                 "pods": a.pods,
                  "engine_blocks": a.engine_blocks, "seed": a.seed, "python": sys.version.split()[0], "trees": {}}
     for name, tree in trees:
         args = [sys.executable, __file__, "--one", tree, "--blocks", str(a.blocks), "--cap", str(a.cap),
                 "--pods", str(a.pods), "--engine-blocks", str(a.engine_blocks), "--seed", str(a.seed)]
         res = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
-        out["trees"][name] = res
+        out["trees"][name] = {**res, "commit": commit(tree)}
         print(f"{name}: indexer from {res['indexer']}, {res['seconds']} s", flush=True)
     print(f"{'call':34s} " + " ".join(f"{n + ' ' + c:>16s}" for n, _ in trees for c in ("mean", "p99", "max")))
     for label, scen, key in ROWS:

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
 
 BIG_KEYS = 300  # a prompt with more block keys than this counts as big
@@ -140,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except RealVLLMUnavailable as exc:
         print(f"{exc}, or pass --tokenizer")
         return 2
-    out = {"command": "python bench/loop_stalls.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "size": args.size, "seconds": args.seconds, "runs": []}
+    out = {**stamp("loop_stalls.py", argv), "size": args.size, "seconds": args.seconds, "runs": []}
     stats = Path(f"/tmp/kvroute-loop-stalls-{time.time_ns()}.json")
     try:
         for one_piece in (False, True):

@@ -56,6 +56,7 @@ from fastapi import Request
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import check_peer, stamp  # noqa: E402
 from simulator.testing import cpu_seconds, free_port, process_tree, spawn, stop_process, wait_ready  # noqa: E402
 
 PROBE = {"model": "sim-model", "prompt": "Hello, my name is", "max_tokens": 8}
@@ -316,6 +317,7 @@ class _Conn(asyncio.Protocol):
         self.cursor = cursor
         self.parser = httptools.HttpResponseParser(self)
         self.sent = 0.0
+        self.in_flight = False
         self.first: float | None = None
         self.firsts = firsts if firsts is not None else []  # time to each answer's first body byte
 
@@ -325,6 +327,7 @@ class _Conn(asyncio.Protocol):
 
     def _send(self):
         self.sent = time.perf_counter()
+        self.in_flight = True
         self.first = None
         self.t.write(self.requests[next(self.cursor) % len(self.requests)])
 
@@ -334,10 +337,14 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self):
         now = time.perf_counter()
-        if self.parser.get_status_code() != 200:
+        self.in_flight = False
+        if self.parser.get_status_code() != 200:  # a miss: at infinity in the percentiles
             self.errors.append(self.parser.get_status_code())
-        self.lat.append(now - self.sent)
-        self.firsts.append((self.first or now) - self.sent)
+            self.lat.append(float("inf"))
+            self.firsts.append(float("inf"))
+        else:
+            self.lat.append(now - self.sent)
+            self.firsts.append((self.first or now) - self.sent)
         if now < self.stop_at:
             self._send()
         elif not self.done.done():
@@ -347,6 +354,11 @@ class _Conn(asyncio.Protocol):
         self.parser.feed_data(data)
 
     def connection_lost(self, exc):
+        if self.in_flight:  # sent and never answered: a miss, not a request left out
+            self.in_flight = False
+            self.errors.append("connection lost")
+            self.lat.append(float("inf"))
+            self.firsts.append(float("inf"))
         if not self.done.done():
             self.done.set_result(None)
 
@@ -396,15 +408,16 @@ async def load(port: int, connections: int, seconds: float, warmup: float = 0.5,
         t.close()
     lat.sort()
     firsts.sort()
+    ok = len(lat) - len(errors)  # answered 200; an error or a lost request is at infinity in ``lat``
 
     def q(p, xs=lat):
         return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000 if xs else float("nan")
 
-    return {"requests": len(lat), "latencies": lat, "errors": len(errors), "rps": len(lat) / elapsed,
+    return {"requests": len(lat), "latencies": lat, "errors": len(errors), "rps": ok / elapsed,
             "p50_ms": q(0.5), "p99_ms": q(0.99),
             "first_byte_p50_ms": q(0.5, firsts), "first_byte_p99_ms": q(0.99, firsts),
             "mean_ms": statistics.fmean(lat) * 1000 if lat else float("nan"),
-            "cpu_us_per_request": cpu / len(lat) * 1e6 if tree and lat else None}
+            "cpu_us_per_request": cpu / ok * 1e6 if tree and ok else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,7 +657,8 @@ def sized(args) -> int:
                                             gap=gap, conversations=gap + 36 if gap else 40)
                 for kind in kinds for size in sizes}
     procs: list[subprocess.Popen] = []
-    out: dict = {"tokenizer": str(folder), "seconds": args.seconds, "connections": args.connections,
+    out: dict = {**stamp("overhead.py", args.argv), "tokenizer": str(folder), "seconds": args.seconds,
+                 "connections": args.connections,
                  "follow_up_gap": gap, "kinds": kinds, "rows": [], "mixed": {}}
     venv = Path(args.peers_venv)
     try:
@@ -665,6 +679,7 @@ def sized(args) -> int:
                 continue
             out[f"{dist}_version"] = peer_version(venv, dist)
             print(f"{dist} {out[f'{dist}_version']} from {venv}")
+            check_peer(dist, out[f"{dist}_version"])
             targets.append((name, cmd))
         for name, cmd in targets:
             port = bport
@@ -714,7 +729,8 @@ def sized(args) -> int:
             d, k1, k2 = rows.get("direct"), rows.get("kvroute (1 worker)"), rows.get("kvroute (2 workers)")
             vr = rows.get("vllm-router (cache_aware)")
             if d and k1:
-                ratio = f", {max(k1[key], k2[key] if k2 else 0) / vr[key]:.2f}x vllm-router's req/s" if vr else ""
+                ratio = (f", {max(k1[key], k2[key] if k2 else 0) / vr[key]:.2f}x vllm-router's req/s"
+                         if vr and vr[key] else "")
                 added = k1["c1_p50_ms"] - d["c1_p50_ms"]
                 lines.append(f"{kind} {k1['mean_prompt_tokens']:.0f} tokens: +{added:.2f} ms p50{ratio}")
     mixed_k = out["mixed"].get("kvroute (1 worker)")
@@ -729,7 +745,7 @@ def stream_headline(rows: list[dict], args) -> int:
     its CPU per streamed answer and throughput at ``--connections`` against vllm-router's."""
     direct = rows[0]
     key, cpu = f"c{args.connections}_rps", f"c{args.connections}_cpu_us_per_request"
-    vr = next((r for r in rows if r["target"].startswith("vllm-router") and key in r), None)
+    vr = next((r for r in rows if r["target"].startswith("vllm-router") and r.get(key) and r.get(cpu)), None)
     parts = []
     for r in rows:
         if not r["target"].startswith("kvroute") or key not in r:
@@ -765,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.role == "backend":
         run_backend(args.port, args.stream_gap_ms / 1000.0)
         return 0
@@ -823,14 +840,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {dist}: not installed in {venv} (see the docstring); row skipped")
                 rows.append({"target": name, "error": "not installed"})
                 continue
-            print(f"  {dist} {peer_version(venv, dist)} from {venv}")
+            version = peer_version(venv, dist)
+            print(f"  {dist} {version} from {venv}")
+            check_peer(dist, version)
             vport = free_port()
             vproc = spawn(cmd + ["--port", str(vport)])
             procs.append(vproc)
             try:
                 wait_ready(f"http://127.0.0.1:{vport}/v1/completions", vproc, 60.0, body=PROBE)
-                rows.append({**measure(name, vport, args, requests, procs=[vproc]),
-                             "version": peer_version(venv, dist)})
+                rows.append({**measure(name, vport, args, requests, procs=[vproc]), "version": version})
             except (RuntimeError, TimeoutError) as exc:
                 print(f"  {dist}: could not run here: {exc}")
                 rows.append({"target": name, "error": str(exc)[:200]})
@@ -874,16 +892,16 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             stop_process(p)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-             "date": time.strftime("%Y-%m-%d"), "rows": rows} if args.stream else rows, indent=2))
+        # the rows with the command and commit that made them (until 2026-12-06 a bare list of rows,
+        # and the sized runs' object without either)
+        Path(args.json).write_text(json.dumps({**stamp("overhead.py", args.argv), "rows": rows}, indent=2))
     if args.stream:
         return stream_headline(rows, args)
     direct = rows[0]
     kvr = next(r for r in rows if r["target"].startswith("kvroute (1"))
     kv2 = next((r for r in rows if r["target"].startswith("kvroute (2")), None)
-    vr = next((r for r in rows if r["target"].startswith("vllm-router") and "c1_p50_ms" in r), None)
     key = f"c{args.connections}_rps"
+    vr = next((r for r in rows if r["target"].startswith("vllm-router") and r.get(key)), None)
     added = kvr["c1_p50_ms"] - direct["c1_p50_ms"]
     ratio = f"{kvr[key] / vr[key]:.2f}x vllm-router's {vr[key]:.0f}" if vr else "vllm-router not measured"
     two = f" (2 workers: {kv2[key]:.0f} req/s = {kv2[key] / vr[key]:.2f}x)" if kv2 and vr else ""

@@ -12,7 +12,10 @@ simulated 25 GB/s link), then the router under test:
 
 Every target gets the same request sequence at the same arrival times (``replay.runner.run``),
 multi-turn chat sessions and a slice of the Mooncake conversation trace, and is scored on TTFT
-p50/p99, TPOT p50/p99 and attainment of the TTFT objective over all requests sent.
+p50/p99 over all requests sent (a failed request never got a first token: at infinity), TPOT
+p50/p99 over the answered ones and attainment of the TTFT objective over all requests sent. The
+peer runs from its own venv, pinned and printed: ``python3 -m venv /tmp/peers-venv &&
+/tmp/peers-venv/bin/pip install vllm-router==0.1.17``.
 
     .venv/bin/python bench/pd.py                    # both workloads, every target (< 3 minutes)
     .venv/bin/python bench/pd.py --workloads multiturn --targets predicted,always
@@ -43,6 +46,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import check_peer, peer_version, stamp  # noqa: E402
 from replay import arrivals, workloads  # noqa: E402
 from replay.runner import run  # noqa: E402
 from simulator.testing import (  # noqa: E402
@@ -130,7 +134,7 @@ def start_aggregated(urls: list[str], events: int, workdir: Path, wl: Workload) 
 def start_peer(urls: list[str], workdir: Path, venv: Path) -> tuple[list, str]:
     exe = venv / "bin" / "vllm-router"
     if not exe.exists():
-        raise FileNotFoundError(f"{exe} not found: pip install vllm-router into {venv}")
+        raise FileNotFoundError(f"{exe} not found: pip install vllm-router==0.1.17 into {venv}")
     port = free_port()
     log = workdir / "vllm-router.log"
     cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
@@ -182,6 +186,7 @@ def trial(target: str, wl: Workload, workdir: Path, venv: Path, split: tuple[int
     return {"target": target, "workload": wl.name, "split": f"{prefill}:{decode}", "requests": s["requests"],
             "completed": s["completed"],
             "errors": s["errors"], "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
+            "ttft_p50_all": s.get("ttft_p50_all"), "ttft_p99_all": s.get("ttft_p99_all"),
             "tpot_p50_ms": s.get("median_tpot_ms"), "tpot_p99_ms": s.get("p99_tpot_ms"),
             "attainment": s.get("slo_attainment"), "nixl_reads": reads,
             "remote": remote, "local": local, "error": None}
@@ -206,7 +211,9 @@ def simulated(target: str, wl: Workload, split: tuple[int, int]) -> dict[str, An
     routes = s.get("routes") or {}
     return {"target": target, "workload": wl.name, "split": f"{prefill}:{decode}", "simulated": True,
             "requests": s["requests"], "completed": s["completed"], "errors": s["errors"],
-            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"), "tpot_p50_ms": s.get("median_tpot_ms"),
+            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
+            "ttft_p50_all": s.get("ttft_p50_all"), "ttft_p99_all": s.get("ttft_p99_all"),
+            "tpot_p50_ms": s.get("median_tpot_ms"),
             "tpot_p99_ms": s.get("p99_tpot_ms"), "attainment": s.get("slo_attainment"), "nixl_reads": None,
             "remote": routes.get("remote", 0) if prefill else None,
             "local": routes.get("local", 0) if prefill else None,
@@ -279,6 +286,8 @@ def build_workloads(names: list[str], seed: int, duration_s: float | None = None
 def fmt(v: Any, kind: str) -> str:
     if v is None:
         return "—"
+    if v == float("inf"):
+        return "∞ (failed)"
     if kind == "s":
         return f"{v * 1000:.0f} ms"
     if kind == "ms":
@@ -288,8 +297,16 @@ def fmt(v: Any, kind: str) -> str:
     return str(v)
 
 
+def _all(r: dict[str, Any], key: str) -> Any:
+    """``ttft_p50`` / ``ttft_p99`` over all requests sent (rows of JSON before 2026-12-06 have only
+    the percentile over the answered ones, the same when ``errors`` is 0)."""
+    v = r.get(key + "_all")
+    return r.get(key) if v is None and not r.get("errors") else v
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| workload | router / decider | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | met objective | "
+    lines = ["| workload | router / decider | TTFT p50 (all sent) | TTFT p99 (all sent) | TPOT p50 | TPOT p99 | "
+             "met objective | "
              "remote / local | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["target"] if r["target"] == "vllm-router" else f"kvroute {r['target']}"
@@ -300,7 +317,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         split = f"{r['remote'] or 0:.0f} / {r['local'] or 0:.0f}" if r.get("remote") is not None else \
             f"{r['nixl_reads']:.0f} NIXL reads" if r.get("nixl_reads") is not None else "—"
-        lines.append(f"| {r['workload']} | {name} | {fmt(r['ttft_p50'], 's')} | {fmt(r['ttft_p99'], 's')} | "
+        lines.append(f"| {r['workload']} | {name} | {fmt(_all(r, 'ttft_p50'), 's')} | "
+                     f"{fmt(_all(r, 'ttft_p99'), 's')} | "
                      f"{fmt(r['tpot_p50_ms'], 'ms')} | {fmt(r['tpot_p99_ms'], 'ms')} | {fmt(r['attainment'], '%')} | "
                      f"{split} | {r['errors']} |")
     return "\n".join(lines)
@@ -323,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     splits = [(int(a), int(b)) for a, b in (x.split(":") for x in args.splits.split(",") if x.strip())]
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-pd-bench-"))
     started = time.monotonic()
+    peer = "not run"
+    if "vllm-router" in args.targets.split(","):
+        peer = peer_version(args.peers_venv, "vllm-router")
+        print(f"vllm-router {peer} from {args.peers_venv}", flush=True)
+        check_peer("vllm-router", peer)
     rows = []
     for wl in build_workloads(args.workloads.split(","), args.seed, args.duration):
         print(f"# {wl.name}: {len(wl.specs)} requests over {wl.duration_s:g} s, objective {wl.objective_s:g} s",
@@ -334,29 +357,31 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 rows.append(trial(target, wl, workdir, Path(args.peers_venv), split))
                 r = rows[-1]
+                if target == "vllm-router":
+                    r["version"] = peer
                 print(f"  {target:12s} {split[0]}:{split[1]} {time.monotonic() - t0:5.1f} s  "
-                      + (f"p99 {fmt(r['ttft_p99'], 's')} met {fmt(r['attainment'], '%')}" if not r.get("error")
+                      + (f"p99 {fmt(_all(r, 'ttft_p99'), 's')} met {fmt(r['attainment'], '%')}" if not r.get("error")
                          else f"not run: {r['error']}"), flush=True)
                 if args.simulate and target != "vllm-router":
                     rows.append(simulated(target, wl, split))
                     r = rows[-1]
-                    print(f"  {target:12s} {split[0]}:{split[1]} simulated  p99 {fmt(r['ttft_p99'], 's')} "
+                    print(f"  {target:12s} {split[0]}:{split[1]} simulated  p99 {fmt(_all(r, 'ttft_p99'), 's')} "
                           f"met {fmt(r['attainment'], '%')}", flush=True)
     print()
     print(table(rows))
-    if args.json:  # the rows, each with the command that made it
-        cmd = "python bench/pd.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.json).write_text(json.dumps([{**r, "command": cmd} for r in rows], indent=2))
+    if args.json:  # the rows, each with the command and commit that made it
+        made = {**stamp("pd.py", argv), "vllm_router_version": peer}
+        Path(args.json).write_text(json.dumps([{**r, **made} for r in rows], indent=2))
     print(f"\n(logs in {workdir}; {time.monotonic() - started:.0f} s in all)")
     heads = []
     for wl in {r["workload"] for r in rows}:
         got = {r["target"]: r for r in rows if r["workload"] == wl and not r.get("error") and not r.get("simulated")
                and r.get("split") == "2:2"}
-        if "predicted" in got:
-            others = [f"{t} {got[t]['ttft_p99'] * 1000:.0f} ms/{got[t]['attainment'] * 100:.1f} %" for t in got
-                      if t != "predicted" and got[t].get("ttft_p99") is not None]
+        if "predicted" in got:  # TTFT p99 over all requests sent
+            others = [f"{t} {fmt(_all(got[t], 'ttft_p99'), 's')}/{fmt(got[t]['attainment'], '%')}" for t in got
+                      if t != "predicted"]
             p = got["predicted"]
-            heads.append(f"{wl}: predicted TTFT p99 {p['ttft_p99'] * 1000:.0f} ms, met {p['attainment'] * 100:.1f} % "
+            heads.append(f"{wl}: predicted TTFT p99 {fmt(_all(p, 'ttft_p99'), 's')}, met {fmt(p['attainment'], '%')} "
                          f"(vs {', '.join(others)})")
     print("; ".join(sorted(heads)))
     return 0

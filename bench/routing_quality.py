@@ -8,9 +8,10 @@ at 20,000 tokens/s computing only the uncached part; 3,000 cached blocks of 64 t
 events over ZeroMQ). The TTFT objective is 2 s, counted over ALL requests sent (a rejection or an
 error counts as a miss). Peers (vllm-router ``cache_aware`` and ``kv_aware`` fed the pods' KV
 events, sglang-router ``cache_aware`` with text prompts since it refuses token ids) run from a
-separate venv, never from the project's dependencies:
+separate venv, never from the project's dependencies, pinned, their versions printed and kept in
+the JSON summary (``<--out>/routing_quality.json``, with the command and the commit):
 
-    python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router sglang-router
+    python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router==0.1.17 sglang-router==0.3.2
     python bench/routing_quality.py [--rates 40,70] [--duration 120] [--peers-venv /tmp/peers-venv]
 
 Prints one table per rate; its last row, the perfect-knowledge model, is computed by
@@ -35,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import check_peer, peer_version, stamp  # noqa: E402
 from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot  # noqa: E402
 from replay.arrivals import cut, poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
@@ -136,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     fleet = FleetSpec()
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     headline = None
-    all_rows = {}
+    all_rows: dict[str, Any] = {}
+    peers = {}
+    if any(t.kind != "kvroute" for t in targets):
+        peers = {dist: peer_version(args.peers_venv, dist) for dist in ("vllm-router", "sglang-router")}
+        print("peers: " + ", ".join(f"{k} {v}" for k, v in peers.items()) + f" (from {args.peers_venv})", flush=True)
+        for dist, version in peers.items():
+            check_peer(dist, version)
+    config = {**stamp("routing_quality.py", argv), "objective_s": args.objective, "duration_s": args.duration,
+              "seed": args.seed, "peers": peers}
     for rate in rates:
         n = int(rate * args.duration)
         turns = max(2, -(-n // 400))
@@ -179,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                      and not r.get("error")), None)
         if best and (headline is None or rate >= headline[0]):
             headline = (rate, best)
-        (out / "routing_quality.json").write_text(json.dumps(all_rows, indent=2, default=str))
+        (out / "routing_quality.json").write_text(json.dumps({"config": config, "rates": all_rows}, indent=2,
+                                                             default=str))
     print()
     print(SEED_70)
     if headline:

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRUE_STATE = "kvroute's decision code on the pods' true state + early rejection (simulated)"
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import check_peer, commit  # noqa: E402
 from bench.routing_quality import ORACLE, simulated_row  # noqa: E402
 from fleet.trial import FleetSpec, Target, format_rows, row, run_trial  # noqa: E402
 from replay.arrivals import cut, gamma, poisson  # noqa: E402
@@ -149,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                and (not keys or any(k in t.name for k in keys))]
     versions = peer_versions(Path(args.peers_venv))
     print("peers: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + f" (from {args.peers_venv})", flush=True)
+    for pkg, version in versions.items():
+        check_peer(pkg, version)
     out: dict[str, Any] = {"config": {"command": "python bench/routing_worlds.py " + " ".join(argv or sys.argv[1:]),
+                                      "commit": commit(),
                                       "objective_s": OBJECTIVE_S, "duration_s": args.duration, "rate": RATE,
                                       "mooncake_rate": MOONCAKE_RATE, "seed": args.seed, "peers": versions,
                                       "kvroute": "defaults (policy predicted-ttft, calibration on)"},
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         earlier = before.get("worlds", {})
         out["worlds"] = dict(earlier)
         out["config"]["earlier_commands"] = [*before["config"].get("earlier_commands", []), before["config"]["command"]]
+        out["config"]["earlier_commits"] = [*before["config"].get("earlier_commits", []),
+                                            before["config"].get("commit")]
     headline = []
     for world in chosen:
         specs, arrivals, rate = workload(world.workload, args.duration, args.seed)
@@ -175,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             res = run_trial(t, specs, arrivals, fleet=world.fleet, objective_s=OBJECTIVE_S, duration=args.duration,
                             peers_venv=args.peers_venv, workdir=Path(args.logs) / world.name, drain_timeout=args.drain)
-            r = row(res)
+            r = {**row(res), "command": out["config"]["command"], "commit": out["config"]["commit"]}
             rows.append(r)
             shown = r.get("error") or (
                 f"met {r['slo_attainment'] * 100:5.1f} %  rejected {r['rejected'] * 100:4.1f} %  "
                 f"late {100 * (r.get('admitted_late') or 0):4.1f} %  hit {100 * (r['hit_rate'] or 0):5.1f} %")
             print(f"  {t.name:<46} {shown}  ({time.monotonic() - started:.0f} s)", flush=True)
+        if any(t not in targets for t in TARGETS if t.name in kept) and any(t in targets for t in TARGETS):
+            print("  WARNING: live rows kept from an earlier run beside rows measured now: the peers and kvroute "
+                  "are not all from the same run", flush=True)
         # kvroute's decision code in simulated time on the same requests (its twin, without the machine's
         # noise), without and with admission, then the perfect-knowledge row
         relative = {"calibration_fit": "relative"}

@@ -34,6 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import commit, stamp  # noqa: E402
 from simulator.testing import free_port, running_sims, stop_process, wait_ready  # noqa: E402
 
 VICTIM, ATTACKER = "sk-victim-0b1c2d", "sk-attacker-9f8e7d"
@@ -133,7 +134,8 @@ def run(tree: Path, seconds: float, attackers: int, rounds: int) -> dict:
         finally:
             stop_process(proc)
     result = {
-        "tree": str(tree), "seconds_per_phase": seconds, "rounds": rounds, "attack_connections": attackers,
+        "tree": str(tree), "commit": commit(tree), "seconds_per_phase": seconds, "rounds": rounds,
+        "attack_connections": attackers,
         "alone": {"requests": len(alone), "p50_ms": round(_pct(alone, 0.5), 1), "p99_ms": round(_pct(alone, 0.99), 1),
                   "mean_ms": round(statistics.mean(alone) * 1000, 1)},
         "attacked": {"requests": len(attacked), "p50_ms": round(_pct(attacked, 0.5), 1),
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     r = run(Path(args.tree).resolve(), args.seconds, args.attackers, args.rounds)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+        made = stamp("starvation.py", argv)
+        Path(args.json).write_text(json.dumps({"command": made["command"], "date": made["date"], **r}, indent=2) + "\n")
     print(json.dumps(r, indent=2))
     a, b = r["alone"], r["attacked"]
     print(f"victim p50 {a['p50_ms']} -> {b['p50_ms']} ms, p99 {a['p99_ms']} -> {b['p99_ms']} ms under a "

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import overhead as ov  # noqa: E402
 from bench.cold_beside_small import parse_condition, start_router, tokenizer  # noqa: E402
+from bench.provenance import commit, stamp  # noqa: E402
 from simulator.testing import stop_process  # noqa: E402
 
 
@@ -56,7 +57,8 @@ def main() -> int:
     print(f"{len(requests)} distinct {args.kind} requests of {mean:.0f} tokens on average; {args.workers} worker(s), "
           f"{args.connections} connections, {args.rounds} rounds of {args.seconds:.0f} s", flush=True)
     procs: list = []
-    results: dict[str, dict] = {name: {"tree": tree, "env": env, "rounds": []} for name, tree, env in conditions}
+    results: dict[str, dict] = {name: {"tree": tree, "commit": commit(tree), "env": env, "rounds": []}
+                                for name, tree, env in conditions}
     asyncio.set_event_loop_policy(__import__("uvloop").EventLoopPolicy())
     try:
         _, upstream = ov.start_backend(procs)
@@ -88,7 +90,7 @@ def main() -> int:
         cpus = ", ".join(f"{x['cpu_us_per_request']:.0f}" for x in got["rounds"])
         print(f"{name:<12} req/s by round {rates}; CPU a request {cpus} us")
     if args.json:
-        out = {"command": " ".join(sys.argv), "size": args.size, "kind": args.kind, "mean_prompt_tokens": mean,
+        out = {**stamp("throughput_rounds.py"), "size": args.size, "kind": args.kind, "mean_prompt_tokens": mean,
                "workers": args.workers, "connections": args.connections, "seconds": args.seconds,
                "rounds": args.rounds, "cpus": os.cpu_count(), "conditions": results}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import stamp  # noqa: E402
 from fleet.trial import FleetSpec, Target, format_rows, row, run_trial  # noqa: E402
 from replay.arrivals import poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
@@ -83,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {t.name:<62} met {r['slo_attainment'] * 100:5.1f} %  rejected {r['rejected'] * 100:4.1f} %  "
                       f"hit {100 * (r['hit_rate'] or 0):5.1f} %  p50 {r['ttft_p50'] or 0:6.2f} s  "
                       f"p99 {r['ttft_p99'] or 0:6.2f} s  errors {r['errors']}  ({r['wall_s']:.0f} s)", flush=True)
-            result = {"command": "python bench/workers_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                      "date": time.strftime("%Y-%m-%d"), "rate": args.rate, "duration_s": args.duration,
+            result = {**stamp("workers_quality.py", argv), "rate": args.rate, "duration_s": args.duration,
                       "objective_s": args.objective, "requests": n, "rows": rows}
             (out / "workers_quality.json").write_text(json.dumps(result, indent=2, default=str))
             if args.json:

@@ -33,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import stamp  # noqa: E402
 from fleet.trial import FleetSpec  # noqa: E402
 from replay.arrivals import cut, poisson  # noqa: E402
 from replay.workloads import multiturn  # noqa: E402
@@ -220,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"hit {100 * (r['hit_rate'] or 0):5.1f} %  p50 {r['ttft_p50'] or 0:6.3f} s  "
                   f"p99 {r['ttft_p99'] or 0:6.2f} s", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/workers_sim.py " + " ".join(
-                                                   argv if argv is not None else sys.argv[1:]),
+        Path(args.json).write_text(json.dumps({**stamp("workers_sim.py", argv),
                                                "rate": args.rate, "duration_s": args.duration,
                                                "objective_s": args.objective, "requests": n, "rows": rows},
                                               indent=2) + "\n")
