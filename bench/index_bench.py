@@ -142,7 +142,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks for the memory measurement")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--json", default="", help="also write the figures, with the command and commit, here")
     args = ap.parse_args()
+    out: dict = {"python": sys.version.split()[0], "block_size": BS, "ingest": [], "lookup": [], "memory": []}
     n_ingest = 20_000 if args.quick else 200_000
     reps = 20 if args.quick else 200
     print(f"python {sys.version.split()[0]}, block size {BS}")
@@ -151,12 +153,15 @@ def main() -> None:
             dec, app, both = bench_ingest(n_ingest, bpe)
             print(f"ingest ({run}), {bpe:2d} block(s)/event: decode {dec:,.0f} blocks/s, apply {app:,.0f} blocks/s, "
                   f"decode+apply {both:,.0f} blocks/s")
+            out["ingest"].append({"run": run, "blocks_per_event": bpe, "decode_blocks_per_s": dec,
+                                  "apply_blocks_per_s": app, "both_blocks_per_s": both})
     headline_lookup = None
     for pods in (8, 64):
         for toks in (1024, 8192, 32768):
             us, key_us = bench_lookup(pods, toks, reps)
             print(f"lookup {toks:6d} tokens x {pods:2d} pods: match {us:7.1f} us (median); "
                   f"computing the {toks // BS} keys {key_us:7.1f} us")
+            out["lookup"].append({"tokens": toks, "pods": pods, "match_us": us, "keys_us": key_us})
             if pods == 64 and toks == 32768:
                 headline_lookup = us
     mem = {}
@@ -164,7 +169,16 @@ def main() -> None:
         mem[pods] = bench_memory(args.blocks if not args.quick else 100_000, pods)
         print(f"memory: {mem[pods]:.0f} bytes per indexed block ({args.blocks if not args.quick else 100_000:,} "
               f"blocks over {pods} pods, tracemalloc)")
+        out["memory"].append({"pods": pods, "blocks": args.blocks if not args.quick else 100_000,
+                              "bytes_per_block": mem[pods]})
     dec32, app32, both32 = bench_ingest(n_ingest, 32)
+    if args.json:
+        import json
+
+        from bench.provenance import stamp
+        out["headline"] = {"ingest_blocks_per_s": both32, "lookup_32k_64_pods_us": headline_lookup,
+                           "bytes_per_block_8_pods": mem[8]}
+        Path(args.json).write_text(json.dumps({**stamp("index_bench.py"), **out}, indent=2))
     print(f"HEADLINE ingest {both32:,.0f} blocks/s (32-block events, decode+apply, warm) | "
           f"32k-token lookup x 64 pods {headline_lookup:.0f} us | {mem[8]:.0f} bytes/block (8 pods)")
 

@@ -44,6 +44,7 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="", help="also write the figures, with the command and commit, here")
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--prompt-len", type=int, default=10_000)
@@ -105,6 +106,18 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average during run {load[0]:.2f} (1 min); other processes "
           "competing for the CPUs raise the lateness tail; "
           + ("client pinned to one CPU, backend to the rest" if pin else "not pinned"))
+    if args.json:
+        import json
+
+        from bench.provenance import stamp
+        Path(args.json).write_text(json.dumps({
+            **stamp("replay_client.py"), "requests": s["requests"], "completed": s["completed"],
+            "errors": s["errors"], "rejected": s["rejected"], "prompt_len": args.prompt_len, "rate": args.rate,
+            "arrival": args.arrival, "loop": args.loop, "pinned": bool(pin), "achieved_rps": achieved,
+            "ttft_p50_ms": s["median_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
+            "lateness_p50_ms": s["lateness_p50_ms"], "lateness_p99_ms": s["lateness_p99_ms"],
+            "lateness_max_ms": s["lateness_max_ms"], "client_cpu_s": cpu, "wall_s": wall,
+            "load_average_1m": load[0]}, indent=2))
     print(f"HEADLINE: {achieved:.0f} req/s of {args.prompt_len}-token prompts sustained, "
           f"send lateness p99 {s['lateness_p99_ms']:.2f} ms ({args.loop})")
     return 0
