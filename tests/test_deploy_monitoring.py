@@ -195,7 +195,8 @@ def test_alert_rules_unit_tests_pass():
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", (PROM / "alerts.test.yml").read_text()))
     assert tested >= {"KvrouteHighErrorRate", "KvrouteHighRejectionRate", "KvrouteKVEventLag",
-                      "KvroutePodWithoutKVEvents", "KvroutePodMetricsStale", "KvrouteTTFTPredictionError", "KvrouteRouterDown",
+                      "KvroutePodWithoutKVEvents", "KvroutePodMetricsStale", "KvrouteTTFTPredictionError",
+                      "KvrouteRouterDown",
                       "KvrouteDiscoveryStale", "KvrouteDiscoveryErrors", "KvrouteDiscoveryNoReadyPods",
                       "KvrouteTokenizeProcessDown", "KvrouteTokenizeProcessRestarts", "KvrouteBookingBusIsolated"}
 
