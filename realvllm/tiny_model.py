@@ -6,13 +6,13 @@ Run with the real-vLLM venv's Python (it needs torch, transformers and tokenizer
 
 No weights can be downloaded here, so the model is made: a Llama config of 2 layers (hidden 128,
 4 heads, 2 KV heads, head_dim 32), random bfloat16 weights (about 3 MB), and a byte-level BPE
-tokenizer of 4,096 tokens trained on generated text. The tokenizer adds a BOS token to plain
-prompts (as Llama's does), so ``add_special_tokens`` matters, and its chat template renders a
-system prompt, ``tools`` in the system preamble (as real templates do), ``documents``, tool calls
-and results, multi-turn history, ``add_generation_prompt`` and one ``chat_template_kwargs`` switch
-(``enable_thinking``). Beside it, in ``lora-sql/``, a LoRA adapter (rank 8 on q_proj and v_proj) for
-``--lora-modules``. Its output is gibberish; what matters is that the engine, its KV cache and
-its events are real. Two runs write byte-identical files.
+tokenizer trained on generated text (asked for 4,096 tokens; the corpus yields 2,824). The
+tokenizer adds a BOS token to plain prompts (as Llama's does), so ``add_special_tokens`` matters,
+and its chat template renders a system prompt, ``tools`` in the system preamble (as real templates
+do), ``documents``, tool calls and results, multi-turn history, ``add_generation_prompt`` and one
+``chat_template_kwargs`` switch (``enable_thinking``). Beside it, in ``lora-sql/``, a LoRA adapter
+(rank 8 on q_proj and v_proj) for ``--lora-modules``. Its output is gibberish; what matters is that
+the engine, its KV cache and its events are real. Two runs write byte-identical files.
 """
 
 from __future__ import annotations
