@@ -58,6 +58,13 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
+class MediaContent(ChatTemplateError):
+    """A chat request with an image, audio, video or embeddings content part: vLLM serves it on a
+    multimodal model (its placeholder tokens expanded by the model's processor, the blocks keyed with
+    the media's hashes), which the router cannot reproduce. Not the client's fault: the router routes
+    it without cache credit (``router.prompts.chat_tokens``); a text-only model's pod answers the 400."""
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers' Jinja environment
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +260,34 @@ def _content_parts(content: Any, where: str) -> list[Any]:
     raise ChatTemplateError(f"{where}.content must be a string or a list of content parts")
 
 
+# vLLM's multimodal part types (chat_utils.py MM_PARSER_MAP less its text types), and the keys that
+# make a part without a type, or with a uuid, a media part (``_parse_chat_message_content_mm_part``)
+_MEDIA_PART_TYPES = frozenset({"input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds",
+                               "prompt_embeds", "image_pil", "audio_url", "input_audio", "video_url"})
+_MEDIA_PART_KEYS = _MEDIA_PART_TYPES - {"input_image"}
+
+
+def is_media_part(part: Any) -> bool:
+    """A content part vLLM parses as multimodal data (an image, audio, video or embeddings)."""
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    if kind in _MEDIA_PART_TYPES and part.get("uuid") is None:
+        return True
+    return (kind is None or part.get("uuid") is not None) and any(k in part for k in _MEDIA_PART_KEYS)
+
+
+def without_media(messages: list[Any]) -> list[Any]:
+    """``messages`` with their media content parts left out (``is_media_part``)."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(is_media_part(p) for p in content):
+            m = {**m, "content": [p for p in content if not is_media_part(p)]}
+        out.append(m)
+    return out
+
+
 def _strip_billing_header(parts: list[Any]) -> list[Any]:
     """vLLM drops Claude Code's per-request attribution line from system text parts."""
     out = []
@@ -275,7 +310,7 @@ def _parse_part(part: Any, openai: bool, where: str) -> Any:
     if not isinstance(part, dict):
         raise ChatTemplateError(f"{where} must be a string or an object")
     kind = part.get("type")
-    if kind in TEXT_PART_FIELD and "uuid" not in part:
+    if kind in TEXT_PART_FIELD and part.get("uuid") is None:
         text = part.get(TEXT_PART_FIELD[kind])
         if text is None and kind in ("text", "refusal"):
             return None  # vLLM skips a text part without text
@@ -284,10 +319,11 @@ def _parse_part(part: Any, openai: bool, where: str) -> Any:
         if not openai:
             return text
         return {"type": "text", "text": text, **{k: v for k, v in part.items() if k not in _KNOWN_PART_KEYS}}
-    if kind == "tool_reference" and "uuid" not in part:
+    if kind == "tool_reference" and part.get("uuid") is None:
         name = part.get("name")
         return {"type": "tool_reference", "name": name} if openai else name
-    raise ChatTemplateError(f"{where}: only text content parts can be tokenized here (got type {kind!r})")
+    error = MediaContent if is_media_part(part) else ChatTemplateError
+    raise error(f"{where}: only text content parts can be tokenized here (got type {kind!r})")
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:

@@ -7,6 +7,12 @@ chat_template_kwargs, continue_final_message, add_special_tokens default false),
 block keys match what the pods cache. A request carrying its own chat template is a 400 here, as
 in vLLM without ``--trust-request-chat-template`` (the router will not run a client's template);
 with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one routes the request.
+
+A request's ``truncate_prompt_tokens`` cuts its tokens as vLLM cuts them (``truncate``). A chat
+request with image, audio, video or embeddings parts is rendered by vLLM with the model's media
+tokens, and its blocks keyed with the media's hashes: the router cannot reproduce that, so it routes
+such a request on an estimate of its length (its text alone) with no block keys (``Unkeyed``): no
+prefix is looked up or credited, and the pod answers it (or, a text-only model, refuses it).
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ from indexer.prefix_tokens import CachedTokens, NotCached
 from indexer.tokens import (
     ChatRequest,
     ChatTemplateError,
+    MediaContent,
     Tokenizer,
     chat_text,
     completion_add_special_tokens,
     routing_encoder,
+    without_media,
 )
 from router.errors import APIError
+
+
+class Unkeyed(list[int]):
+    """Token ids that stand in for a prompt's length only (a rendering the router cannot reproduce):
+    ``prompt_block_keys`` gives them no keys, so nothing is looked up or credited."""
 
 
 def is_token_list(v: Any) -> bool:
@@ -51,6 +64,8 @@ def completion_prompt(body: dict[str, Any]) -> list[int] | str:
         if is_token_list(first) and all(is_token_list(p) for p in prompt):
             return first
     if prompt is None:
+        if body.get("prompt_embeds") is not None:  # vLLM's --enable-prompt-embeds: nothing the router can key
+            return Unkeyed()
         raise APIError(400, "'prompt' is required", param="prompt")
     raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                    "token-id lists, and not empty", param="prompt")
@@ -95,9 +110,66 @@ def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int |
     chat_messages(body)
     try:
         text, special = chat_text(body, tokenizer)
+    except MediaContent:
+        return media_chat_estimate(body, tokenizer, max_new_chars)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     return routing_encoder(tokenizer, max_new_chars)(text, special)
+
+
+def media_chat_estimate(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None) -> Unkeyed:
+    """A chat request with media parts: its tokens without the media (an estimate of its length),
+    unkeyed. A request the router would refuse without its media is still a 400."""
+    try:
+        text, special = chat_text({**body, "messages": without_media(body["messages"])}, tokenizer)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    return Unkeyed(routing_encoder(tokenizer, max_new_chars)(text, special))
+
+
+def truncation(body: dict[str, Any]) -> tuple[int, str | None] | None:
+    """The request's ``truncate_prompt_tokens`` (a count of at least 0) and ``truncation_side``
+    ("left", "right" or None: the tokenizer's own), or None. -1 (the model's context length, which
+    the router does not know) and values vLLM refuses are left to the pod: the prompt keyed whole."""
+    n = body.get("truncate_prompt_tokens")
+    if type(n) is not int or n < 0:
+        return None
+    side = body.get("truncation_side")
+    return n, side if side in ("left", "right") else None
+
+
+def truncate(tokens: Sequence[int], n: int, side: str | None, plain: Sequence[int] | None = None) -> Sequence[int]:
+    """``tokens`` cut to ``n`` as vLLM 0.32 cuts them (renderers/params.py ``TokenizeParams``).
+    With ``truncation_side`` the whole tokenization is sliced: "right" keeps the first ``n``,
+    "left" the last ``n``. Without it the tokenizer truncates while it encodes, from the left (vLLM
+    makes a generating model's tokenizer truncate left: tokenizers/registry.py), and keeps the
+    special tokens it adds (BOS): the last ``n - specials`` tokens of the text between them.
+    ``plain``: the same text's tokens without special tokens, where ``tokens`` has them added (None:
+    none added, as for a chat prompt by default or a token-id prompt)."""
+    if len(tokens) <= n:
+        return tokens
+    if side == "right":
+        return list(tokens[:n])
+    if side == "left" or plain is None or len(plain) >= len(tokens):
+        return list(tokens[len(tokens) - n:])
+    ids, body = list(tokens), list(plain)
+    added = len(ids) - len(body)
+    lead = next((p for p in range(added + 1) if ids[p:p + len(body)] == body), 0)
+    keep = max(0, n - added)
+    cut = ids[:lead] + (body[len(body) - keep:] if keep else []) + ids[lead + len(body):]
+    return cut[len(cut) - n:] if len(cut) > n else cut  # then sliced as above (fewer than its specials)
+
+
+def _truncated(kind: str, body: dict[str, Any], tokenizer: Tokenizer, tokens: Sequence[int], n: int,
+               side: str | None, max_new_chars: int | None) -> Sequence[int]:
+    if len(tokens) <= n or isinstance(tokens, Unkeyed):
+        return tokens
+    plain = None
+    if side is None and (add_special_tokens(body) if kind == "completion" else body.get("add_special_tokens") is True) \
+            and (kind == "chat" or isinstance(completion_prompt(body), str)):
+        plain = prompt_tokens(kind, {**body, "add_special_tokens": False, "truncate_prompt_tokens": None},
+                              tokenizer, max_new_chars)
+    return truncate(tokens, n, side, plain)
 
 
 def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer,
@@ -105,10 +177,17 @@ def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer,
     """``kind`` is "chat" or "completion". With a prefix token cache the answer may be a
     ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap. With
     ``max_new_chars``, ``NotCached`` is raised rather than tokenize more than that many characters
-    past the cached prefix (or any batch of prompts)."""
+    past the cached prefix (or any batch of prompts). An ``Unkeyed`` answer only estimates the
+    prompt's length (``chat_tokens``); ``truncate_prompt_tokens`` is applied (``truncate``)."""
     if kind == "chat":
-        return chat_tokens(body, tokenizer, max_new_chars)
-    return completion_tokens(body, tokenizer, max_new_chars)
+        tokens = chat_tokens(body, tokenizer, max_new_chars)
+    else:
+        tokens = completion_tokens(body, tokenizer, max_new_chars)
+    if body.get("truncate_prompt_tokens") is not None:
+        cut = truncation(body)
+        if cut is not None:
+            tokens = _truncated(kind, body, tokenizer, tokens, *cut, max_new_chars)
+    return tokens
 
 
 def prompt_block_keys(tokens: Sequence[int], block_size: int, seed: int, adapter: str | None,
@@ -129,6 +208,8 @@ def prompt_block_keys(tokens: Sequence[int], block_size: int, seed: int, adapter
 
     if isinstance(tokens, CachedTokens):
         return tokens.block_keys(block_size, seed, (adapter, salt), extra_for)
+    if isinstance(tokens, Unkeyed):
+        return []
     return block_keys(tokens, block_size, seed, extra_for(len(tokens) // block_size, 0))
 
 

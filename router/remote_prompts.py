@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from indexer.tokens import RemoteTokenizer
-from router.prompts import add_special_tokens, check_chat, completion_prompt
+from router.prompts import add_special_tokens, check_chat, completion_prompt, truncate, truncation
 from router.upstream import UpstreamClient
 
 log = logging.getLogger("kvroute")
@@ -123,27 +123,44 @@ class RemotePrompts:
 
     async def prompt_ids(self, kind: str, body: dict[str, Any], model: str) -> PromptIds:
         """Token ids for ``body``; raises APIError only for a malformed prompt, never for the pod."""
+        cut = truncation(body) if body.get("truncate_prompt_tokens") is not None else None
         if kind == "chat":
             check_chat(body)
             ask: Any = body["messages"]
+            special = body.get("add_special_tokens") is True
         else:
             ask = completion_prompt(body)
             if isinstance(ask, list):
-                return PromptIds(ask, exact=True)
+                return PromptIds(list(truncate(ask, *cut)) if cut is not None else ask, exact=True)
             special = add_special_tokens(body)
         tok = self._tokenizer_for(model)
         if tok is None:
             self._on_failure("no_pod")
             return PromptIds(_estimate(ask), exact=False)
         try:
-            if kind == "chat":
-                call = tok.encode_chat_request(body)
-            else:
-                call = tok.encode(ask, add_special_tokens=special)
-            return PromptIds(await asyncio.wait_for(call, self._timeout_s), exact=True)
+            return PromptIds(await asyncio.wait_for(self._tokens(tok, kind, body, ask, special, cut), self._timeout_s),
+                             exact=True)
         except TimeoutError:
             self._on_failure("timeout")
         except Exception as exc:  # an error answer, a refused connection, a body without tokens
             log.debug("remote tokenize on %s failed: %s", tok.base_url, exc)
             self._on_failure("error")
         return PromptIds(_estimate(ask), exact=False)
+
+    @staticmethod
+    async def _tokens(tok: RemoteTokenizer, kind: str, body: dict[str, Any], ask: Any, special: bool,
+                      cut: tuple[int, str | None] | None) -> list[int]:
+        """The pod's tokens, cut as vLLM cuts them for ``truncate_prompt_tokens`` (its /tokenize does
+        not truncate). Cut from the tokenizer's side with special tokens added, the text's own tokens
+        are asked for too (``router.prompts.truncate``)."""
+        if kind == "chat":
+            tokens = await tok.encode_chat_request(body)
+        else:
+            tokens = await tok.encode(ask, add_special_tokens=special)
+        if cut is None or len(tokens) <= cut[0]:
+            return tokens
+        plain = None
+        if special and cut[1] is None:
+            plain = await (tok.encode_chat_request({**body, "add_special_tokens": False}) if kind == "chat"
+                           else tok.encode(ask, add_special_tokens=False))
+        return list(truncate(tokens, *cut, plain))

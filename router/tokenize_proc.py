@@ -81,7 +81,7 @@ from prometheus_client.registry import Collector
 
 from router.costs import batch_rest_tokens
 from router.errors import APIError
-from router.prompts import prompt_block_keys, prompt_tokens
+from router.prompts import Unkeyed, prompt_block_keys, prompt_tokens
 
 log = logging.getLogger("kvroute")
 
@@ -108,7 +108,8 @@ class _Ready(msgspec.Struct, array_like=True, tag="ready", forbid_unknown_fields
 class _Answer(msgspec.Struct, array_like=True, tag="r", forbid_unknown_fields=True):
     """The child's answer to job ``job_id``: ``["r", job_id, count, ...]``. ``tokens`` only where
     ``keys`` is empty (no full block); ``stored``: the chunks its cache newly stored; ``error``:
-    (status, message, param, code) of a prompt it could not tokenize."""
+    (status, message, param, code) of a prompt it could not tokenize; ``unkeyed``: ``count`` only
+    estimates a prompt the router cannot key (``router.prompts.Unkeyed``), with no keys or tokens."""
 
     job_id: int
     count: Annotated[int, msgspec.Meta(ge=0)]
@@ -118,6 +119,7 @@ class _Answer(msgspec.Struct, array_like=True, tag="r", forbid_unknown_fields=Tr
     counts: _Counts | None
     stored: list[tuple[int, bytes]] | None
     error: tuple[int, str, str | None, str | None] | None
+    unkeyed: bool = False
 
 
 _decode_reply = msgspec.msgpack.Decoder(_Ready | _Answer).decode
@@ -196,6 +198,8 @@ class _Child:
         keys = prompt_block_keys(tokens, block_size, seed, adapter, salt)
         stored = self.stored[:] if self.stored else None
         self.stored.clear()
+        if isinstance(tokens, Unkeyed):  # a rendering the router cannot reproduce: its length alone
+            return _Answer(job_id, len(tokens), rest, [], None, self.counts(), stored, None, unkeyed=True)
         return _Answer(job_id, len(tokens), rest, keys, None if keys else list(tokens), self.counts(), stored, None)
 
 
@@ -419,9 +423,10 @@ class TokenizeProcess:
             if self._writer is writer:
                 self._gone(f"failed ({type(exc).__name__}: {exc})")
             return None
-        if answer.error is None and (len(answer.keys) != answer.count // block_size
-                                     or (answer.tokens is None) != bool(answer.keys)
-                                     or (answer.tokens is not None and len(answer.tokens) != answer.count)):
+        unkeyed = answer.unkeyed and answer.tokens is None and not answer.keys  # a length, no prefix to look up
+        if answer.error is None and not unkeyed and (
+                len(answer.keys) != answer.count // block_size or (answer.tokens is None) != bool(answer.keys)
+                or (answer.tokens is not None and len(answer.tokens) != answer.count)):
             self.jobs["failed"] += 1
             if self._writer is writer:
                 self._gone("answered with keys or tokens that do not fit the prompt's length")

@@ -419,3 +419,94 @@ async def test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order():
     sent = json.loads(seen[0])
     assert list(sent["tools"][0]["function"]["parameters"]) == ["z", "a"]
     assert sent["messages"] == BODIES[0]["messages"] and sent["model"] == "m"
+
+
+# ---- truncate_prompt_tokens -----------------------------------------------------------------------
+# vLLM 0.32 (renderers/params.py TokenizeParams, tokenizers/registry.py): with truncation_side the
+# whole tokenization is sliced ("right" keeps the first N, "left" the last N); without it a generating
+# model's tokenizer truncates from the left while it encodes, keeping the special tokens it adds; -1
+# means the context length. The same cases on the real-vLLM tier's tokenizer were checked offline
+# against vLLM's own OnlineRenderer (render_completion / render_chat).
+
+def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does(tmp_path):
+    from router.prompts import prompt_block_keys
+
+    tok = HFTokenizer(make_folder(tmp_path), chat_template="{{ messages[0].content }}")
+    text = "hello world x hi hello"  # <s>=1 hello=3 world=4 x=5 hi=6
+    assert prompt_tokens("completion", {"prompt": text}, tok) == [1, 3, 4, 5, 6, 3]
+
+    def cut(kind="completion", **kw):
+        body = {"prompt": text} if kind == "completion" else {"messages": [{"role": "user", "content": text}]}
+        return list(prompt_tokens(kind, {**body, **kw}, tok))
+
+    assert cut(truncate_prompt_tokens=3) == [1, 6, 3]  # the tokenizer's own side: left, BOS kept
+    assert cut(truncate_prompt_tokens=3, truncation_side="left") == [5, 6, 3]  # sliced: BOS gone
+    assert cut(truncate_prompt_tokens=3, truncation_side="right") == [1, 3, 4]
+    assert cut(truncate_prompt_tokens=3, add_special_tokens=False) == [5, 6, 3]
+    assert cut(truncate_prompt_tokens=1) == [1] and cut(truncate_prompt_tokens=0) == []
+    assert cut(truncate_prompt_tokens=6) == cut(truncate_prompt_tokens=-1) == cut() == [1, 3, 4, 5, 6, 3]
+    # a batch's first prompt and token-id prompts (sliced from the tokenizer's side, left)
+    assert cut(prompt=[text, "x"], truncate_prompt_tokens=2) == [1, 3]
+    assert cut(prompt=[7, 8, 9, 10, 11], truncate_prompt_tokens=2) == [10, 11]
+    assert cut(prompt=[[7, 8, 9], [1]], truncate_prompt_tokens=2, truncation_side="right") == [7, 8]
+    # chat: no special tokens added by default, so the last N of the rendered prompt
+    assert cut("chat", truncate_prompt_tokens=2) == [6, 3]
+    assert cut("chat", truncate_prompt_tokens=2, add_special_tokens=True) == [1, 3]
+    assert cut("chat", truncate_prompt_tokens=2, truncation_side="right") == [3, 4]
+    # the block keys are the cut prompt's: a left-truncated prompt shares no block with its whole text
+    keys = prompt_block_keys(prompt_tokens("completion", {"prompt": text, "truncate_prompt_tokens": 4}, tok),
+                             2, 7, None, None)
+    assert keys == prompt_block_keys([1, 5, 6, 3], 2, 7, None, None)
+
+
+# ---- media content parts ------------------------------------------------------------------------
+
+MEDIA_PARTS = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+               {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+               {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+               {"type": "image_embeds", "image_embeds": "AAAA"},
+               {"type": "input_image", "image_url": "https://example.com/a.png"},
+               {"image_url": {"url": "https://example.com/a.png"}},  # no type: vLLM reads the key
+               {"type": "image_url", "uuid": "img-1", "image_url": None}]  # a cached image, by its uuid
+
+
+@pytest.mark.parametrize("part", MEDIA_PARTS)
+def test_a_chat_request_with_media_is_routed_unkeyed_on_its_texts_length(part):
+    """vLLM serves these on a multimodal model (media placeholder tokens, blocks keyed with the media's
+    hashes). The router cannot reproduce that: it was a 400 here before. Now the text alone stands in
+    for the prompt's length and there are no block keys (nothing looked up, nothing credited)."""
+    from router.prompts import Unkeyed, prompt_block_keys
+
+    tok = ByteTokenizer()
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]}
+    tokens = prompt_tokens("chat", body, tok)
+    text_only = {"messages": [body["messages"][0], {"role": "user", "content": [{"type": "text",
+                                                                                "text": "what is this?"}]}]}
+    assert isinstance(tokens, Unkeyed) and tokens == prompt_tokens("chat", text_only, tok)
+    assert prompt_block_keys(tokens, 4, 1, None, None) == [] == prompt_block_keys(tokens, 4, 1, "lora", "salt")
+    assert chat_request_ids(text_only, tok)  # a text-only request is keyed as before
+    assert prompt_block_keys(prompt_tokens("chat", text_only, tok), 4, 1, None, None)
+    # a request that is bad apart from its media is still a 400
+    with pytest.raises(APIError) as err:
+        prompt_tokens("chat", {**body, "add_generation_prompt": "yes"}, tok)
+    assert err.value.status == 400
+    # an unknown part type, or a text part with a uuid, is vLLM's 400 as before
+    for bad in ({"type": "hologram", "hologram": "x"}, {"type": "text", "text": "x", "uuid": "u"}):
+        with pytest.raises(APIError):
+            prompt_tokens("chat", {"messages": [{"role": "user", "content": [bad]}]}, tok)
+    # a text part whose uuid is null is plain text to vLLM
+    assert chat_request_ids({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "uuid": None}]}]},
+                            tok) == chat_request_ids({"messages": [{"role": "user", "content": "x"}]}, tok)
+
+
+
+def test_a_completion_of_prompt_embeds_alone_is_routed_unkeyed():
+    """vLLM (with --enable-prompt-embeds) serves a completion with ``prompt_embeds`` and no
+    ``prompt``; the router answered 400 ("'prompt' is required"). It routes it now, with no keys."""
+    from router.prompts import Unkeyed, prompt_block_keys
+
+    tokens = prompt_tokens("completion", {"prompt_embeds": "AAAA", "truncate_prompt_tokens": 2}, ByteTokenizer())
+    assert isinstance(tokens, Unkeyed) and prompt_block_keys(tokens, 4, 1, None, "salt") == []
+    with pytest.raises(APIError):
+        prompt_tokens("completion", {}, ByteTokenizer())

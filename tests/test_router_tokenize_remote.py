@@ -132,3 +132,77 @@ async def test_a_failing_or_stalled_tokenize_still_serves_the_request_and_counts
     finally:
         for p in pods:
             await p.stop()
+
+
+async def test_a_chat_request_with_an_image_is_forwarded_without_cache_credit():
+    """A multimodal chat request (an image part) was a 400 from a router with a local tokenizer; vLLM
+    serves it on a multimodal model. It is routed now, on its text's length, with no block keys."""
+    from tests.test_router_api import pods_running
+
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "describe this picture in detail " * 20},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    async with pods_running(1) as pods, running_router(settings_for(pods, block_size=16)) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            explained = (await c.post("/debug/route", json=body)).json()
+            assert explained["blocks"] == 0 and explained["prompt_tokens"] > 600
+            # a completion of prompt embeddings alone (vLLM's --enable-prompt-embeds): routed, unkeyed
+            r = await c.post("/v1/completions", json={"model": "m", "max_tokens": 2, "prompt_embeds": "AAAA"})
+            assert r.status_code == 200, r.text
+
+
+async def test_pod_tokenized_prompts_are_truncated_as_vllm_truncates_them():
+    """vLLM's /tokenize does not truncate, its chat and completion endpoints do
+    (``truncate_prompt_tokens``): the router cuts the pod's tokens itself, from the tokenizer's side
+    (left, keeping the BOS the tokenizer adds) unless ``truncation_side`` says otherwise."""
+    from indexer.tokens import RemoteTokenizer
+    from router.remote_prompts import RemotePrompts
+
+    seen: list[dict] = []
+
+    async def tokenize(request: web.Request) -> web.Response:  # vLLM's /tokenize: BOS=1 when special tokens
+        body = await request.json()
+        seen.append(body)
+        if "messages" in body:
+            text, special = "|".join(m["content"] for m in body["messages"]), body.get("add_special_tokens", False)
+        else:
+            text, special = body["prompt"], body.get("add_special_tokens", True)
+        ids = [1] * special + [10 + b for b in text.encode()]
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 100})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with httpx.AsyncClient() as client:
+            remote = RemotePrompts(None, lambda: None, 5.0, 64, lambda reason: None)
+            remote._tokenizer_for = lambda model: RemoteTokenizer(f"http://127.0.0.1:{port}", model, client)
+
+            async def ids(kind: str, **body) -> list[int]:
+                got = await remote.prompt_ids(kind, body, "m")
+                assert got.exact
+                return list(got.tokens)
+
+            abc = [10 + b for b in b"abcdef"]
+            assert await ids("completion", prompt="abcdef") == [1, *abc]
+            assert await ids("completion", prompt="abcdef", truncate_prompt_tokens=3) == [1, *abc[-2:]]
+            assert await ids("completion", prompt="abcdef", truncate_prompt_tokens=3,
+                             truncation_side="left") == abc[-3:]
+            assert await ids("completion", prompt="abcdef", truncate_prompt_tokens=3,
+                             truncation_side="right") == [1, *abc[:2]]
+            assert await ids("completion", prompt="abcdef", truncate_prompt_tokens=-1) == [1, *abc]
+            assert await ids("completion", prompt=[5, 6, 7, 8], truncate_prompt_tokens=2) == [7, 8]
+            msgs = [{"role": "user", "content": "abcdef"}]
+            assert await ids("chat", messages=msgs, truncate_prompt_tokens=2) == abc[-2:]
+            assert await ids("chat", messages=msgs, truncate_prompt_tokens=2, add_special_tokens=True) == [1, abc[-1]]
+            # without truncation the body sent is the one sent before (the answers' cache keys)
+            seen.clear()
+            await ids("chat", messages=msgs)
+            assert seen == [{"model": "m", "messages": msgs}]
+    finally:
+        await runner.cleanup()

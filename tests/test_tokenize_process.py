@@ -411,3 +411,32 @@ async def test_a_crowded_loop_sends_mid_size_prompts_to_the_tokenize_process(tok
                         assert sent > 0 and proc.jobs["done"] == sent
                     else:
                         assert sent == 0 and proc.jobs["done"] == 0
+
+
+async def test_the_child_truncates_and_leaves_media_requests_unkeyed_as_the_router_does(tokenizer_file):
+    """``truncate_prompt_tokens`` cuts the prompt in the child as in the router, and a chat request
+    with an image part is an unkeyed length estimate there too (not a 400)."""
+    plain = HFTokenizer(tokenizer_file)
+    proc = TokenizeProcess(tokenizer_file, cache_tokens=1_000_000, timeout_s=30)
+    await proc.start()
+    try:
+        await until_ready(proc)
+        seed = key_seed("m")
+        text = " ".join(corpus(80, seed=5))
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        cases = [("completion", {"model": "m", "prompt": text, "truncate_prompt_tokens": 40}),
+                 ("chat", {"model": "m", "messages": conversation(2), "truncate_prompt_tokens": 50,
+                           "truncation_side": "right"}),
+                 ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                                                   image]}]})]
+        for kind, body in cases:
+            want = list(prompt_tokens(kind, body, plain))
+            got = await proc.run(kind, orjson.dumps(body), 16, seed, None, None, 4.0)
+            assert got is not None
+            tokens, _, keys = got
+            assert len(tokens) == len(want) and keys == prompt_block_keys(prompt_tokens(kind, body, plain), 16, seed,
+                                                                           None, None)
+        assert len(want) > 16 and keys == []  # the image request: its text's length, no keys
+        assert proc.jobs["done"] == len(cases)
+    finally:
+        proc.stop()
