@@ -172,3 +172,32 @@ def test_tool_conversation_follow_up_credited_as_the_engine_hits_it(agg_engines,
           f"engine hit {observed}")
     assert observed > 0
     assert predicted == observed
+
+
+TRUNCATED: dict[str, tuple[str, dict[str, Any]]] = {
+    "completion-tokenizer-side": ("completion", {"prompt": TEXT, "truncate_prompt_tokens": 7}),
+    "completion-left": ("completion", {"prompt": TEXT, "truncate_prompt_tokens": 7, "truncation_side": "left"}),
+    "completion-right": ("completion", {"prompt": TEXT, "truncate_prompt_tokens": 7, "truncation_side": "right"}),
+    "completion-token-ids": ("completion", {"prompt": list(range(40, 80)), "truncate_prompt_tokens": 9}),
+    "completion-longer-than-the-prompt": ("completion", {"prompt": "short one", "truncate_prompt_tokens": 500}),
+    "chat": ("chat", {"messages": [SYSTEM, {"role": "user", "content": "what is a prefix cache?"}],
+                      "truncate_prompt_tokens": 12}),
+    "chat-with-special-tokens": ("chat", {"messages": [{"role": "user", "content": TEXT}],
+                                          "add_special_tokens": True, "truncate_prompt_tokens": 10}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRUNCATED))
+def test_truncated_prompts_are_the_tokens_the_engine_keeps(case, agg_engines, routers, local_tokenizer):
+    """``truncate_prompt_tokens`` (and ``truncation_side``): the router's ids are the engine's, so the
+    blocks it keys are the ones the engine caches; both routers count them."""
+    from router.prompts import prompt_tokens
+
+    kind, body = TRUNCATED[case]
+    r = engine_answer(agg_engines[0].url, kind, body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    engine_ids = answer["prompt_token_ids"] if kind == "chat" else answer["choices"][0]["prompt_token_ids"]
+    assert list(prompt_tokens(kind, {"model": M, **body}, local_tokenizer)) == engine_ids
+    counts = {mode: debug_route(base, {"model": M, **body})["prompt_tokens"] for mode, base in routers.items()}
+    assert counts == {"local": len(engine_ids), "remote": len(engine_ids)}, (engine_ids, counts)
