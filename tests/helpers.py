@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.testing import free_port, stop_process, wait_ready
 
-__all__ = ["ROOT", "free_port", "free_ports", "http", "kvroute_process", "metric", "stop_process", "until",
-           "wait_http"]
+__all__ = ["ROOT", "free_port", "free_ports", "http", "kvroute_process", "metric", "serve_routes", "stop_process",
+           "until", "wait_http"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +29,24 @@ ROOT = Path(__file__).resolve().parent.parent
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (``free_port``: none handed out twice in this process)."""
     return [free_port() for _ in range(n)]
+
+
+@asynccontextmanager
+async def serve_routes(*routes):
+    """An aiohttp app of ``routes`` (``web.post(path, handler)``, ...) on a free loopback port, in this
+    event loop, for the test's duration; yields the port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 _HTTP: httpx.Client | None = None

@@ -25,7 +25,7 @@ from indexer.tokens import (
 from router.errors import APIError
 from router.prompts import check_chat, prompt_tokens
 from simulator.openai_shapes import ShapeError, chat_ids_of, prompt_ids_of
-from tests.helpers import free_port
+from tests.helpers import serve_routes
 
 
 def render(template: str, messages=None, **kwargs) -> str:
@@ -400,22 +400,13 @@ async def test_remote_tokenizer_sends_the_mapped_body_in_its_own_key_order():
         seen.append(await request.read())
         return web.json_response({"tokens": [1, 2, 3], "count": 3, "max_model_len": 100})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        import httpx
+    import httpx
 
-        async with httpx.AsyncClient() as client:
-            rt = RemoteTokenizer(f"http://127.0.0.1:{port}", "m", client)
-            assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
-            assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
-            assert rt.hits == 1 and len(seen) == 1
-    finally:
-        await runner.cleanup()
+    async with serve_routes(web.post("/tokenize", tokenize)) as port, httpx.AsyncClient() as client:
+        rt = RemoteTokenizer(f"http://127.0.0.1:{port}", "m", client)
+        assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
+        assert await rt.encode_chat_request(BODIES[0]) == [1, 2, 3]
+        assert rt.hits == 1 and len(seen) == 1
     sent = json.loads(seen[0])
     assert list(sent["tools"][0]["function"]["parameters"]) == ["z", "a"]
     assert sent["messages"] == BODIES[0]["messages"] and sent["model"] == "m"

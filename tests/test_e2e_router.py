@@ -15,7 +15,7 @@ import yaml
 from kvcommon.settings import build_settings
 from router.config import RouterSettings
 from simulator.testing import consecutive_free_ports, running_sims
-from tests.helpers import free_port, kvroute_process, until
+from tests.helpers import free_port, kvroute_process, serve_routes, until
 from tests.test_router_api import running_router
 
 
@@ -386,13 +386,7 @@ def test_the_engines_of_a_data_parallel_pod_share_one_scrape_of_its_page():
         return web.Response(text=page)
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
+        async with serve_routes(web.get("/metrics", metrics)) as port:
             pod = PodConfig(id="p", url=f"http://127.0.0.1:{port}", model="m", data_parallel_size=4)
             reg = PodRegistry(data_parallel_ranks(pod), scrape_interval_s=10.0, timeout_s=5.0)
             await reg.start()   # a health check and a scrape of every engine
@@ -403,7 +397,5 @@ def test_the_engines_of_a_data_parallel_pod_share_one_scrape_of_its_page():
                     (f"p#{r}", r + 1, 10 * r) for r in range(4)]
             finally:
                 await reg.stop()
-        finally:
-            await runner.cleanup()
 
     asyncio.run(run())

@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
 import pytest
 from aiohttp import web
 
 from indexer.tokens import ByteTokenizer, RemoteTokenizeError, RemoteTokenizer
-from tests.helpers import free_port
-
-
-@contextlib.asynccontextmanager
-async def tokenize_pod(handler):
-    """A pod's ``POST /tokenize`` answered by ``handler`` on a free port (yields the port)."""
-    app = web.Application()
-    app.router.add_post("/tokenize", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield port
-    finally:
-        await runner.cleanup()
+from tests.helpers import serve_routes
 
 
 async def test_remote_tokenize_prompt_and_chat_with_cache():
@@ -41,7 +25,7 @@ async def test_remote_tokenize_prompt_and_chat_with_cache():
         ids = tok.encode(text)
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
 
-    async with tokenize_pod(tokenize) as port, httpx.AsyncClient() as client:
+    async with serve_routes(web.post("/tokenize", tokenize)) as port, httpx.AsyncClient() as client:
         rt = RemoteTokenizer(f"http://127.0.0.1:{port}/", "m", client, cache_size=2)
         assert await rt.encode("hello") == list(b"hello")
         assert await rt.encode("hello") == list(b"hello")
@@ -69,7 +53,7 @@ async def test_remote_tokenize_cache_keys_by_digest_and_is_bounded_by_tokens_hel
         await asyncio.sleep(0.05)  # so that two asks of one body overlap
         return web.json_response({"tokens": list(body["prompt"].encode())})
 
-    async with tokenize_pod(tokenize) as port, httpx.AsyncClient() as client:
+    async with serve_routes(web.post("/tokenize", tokenize)) as port, httpx.AsyncClient() as client:
         rt = RemoteTokenizer(f"http://127.0.0.1:{port}", "m", client, cache_size=100, max_tokens=1000)
         big = "x" * 100_000
         assert await rt.encode(big[:900]) == [ord("x")] * 900

@@ -10,7 +10,7 @@ from replay import arrivals, fake_backend, runner, workloads
 from replay.fake_backend import Behaviour
 from replay.metrics import RequestRecord, peak_concurrency, summarize
 from replay.report import format_compare, format_table
-from tests.helpers import free_port
+from tests.helpers import free_port, serve_routes
 
 
 @pytest.fixture
@@ -199,13 +199,7 @@ async def test_an_answer_the_client_cannot_read_is_a_failure_not_a_success():
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", answer)
-    app_runner = web.AppRunner(app)
-    await app_runner.setup()
-    port = free_port()
-    await web.TCPSite(app_runner, "127.0.0.1", port).start()
-    try:
+    async with serve_routes(web.post("/v1/completions", answer)) as port:
         specs = _specs(n=2, groups=1)
         for mode in ("str", "list"):
             res = await runner.run(f"http://127.0.0.1:{port}", specs, [0.0, 0.0], model="m", slo_ttft=5.0,
@@ -213,8 +207,6 @@ async def test_an_answer_the_client_cannot_read_is_a_failure_not_a_success():
             s = res.summary
             assert (s["requests"], s["completed"], s["errors"], s["slo_attainment"]) == (2, 0, 2, 0.0)
             assert all(r.error and r.error.startswith("bad_response:") for r in res.records)
-    finally:
-        await app_runner.cleanup()
 
 
 @pytest.mark.e2e

@@ -15,7 +15,7 @@ from aiohttp import web
 from kvcommon.settings import build_settings
 from router.config import RouterSettings
 from simulator.testing import consecutive_free_ports, running_sims
-from tests.helpers import free_port
+from tests.helpers import free_port, serve_routes
 from tests.test_e2e_router import fleet
 from tests.test_router_api import Pod, completion, running_router, settings_for
 
@@ -172,13 +172,7 @@ async def test_pod_tokenized_prompts_are_truncated_as_vllm_truncates_them():
         ids = [1] * special + [10 + b for b in text.encode()]
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 100})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serve_routes(web.post("/tokenize", tokenize)) as port:
         async with httpx.AsyncClient() as client:
             remote = RemotePrompts(None, lambda: None, 5.0, 64, lambda reason: None)
             remote._tokenizer_for = lambda model: RemoteTokenizer(f"http://127.0.0.1:{port}", model, client)
@@ -204,5 +198,3 @@ async def test_pod_tokenized_prompts_are_truncated_as_vllm_truncates_them():
             seen.clear()
             await ids("chat", messages=msgs)
             assert seen == [{"model": "m", "messages": msgs}]
-    finally:
-        await runner.cleanup()
