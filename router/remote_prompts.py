@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from indexer.tokens import RemoteTokenizer
+from indexer.tokens import RemoteTokenizer, is_media_part
 from router.prompts import add_special_tokens, check_chat, completion_prompt, truncate, truncation
 from router.upstream import UpstreamClient
 
@@ -38,7 +38,8 @@ CHARS_PER_TOKEN = 4  # length estimate when the pod could not tokenize: the usua
 
 @dataclass
 class PromptIds:
-    """What plan needs: token ids, and whether they are the pods' own (prefix lookup worth doing)."""
+    """What plan needs: token ids, and whether they key the prompt's blocks as the pods do (the pods' own ids
+    of a prompt without media: prefix lookup worth doing)."""
 
     tokens: list[int]
     exact: bool
@@ -97,6 +98,12 @@ def _estimate(text_or_messages: Any) -> list[int]:
     return [0] * max(1, chars // CHARS_PER_TOKEN)
 
 
+def _has_media(messages: list[Any]) -> bool:
+    """Whether a chat request has an image, audio, video or embeddings part (``is_media_part``)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(map(is_media_part, m["content"]))
+               for m in messages)
+
+
 class RemotePrompts:
     def __init__(self, registry: Any, client: Callable[[], UpstreamClient | None], timeout_s: float,
                  cache_size: int, on_failure: Callable[[str], None]):
@@ -124,10 +131,14 @@ class RemotePrompts:
     async def prompt_ids(self, kind: str, body: dict[str, Any], model: str) -> PromptIds:
         """Token ids for ``body``; raises APIError only for a malformed prompt, never for the pod."""
         cut = truncation(body) if body.get("truncate_prompt_tokens") is not None else None
+        exact = True
         if kind == "chat":
             check_chat(body)
             ask: Any = body["messages"]
             special = body.get("add_special_tokens") is True
+            # vLLM keys a block that holds media tokens with the media's hashes too; the pod's ids
+            # alone would key two requests that differ only in their image alike (a false credit)
+            exact = not _has_media(ask)
         else:
             ask = completion_prompt(body)
             if isinstance(ask, list):
@@ -139,7 +150,7 @@ class RemotePrompts:
             return PromptIds(_estimate(ask), exact=False)
         try:
             return PromptIds(await asyncio.wait_for(self._tokens(tok, kind, body, ask, special, cut), self._timeout_s),
-                             exact=True)
+                             exact=exact)
         except TimeoutError:
             self._on_failure("timeout")
         except Exception as exc:  # an error answer, a refused connection, a body without tokens

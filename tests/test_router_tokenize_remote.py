@@ -198,3 +198,48 @@ async def test_pod_tokenized_prompts_are_truncated_as_vllm_truncates_them():
             seen.clear()
             await ids("chat", messages=msgs)
             assert seen == [{"model": "m", "messages": msgs}]
+
+
+
+class MultimodalPod(Pod):
+    """A recording pod of a multimodal model: its /tokenize answers a chat with an image as vLLM's
+    does, the same ids whatever the image (its placeholder tokens)."""
+
+    def routes(self, app: web.Application) -> None:
+        super().routes(app)
+        app.router.add_post("/tokenize", self.tokenize)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        await request.read()
+        ids = list(range(1000, 1400))
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids})
+
+
+async def test_pod_tokenized_chat_with_an_image_is_routed_on_its_length_without_block_keys():
+    """vLLM hashes a block that holds an image's tokens with the image's hash too: the pod's /tokenize
+    ids alone would key two requests that differ only in their image alike, and the second would be
+    credited with the first's blocks. A pod-tokenized request with media parts is routed on the pod's
+    count of its tokens, with no block keys, as a locally tokenized one is."""
+    def body(image: str) -> dict:
+        return {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "describe this picture in detail " * 20},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}]}
+
+    pods = [MultimodalPod(f"pod-{i}", free_port()) for i in range(2)]
+    for p in pods:
+        await p.start()
+    try:
+        async with running_router(settings_for(pods, tokenizer="remote", block_size=16)) as (base, _):
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                r = await c.post("/v1/chat/completions", json=body("AAAA"))
+                assert r.status_code == 200, r.text
+                explained = (await c.post("/debug/route", json=body("BBBB"))).json()
+                assert explained["blocks"] == 0
+                assert explained["prompt_tokens"] == 400  # the pod's count
+                assert all(sum(p["cached_tokens_by_tier"].values()) == 0 for p in explained["pods"])
+                # a text-only prompt is keyed on the pod's ids as before
+                text_only = {**body("AAAA"), "messages": [{"role": "user", "content": "describe " * 100}]}
+                assert (await c.post("/debug/route", json=text_only)).json()["blocks"] == 25
+    finally:
+        for p in pods:
+            await p.stop()
