@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -79,13 +79,21 @@ async def run(args) -> None:
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - t0
             cpu = cpu_seconds([proc.pid]) - cpu0
-        overhead.sort()
-        print(f"pods={args.pods} sent={n} ok={len(overhead)} errors={errors} elapsed={elapsed:.1f}s "
-              f"achieved={len(overhead) / elapsed:.1f} req/s")
-        print(f"sim TTFT p50={statistics.median(ttfts) * 1000:.1f} ms")
-        print(f"client overhead over simulated time: p50={overhead[len(overhead) // 2] * 1000:.1f} ms "
-              f"p99={overhead[int(len(overhead) * 0.99)] * 1000:.1f} ms")
-        print(f"sim process CPU: {cpu / elapsed * 100:.0f}% of one core at {len(overhead) / elapsed:.1f} req/s "
+        answered = len(overhead)
+        # over all requests sent: a failed one counts at infinity
+        overhead = sorted(overhead) + [math.inf] * (n - answered)
+        ttfts = sorted(ttfts) + [math.inf] * (n - answered)
+
+        def ms(v: float) -> str:
+            return f"{v * 1000:.1f} ms" if math.isfinite(v) else "inf (a failure)"
+
+        print(f"pods={args.pods} sent={n} ok={answered} errors={errors} elapsed={elapsed:.1f}s "
+              f"achieved={answered / elapsed:.1f} req/s")
+        if n:
+            print(f"sim TTFT over all sent: p50={ms(ttfts[(n - 1) // 2])}")
+            print(f"client overhead over simulated time, over all sent: p50={ms(overhead[(n - 1) // 2])} "
+                  f"p99={ms(overhead[min(n - 1, math.ceil(0.99 * n) - 1)])}")
+        print(f"sim process CPU: {cpu / elapsed * 100:.0f}% of one core at {answered / elapsed:.1f} req/s "
               f"of {args.tokens}-token prompts")
     finally:
         proc.terminate()
