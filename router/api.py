@@ -138,12 +138,13 @@ def create_app(services: Services) -> FastAPI:
         finally:
             await services.stop()
 
-    app = KVRouteApp(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # redirect_slashes off: Starlette answered `/v1/completions/` with a 307 to `http://<the client's Host
+    # header>/v1/completions`, a location chosen by a client header (a cache in front would keep it for
+    # others) and no OpenAI error; an unknown path, trailing slash or not, is the 404 below
+    app = KVRouteApp(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                     redirect_slashes=False)
     app.state.services = services
     app.state.gate = gate
-
-    def authenticate(request: Request) -> None:
-        gate.authenticate(request.headers)
 
     def router() -> Router:
         r = services.router
@@ -244,7 +245,7 @@ def create_app(services: Services) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        authenticate(request)
+        gate.admit(request.headers)  # a request like any other: one from the key's request bucket
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "kvroute", "root": m, "parent": None}
                 for m in services.registry.models()]
