@@ -49,6 +49,12 @@ log = logging.getLogger("kvroute.sidecar")
 _JSON = b"application/json"
 
 
+# what a client is told of a failed prefill leg (the log has the pod's address and the error's text)
+_FAILED = {"connect_error": "the prefill pod could not be reached",
+           "bad_response": "the prefill pod's answer could not be used",
+           "server_error": "the prefill pod's answer broke off"}
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """How the prefill leg ended. ``kind``: ok, client_error, server_error, connect_error, timeout, bad_response.
@@ -312,13 +318,16 @@ class SidecarApp:
         elif result.kind == "server_error":
             await _send_bytes(send, result.status, result.body, result.content_type, rid_header)
             return
-        elif result.kind == "timeout":
-            await _send_error(send, 504, f"prefill at {target.host_port} timed out after "
-                              f"{self.settings.prefill_timeout}s", "GatewayTimeout", rid_header)
-            return
         else:
-            await _send_error(send, 502, f"prefill at {target.host_port} failed: {result.detail}",
-                              "BadGateway", rid_header)
+            # the client (through the router, a tenant) is told what failed, not where: the prefill
+            # pod's address, and a connection error's text that names it, go to the log only
+            log.warning("prefill at %s failed (%s: %s)", target.host_port, result.kind, result.detail)
+            if result.kind == "timeout":
+                await _send_error(send, 504, f"the prefill leg timed out after {self.settings.prefill_timeout}s",
+                                  "GatewayTimeout", rid_header)
+            else:
+                await _send_error(send, 502, f"the prefill leg failed: {_FAILED.get(result.kind, result.kind)}",
+                                  "BadGateway", rid_header)
             return
         out = result.decode
         if how != "remote":
@@ -422,7 +431,8 @@ class SidecarApp:
             result = PrefillResult("connect_error", detail=str(exc) or type(exc).__name__)
         except aiohttp.ClientError as exc:
             result = PrefillResult("server_error", status=502, detail=str(exc) or type(exc).__name__,
-                                   body=error_body(502, f"prefill failed: {exc}", err_type="BadGateway"))
+                                   body=error_body(502, f"the prefill leg failed: {_FAILED['server_error']}",
+                                                   err_type="BadGateway"))
         result.seconds = time.perf_counter() - started
         self.metrics.leg_seconds.labels("prefill").observe(result.seconds)
         self.metrics.legs.labels("prefill", result.kind).inc()

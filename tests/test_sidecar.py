@@ -523,6 +523,21 @@ def test_without_fallback_a_prefill_5xx_is_returned(pods, published_sidecar):
     assert decode.received == []
 
 
+def test_a_failed_prefill_leg_tells_the_client_what_failed_not_where(pods, published_sidecar):
+    """Without fallback a prefill pod that cannot be reached is the client's 502: it named the pod's
+    address (``prefill at 127.0.0.1:<port> failed: Cannot connect to host ...``), which reached a
+    tenant through the router; the address goes to the sidecar's log only."""
+    prefill, _ = pods
+    dead = free_port()
+    prefill.published = [f"127.0.0.1:{dead}"]
+    r = _wait_allowed(published_sidecar, f"127.0.0.1:{dead}", 502)
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert message == "the prefill leg failed: the prefill pod could not be reached"
+    assert "127.0.0.1" not in r.text and str(dead) not in r.text
+    prefill.published = [f"127.0.0.1:{prefill.port}"]
+
+
 def test_unreachable_decoder_is_a_503_and_own_health_stays_up():
     port, dead = free_ports(2)
     args = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--vllm-url", f"http://127.0.0.1:{dead}"]
