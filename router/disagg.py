@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvcommon.transfer import drop_client_params
 from router.config import PodConfig, RouterSettings
 from router.scheduling.decide import Route
 from router.scheduling.pd import PDDecision, PDParams
@@ -79,10 +80,10 @@ def pd_metrics(registry: CollectorRegistry) -> PDMetrics:
 
 
 def sanitize_body(raw: bytes, body: dict[str, Any], strip: bool, metrics: PDMetrics) -> bytes:
-    """Drop a client's ``kv_transfer_params``: its ``remote_host`` would steer a NIXL read."""
-    if not strip or "kv_transfer_params" not in body:
+    """Drop a client's ``kv_transfer_params``, top-level and under ``vllm_xargs``
+    (``kvcommon.transfer.drop_client_params``)."""
+    if not strip or not drop_client_params(body):
         return raw
-    del body["kv_transfer_params"]
     metrics.stripped.inc()
     return orjson.dumps(body)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from kvcommon.transfer import drop_client_params
+
 PREFILL_HEADER = b"x-prefiller-host-port"
 # llm-d's scheduler now writes the prefill target under a prefixed name too (both spellings)
 LLMD_PREFILL_HEADER = b"x-llm-d-prefiller-host-port"
@@ -163,15 +165,15 @@ def engine_json(raw: bytes) -> Any:
     return parse_body(raw)[0]
 
 
-def without_key(raw: bytes, key: str) -> bytes | None:
-    """``raw`` re-serialised without the top-level ``key`` (None when it has no such key). Parsed and
+def without_client_params(raw: bytes) -> bytes | None:
+    """``raw`` re-serialised without a client's ``kv_transfer_params``, top-level and under
+    ``vllm_xargs`` (``kvcommon.transfer.drop_client_params``; None when it has none). Parsed and
     written by ``parse_body`` and ``write_body``, so every other value (big integers, NaN, lone
     surrogates) reaches the engine as the engine would have read it from the original. Raises
     ``BadBody`` for a body that cannot be read or written."""
     parsed, exact = parse_body(raw)
-    if not isinstance(parsed, dict) or key not in parsed:
+    if not isinstance(parsed, dict) or not drop_client_params(parsed):
         return None
-    del parsed[key]
     return write_body(parsed, exact)
 
 

@@ -21,7 +21,7 @@ import aiohttp
 
 from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
-from kvcommon.transfer import one_prefill_cannot_serve
+from kvcommon.transfer import drop_client_params, one_prefill_cannot_serve
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
 from sidecar.dataparallel import DataParallel, RankError
@@ -38,7 +38,7 @@ from sidecar.legs import (
     prefill_body,
     request_id,
     response_headers,
-    without_key,
+    without_client_params,
     write_body,
 )
 from sidecar.metrics import SidecarMetrics
@@ -263,9 +263,8 @@ class SidecarApp:
         if not isinstance(request, dict):
             await _send_error(send, 400, "request body must be a JSON object", "BadRequestError", rid_header)
             return
-        if "kv_transfer_params" in request and self.settings.strip_client_kv_transfer_params:
+        if self.settings.strip_client_kv_transfer_params and drop_client_params(request):
             self.metrics.client_params_stripped.inc()
-            request.pop("kv_transfer_params")
 
         raw = pick_prefill_target(headers, self._sample if self.settings.prefill_sampling else None)
         try:
@@ -359,7 +358,7 @@ class SidecarApp:
             return body
         if not self.settings.strip_client_kv_transfer_params:
             return body
-        stripped = without_key(body, "kv_transfer_params")
+        stripped = without_client_params(body)
         if stripped is None:
             return body
         self.metrics.client_params_stripped.inc()

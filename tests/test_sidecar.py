@@ -381,6 +381,23 @@ def test_client_kv_transfer_params_are_stripped_by_default(pods, sidecar):
     assert decode.received[0]["json"] == {"model": "fake-model", "prompt": "p"}
 
 
+@pytest.mark.parametrize("two_legs", [True, False], ids=["two legs", "straight"])
+def test_client_kv_transfer_params_under_vllm_xargs_are_stripped(pods, sidecar, two_legs):
+    """vLLM builds the engine's extra_args from ``vllm_xargs`` and lets a top-level kv_transfer_params
+    override the nested one only when it is truthy: ``{"vllm_xargs": {"kv_transfer_params": []}}``
+    reached a NIXL engine's connector and stopped vLLM 0.32's engine core. Dropped on both paths; the
+    rest of ``vllm_xargs`` goes on."""
+    prefill, decode = pods
+    decode.reset()
+    headers = {"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"} if two_legs else {}
+    r = httpx.post(sidecar + "/v1/completions", timeout=10, headers=headers,
+                   json={"model": "fake-model", "prompt": "p", "vllm_xargs": {"kv_transfer_params": [], "k": 1}})
+    assert r.status_code == 200, r.text
+    got = decode.received[-1]["json"]
+    assert got["vllm_xargs"] == {"k": 1}
+    assert ("kv_transfer_params" in got) == two_legs  # the prefill pod's own, on the two-leg path
+
+
 def test_other_paths_are_proxied_and_own_endpoints_answer(pods, sidecar):
     _, decode = pods
     assert httpx.get(sidecar + "/v1/models", timeout=5).json()["data"][0]["id"] == "fake-model"

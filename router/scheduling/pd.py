@@ -233,9 +233,11 @@ def _predicted(local: Prediction, remote: RemoteChoice | None, uncached: int, re
 def decide_mode(name: str, local: Prediction, remote: RemoteChoice | None, uncached_on_decode: int,
                 request: RequestView, params: PDParams) -> tuple[str, str]:
     """("remote" | "local", the reasoning) for one decode pod; local whenever no prefill pod is up,
-    and for a request one prefill leg cannot serve (the sidecar prefills it on the decode pod)."""
+    and for a request one prefill leg cannot serve (``kvcommon.transfer.one_prefill_cannot_serve``:
+    the sidecar prefills it on the decode pod)."""
     if not request.single_prefill:
-        return "local", "several prompts or choices: one prefill's kv_transfer_params cannot serve them"
+        return "local", ("several prompts or choices, or prompt logprobs: one prefill's kv_transfer_params "
+                         "cannot serve them")
     if remote is None:
         return "local", "no prefill pod is available"
     return DECIDER_FUNCTIONS[name](local, remote, uncached_on_decode, request, params)
