@@ -24,7 +24,7 @@ from typing import Any
 from indexer.index import DEFAULT_TIER
 from indexer.keys import key_seed
 from indexer.tokens import Tokenizer
-from kvcommon.transfer import one_prefill_cannot_serve
+from kvcommon.transfer import one_prefill_cannot_serve, wants_prompt_logprobs
 from router.booking import Booking, Ledger
 from router.config import PodConfig, RouterSettings
 from router.costs import batch_rest_tokens
@@ -316,10 +316,12 @@ class Router:
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         serving = self.registry.serving(*self.target(model))
-        snap = self.snapshot(model, keys, tokens, serving)
+        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        # a request for prompt logprobs reads no cached KV on vLLM (skip_reading_prefix_cache): no
+        # pod is credited its prefix, though its blocks are still booked to the pod that computes them
+        snap = self.snapshot(model, keys if not wants_prompt_logprobs(body, path) else [], tokens, serving)
         disaggregated = snap.disaggregated
-        single = not disaggregated or one_prefill_cannot_serve(
-            body, "/v1/completions" if kind == "completion" else "/v1/chat/completions") is None
+        single = not disaggregated or one_prefill_cannot_serve(body, path) is None
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
                               unknown_request_tokens=self.settings.unknown_request_tokens,
                               output_tokens=self.output_tokens(body), single_prefill=single)

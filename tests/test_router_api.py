@@ -794,3 +794,34 @@ async def test_a_long_prompts_credit_is_given_in_pieces_over_loop_turns(monkeypa
             other = [9_000_000 + i for i in range(n)]
             await asyncio.to_thread(r.speculate, "pod-0", other)  # no running loop there: all at once
             assert held(other) == len(other)
+
+
+async def test_a_request_for_prompt_logprobs_is_credited_no_cached_prefix():
+    """vLLM reads no cached KV for a request that asks for prompt logprobs (``prompt_logprobs``, a
+    completion's ``echo`` with ``logprobs``, a chat completion's ``echo``: its sampling params'
+    ``skip_reading_prefix_cache``): its prefill is the whole prompt on every pod, so the router
+    predicts it so. Its blocks are still booked to the pod that computes them."""
+    prompt = "The same long prompt, sent again and again. " * 40
+    async with pods_running(2) as pods, running_router(settings_for(pods, block_size=16)) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            r = await c.post("/v1/completions", json=completion(prompt=prompt, max_tokens=2,
+                                                                   prompt_logprobs=1))
+            assert r.status_code == 200, r.text
+            held = r.headers["x-kvroute-pod"]
+
+            def cached(explained: dict) -> dict[str, int]:
+                return {p["pod"]: p["cached_tokens"] for p in explained["pods"]}
+
+            plain = (await c.post("/debug/route", json=completion(prompt=prompt))).json()
+            assert cached(plain)[held] >= 400  # the first request's blocks were booked to its pod
+            for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 0}, {"echo": "yes", "logprobs": 2}):
+                explained = (await c.post("/debug/route", json=completion(prompt=prompt, **extra))).json()
+                assert set(cached(explained).values()) == {0}, (extra, explained["pods"])
+                assert explained["prompt_tokens"] == plain["prompt_tokens"]
+            # echo without logprobs on a completion computes no prompt logprobs: the prefix counts
+            echoed = (await c.post("/debug/route", json=completion(prompt=prompt, echo=True))).json()
+            assert cached(echoed)[held] == cached(plain)[held]
+            chat = {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+            await c.post("/v1/chat/completions", json={**chat, "max_tokens": 2})
+            assert max(cached((await c.post("/debug/route", json=chat)).json()).values()) > 0
+            assert set(cached((await c.post("/debug/route", json={**chat, "echo": True})).json()).values()) == {0}
