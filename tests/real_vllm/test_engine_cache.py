@@ -69,3 +69,36 @@ def test_an_engine_holds_at_most_its_kv_blocks_and_the_router_credits_no_more(ag
     print(f"router predicted {predicted} cached tokens (first, last); engine hits {hits} (last, first)")
     assert hits == [reusable, 0]
     assert predicted[0] == 0 and predicted[1] >= reusable
+
+
+def test_a_request_for_prompt_logprobs_reads_no_cached_prefix_and_the_router_credits_none(
+        agg_engines, real_env, tmp_path):
+    """vLLM skips its prefix cache for a request that asks for prompt logprobs (its sampling params'
+    ``skip_reading_prefix_cache``): the engine computes the whole prompt though it holds it. The
+    router, which credits the engine with the prompt once it has served it, predicts no cached prefix
+    for such a request either."""
+    engine = agg_engines[0]
+    n = 40 * BLOCK_SIZE
+    ids = [2 + (i * 7919 + 271828) % 2800 for i in range(n)]  # a prompt no other test sends
+    reusable = (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    pod = {"id": engine.name, "url": engine.url, "model": MODEL_NAME}  # credited from its routes
+    with running_router(tmp_path, [pod], tokenizer=str(real_env.tokenizer)) as base:
+        with httpx.Client(base_url=base, timeout=120) as c:
+            assert c.post("/v1/completions", json=body).status_code == 200
+
+            def credited(extra: dict) -> int:
+                rows = c.post("/debug/route", json={**body, **extra}).json()["pods"]
+                return next(row for row in rows if row["pod"] == engine.name)["cached_tokens"]
+
+            predicted = [credited({}), credited({"prompt_logprobs": 1}), credited({"echo": True, "logprobs": 1})]
+    hits = []
+    for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}, {}):
+        before = engine_metric(engine.url, "vllm:prefix_cache_hits_total")
+        r = httpx.post(engine.url + "/v1/completions", timeout=120, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        hits.append(engine_metric(engine.url, "vllm:prefix_cache_hits_total") - before)
+    print(f"router predicted {predicted} cached tokens (plain, prompt_logprobs, echo+logprobs); "
+          f"engine hits {hits} (prompt_logprobs, echo+logprobs, plain)")
+    assert hits == [0, 0, reusable]
+    assert predicted[0] >= reusable and predicted[1:] == [0, 0]
