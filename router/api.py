@@ -131,6 +131,9 @@ def create_app(services: Services) -> FastAPI:
         if reload_settings is not None:
             install_reload(gate, reload_settings, asyncio.get_running_loop())
         await services.start()
+        if services.bus is not None:  # the rate-limit buckets' spending, shared with the other processes
+            services.bus.on_spent = gate.charge_foreign
+            gate.on_spent = services.bus.share_spent
         if getattr(app.state, "freeze_gc", False):  # set by kvroute serve: the process is the router's alone
             freeze_startup_heap(metrics)
         try:

@@ -4,6 +4,11 @@
 router re-reads its YAML on SIGHUP (``install_reload``), so a key removed from the file stops
 working at once, without a restart, and the buckets of the keys that stay keep what they spent.
 
+Several router processes (the workers of ``--workers N``, replicas) share their buckets' spending
+over the booking bus: each tells the others what it charged each caller (``on_spent``) and charges
+its own buckets with what they charged (``charge_foreign``), so a key's limits hold for the tier of
+routers as a whole, within the bus's delay, instead of once in each process (``router/bookbus.py``).
+
 Keys are looked up by their SHA-256 digest, so a guess costs one hash and one dict lookup whatever
 the number of keys, and no comparison leaks how much of a key was right. Only a key's *name*
 (``name:`` in the config, else ``key-<n>``) ever reaches logs, metrics or error messages.
@@ -111,7 +116,10 @@ class Gate:
                  on_limited: Callable[[str], None] | None = None) -> None:
         self.clock = clock
         self.on_limited = on_limited or (lambda kind: None)
+        # (caller's name, requests, prompt tokens) charged here: the booking bus sends it to the others
+        self.on_spent: Callable[[str, float, float], None] | None = None
         self.callers: dict[bytes, Caller] = {}
+        self.by_name: dict[str, Caller] = {}
         self.anonymous: Caller | None = None
         self.configure(settings)
 
@@ -131,6 +139,7 @@ class Gate:
             caller.retune(limits, now)
             fresh[digest] = caller
         self.callers = fresh
+        self.by_name = {c.name: c for c in fresh.values()}
         fleet = Limits(settings.rate_limit_requests_per_s, settings.rate_limit_request_burst,
                        settings.rate_limit_prompt_tokens_per_s, settings.rate_limit_prompt_token_burst)
         if self.anonymous is None:
@@ -159,6 +168,8 @@ class Gate:
             wait = caller.requests.take(1.0, self.clock())
             if wait:
                 self._limited("requests", caller, wait, "requests")
+            if self.on_spent is not None:
+                self.on_spent(caller.name, 1.0, 0.0)
         return caller
 
     def require_admin(self, caller: Caller, what: str) -> None:
@@ -181,6 +192,8 @@ class Gate:
         wait = caller.prompt_tokens.take(float(estimate), self.clock())
         if wait:
             self._limited("prompt-tokens", caller, wait, "prompt tokens")
+        if self.on_spent is not None:
+            self.on_spent(caller.name, 0.0, float(estimate))
         return estimate
 
     def settle(self, caller: Caller, charged: int, prompt_tokens: int) -> None:
@@ -189,11 +202,27 @@ class Gate:
         bucket = caller.prompt_tokens
         if bucket is not None and prompt_tokens != charged:
             bucket.adjust(float(prompt_tokens - charged), self.clock())
+            if self.on_spent is not None:
+                self.on_spent(caller.name, 0.0, float(prompt_tokens - charged))
 
     def charge_prompt(self, caller: Caller, prompt_tokens: int) -> None:
         """Charge a routed request's prompt tokens (429 when the caller's token bucket is empty)."""
         charged = self.precharge(caller, prompt_tokens)
         self.settle(caller, charged, prompt_tokens)
+
+    def charge_foreign(self, name: str, requests: float, prompt_tokens: float) -> None:
+        """What another router process charged the caller ``name`` (a key's name, or ``anonymous`` on an
+        open router), charged here too, into debt if need be (or given back, when negative); a name
+        this process does not know (another configuration) is skipped."""
+        caller = self.by_name.get(name) if self.callers else \
+            (self.anonymous if name == ANONYMOUS else None)
+        if caller is None:
+            return
+        now = self.clock()
+        if requests and caller.requests is not None:
+            caller.requests.adjust(requests, now)
+        if prompt_tokens and caller.prompt_tokens is not None:
+            caller.prompt_tokens.adjust(prompt_tokens, now)
 
     def _limited(self, kind: str, caller: Caller, wait: float, what: str) -> None:
         self.on_limited(kind)

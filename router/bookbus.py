@@ -23,6 +23,11 @@ the origin's messages from 1.
   sibling or a follow-up that lands on another worker or replica finds them. Taken only where
   ``key space`` (``indexer.keys.key_space``: the block size and a probe key) is the receiver's own;
   at most ``CREDIT_KEYS_PER_MESSAGE`` keys per message
+- ``"l"`` limits:   body ``[[caller, requests, prompt tokens], ...]``: what this origin charged each
+  caller's rate-limit buckets since its last message (``router/auth.py``: a key's *name*, or
+  ``anonymous``), net of what it gave back; each receiver charges its own buckets of that caller the
+  same (into debt if need be), so a key's limits hold across workers and replicas instead of each
+  process granting them in full. At most ``SPENT_PER_MESSAGE`` callers per message
 - ``"m"`` several:  body ``[["b", pod, ticket, tokens, resource] | ["r", pod, ticket, resource], ...]``,
   applied in order: the books and releases queued since the last message go out together (a lone
   one goes as ``"b"``/``"r"``; at most ``MAX_OPS`` per message). A booking booked and released
@@ -123,6 +128,9 @@ TOKENS_PER_MESSAGE = 8192  # token ids in one "t" message (about 33 KB, less tha
 MAX_PENDING_TOKENS = 32 * TOKENS_PER_MESSAGE  # token ids queued for the next flush (1 MiB)
 CREDIT_KEYS_PER_MESSAGE = 16_384  # block keys in one "c" message (128 KB: a 262k-token prompt)
 MAX_PENDING_CREDIT_KEYS = 8 * CREDIT_KEYS_PER_MESSAGE  # block keys queued for the next flush (1 MiB)
+SPENT_PER_MESSAGE = 1024  # callers in one "l" message
+MAX_PENDING_SPENT = 8 * SPENT_PER_MESSAGE  # callers with charges queued for the next flush
+MAX_CALLER_NAME = 256
 _BIG_ENDIAN = sys.byteorder == "big"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -236,6 +244,8 @@ def decode(frames: list[bytes], max_snapshot: int | None = None) -> tuple[str, s
         return kind, origin, seq, _tokens(body)
     if kind == "c":
         return kind, origin, seq, _credits(body)
+    if kind == "l":
+        return kind, origin, seq, _spent(body)
     if kind == "m":
         if not (isinstance(body, list) and 0 < len(body) <= MAX_OPS):
             raise BadFrame(f"several is not a list of 1 to {MAX_OPS} changes")
@@ -303,6 +313,23 @@ def _credits(body: Any) -> tuple[str, list[tuple[str, list[int]]]]:
     return body[0], credits
 
 
+def _spent(body: Any) -> list[tuple[str, float, float]]:
+    """A "l" message's [(caller, requests, prompt tokens)]: finite, less than 1e12 either way."""
+    if not (isinstance(body, list) and 0 < len(body) <= SPENT_PER_MESSAGE):
+        raise BadFrame(f"limits is not a list of 1 to {SPENT_PER_MESSAGE} charges")
+    out = []
+    for item in body:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and 0 < len(item[0]) <= MAX_CALLER_NAME):
+            raise BadFrame("a charge is not [caller, requests, prompt tokens]")
+        name, requests, tokens = item
+        for v in (requests, tokens):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -1e12 < v < 1e12:
+                raise BadFrame("a charge is not a finite number under 1e12")
+        out.append((name, float(requests), float(tokens)))
+    return out
+
+
 def _change(op: Any) -> tuple[str, tuple]:
     """One change of an "m" message: ("b", booking) or ("r", release)."""
     if isinstance(op, list) and op and op[0] == "b":
@@ -312,7 +339,7 @@ def _change(op: Any) -> tuple[str, tuple]:
     raise BadFrame("a change is neither ['b', ...] nor ['r', ...]")
 
 
-KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens", "c": "credits"}
+KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens", "c": "credits", "l": "limits"}
 
 
 @dataclass
@@ -439,6 +466,8 @@ class BookingBus:
         # ``MAX_PENDING_CREDIT_KEYS`` keys in all
         self._pending_credits: list[tuple[str, list[int]]] = []
         self._pending_credit_keys = 0
+        # rate-limit charges not yet sent (``share_spent``, on the loop): caller -> [requests, tokens]
+        self._pending_spent: dict[str, list[float]] = {}
         self._loop_thread: int | None = None
         self._flush_handle: asyncio.Handle | None = None
         self.min_interval_s = min_interval_s
@@ -448,6 +477,8 @@ class BookingBus:
         self.on_tokens: Callable[[str, list[tuple[int, bytes]]], bool] | None = None
         # another origin's credit of a prompt's block keys to a pod, taken where its key space is ours
         self.on_credits: Callable[[str, list[int]], None] | None = None
+        # another origin's charges to a caller's rate-limit buckets (``Gate.charge_foreign``)
+        self.on_spent: Callable[[str, float, float], None] | None = None
         self.key_space = ""
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
@@ -521,11 +552,14 @@ class BookingBus:
             self._coalesced = 0
         credits, self._pending_credits = self._pending_credits, []
         self._pending_credit_keys = 0
+        spent = self._pending_spent
+        if spent:
+            self._pending_spent = {}
         with self._tokens_lock:
             shared, self._pending_tokens = self._pending_tokens, []
             self._pending_token_count = 0
             self._tokens_wake = False
-        if (ops or shared or credits) and self._loop is not None and not self._loop.is_closed():
+        if (ops or shared or credits or spent) and self._loop is not None and not self._loop.is_closed():
             self._flushed_at = self._loop.time()
         if len(ops) == 1:
             op = ops[0]
@@ -554,6 +588,10 @@ class BookingBus:
                 self._send("t", [fingerprint, batch])
         if credits:
             self._send_credits(credits)
+        if spent:
+            charges = [[name, v[0], v[1]] for name, v in spent.items()]
+            for at in range(0, len(charges), SPENT_PER_MESSAGE):
+                self._send("l", charges[at:at + SPENT_PER_MESSAGE])
 
     def _send_credits(self, credits: list[tuple[str, list[int]]]) -> None:
         """The queued credits as "c" messages of at most ``CREDIT_KEYS_PER_MESSAGE`` keys: a list of
@@ -588,6 +626,26 @@ class BookingBus:
         self._pending_credits.append((pod, keys))
         self._pending_credit_keys += len(keys)
         if self._flush_handle is None:  # the booking before it asked for one already, as a rule
+            self._flush_soon()
+
+    def share_spent(self, caller: str, requests: float, tokens: float) -> None:
+        """Publish a charge this process made to ``caller``'s rate-limit buckets (on the event loop,
+        from ``Gate``): summed per caller until the next flush, which leaves with the next books and
+        releases (or, for a request refused before it was booked, at the end of this loop turn or
+        interval). Past ``MAX_PENDING_SPENT`` callers queued, a new caller's charge is dropped and
+        counted (``kind="limits", direction="dropped"``): the peers then grant that much more."""
+        if self._pub is None:
+            return
+        got = self._pending_spent.get(caller)
+        if got is None:
+            if len(self._pending_spent) >= MAX_PENDING_SPENT or not 0 < len(caller) <= MAX_CALLER_NAME:
+                self.stats.count("limits", "dropped")
+                return
+            self._pending_spent[caller] = [requests, tokens]
+        else:
+            got[0] += requests
+            got[1] += tokens
+        if self._flush_handle is None:
             self._flush_soon()
 
     def share_tokens(self, fingerprint: str, chunks: list[tuple[int, bytes]]) -> None:
@@ -687,6 +745,12 @@ class BookingBus:
                 return
             for pod, keys in credits:
                 self.on_credits(pod, keys)
+        elif kind == "l":
+            if self.on_spent is None:
+                self.stats.count("limits", "dropped")  # this process keeps no buckets to charge
+                return
+            for caller, requests, tokens in body:
+                self.on_spent(caller, requests, tokens)
         elif kind == "s":
             bookings, listed = body
             added, released = led.replace_origin(origin, bookings, self.max_bookings_per_origin)
@@ -879,9 +943,9 @@ class BusCollector(Collector):
     def collect(self):
         bus = self.bus
         c = CounterMetricFamily("kvroute_booking_bus_messages", "Booking-bus messages by kind (book, release, "
-                                "snapshot, batch, tokens; dropped: bad, stale, lost, full) and direction "
-                                "(sent, received, dropped; coalesced: booked and released before it was sent, "
-                                "so neither was)", labels=["kind", "direction"])
+                                "snapshot, batch, tokens, credits, limits; dropped: bad, stale, lost, full) and "
+                                "direction (sent, received, dropped; coalesced: booked and released before it was "
+                                "sent, so neither was)", labels=["kind", "direction"])
         for (kind, direction), n in sorted(bus.stats.messages.items()):
             c.add_metric([kind, direction], float(n))
         yield c

@@ -237,6 +237,24 @@ def test_credits_messages_reach_the_router_only_when_well_formed_and_of_the_same
     assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 2
 
 
+def test_limits_messages_charge_the_callers_buckets_only_when_well_formed():
+    bus = BookingBus(Ledger(), origin="me")
+    got: list = []
+    body = [["team-a", 3, 1200.5], ["anonymous", 0, -40]]
+    bus.handle(encode("l", "other", 1, body))
+    assert bus.stats.get("limits", "dropped") == 1  # nobody takes them: no buckets here
+    bus.on_spent = lambda *charge: got.append(charge)
+    bus.handle(encode("l", "other", 2, body))
+    assert got == [("team-a", 3.0, 1200.5), ("anonymous", 0.0, -40.0)]
+    assert bus.stats.get("limits", "received") == 1
+    bad = [[], "x", [["team-a", 1]], [["", 1, 1]], [["k" * 257, 1, 1]], [[1, 1, 1]], [["k", True, 1]],
+           [["k", 1, "1"]], [["k", 1, 1e12]], [["k", -1e12, 0]], [["k", float("nan"), 0]],
+           [["k", 0, float("inf")]], [["k", 1, 1]] * 1025]
+    for i, b in enumerate(bad):
+        bus.handle(encode("l", "other", 3 + i, b))
+    assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 2
+
+
 # ---- e2e: buses on loopback --------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def two_buses(**kw):
@@ -324,6 +342,26 @@ async def test_a_busy_bus_sends_at_most_one_message_of_changes_per_interval():
         await until(lambda: b.ledger.kv_booked("d0") == (1, 300.0), 5, "the held changes")
         assert a.stats.get("batch", "sent") == batches + 1 and a.stats.get("book", "sent") == sent + 3
         assert b.ledger.inflight("p0") == 1 and b.stats.get("release", "received") == 1
+
+
+async def test_rate_limit_charges_are_summed_per_caller_and_leave_with_the_next_flush():
+    async with two_buses(snapshot_s=5.0, peer_timeout_s=10.0) as (a, b):
+        got: list = []
+        b.on_spent = lambda *charge: got.append(charge)
+        a.share_spent("team-a", 1.0, 0.0)     # a request admitted ...
+        a.share_spent("team-a", 0.0, 500.0)   # ... its estimate charged ...
+        a.share_spent("team-a", 0.0, -100.0)  # ... and settled lower
+        a.share_spent("team-b", 1.0, 0.0)
+        await until(lambda: len(got) == 2, 5, "the charges")
+        assert sorted(got) == [("team-a", 1.0, 400.0), ("team-b", 1.0, 0.0)]
+        assert a.stats.get("limits", "sent") == 1 and b.stats.get("limits", "received") == 1
+        # the queue is bounded in callers: past it a new caller's charge is dropped and counted
+        from router.bookbus import MAX_PENDING_SPENT, SPENT_PER_MESSAGE
+        for i in range(MAX_PENDING_SPENT + 1):
+            a.share_spent(f"k{i}", 1.0, 0.0)
+        assert a.stats.get("limits", "dropped") == 1
+        await until(lambda: len(got) == 2 + MAX_PENDING_SPENT, 5, "the bounded charges")
+        assert a.stats.get("limits", "sent") == 1 + MAX_PENDING_SPENT // SPENT_PER_MESSAGE
 
 
 async def test_tokenized_chunks_shared_from_another_thread_arrive_split_into_bounded_messages():
@@ -918,6 +956,56 @@ async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_pat
             _, after = scrape((await c.get(b + "/metrics")).text)
     assert booked_at_b >= burst - 2 and abs(booked_at_b - booked_at_a) <= 1, (booked_at_a, booked_at_b)
     assert after == 0  # the releases reached B too
+
+
+async def test_two_replicas_grant_a_keys_rate_limits_once_between_them(tmp_path):
+    """A key's buckets were each process's own, so two replicas granted it twice its limits. Each
+    replica now sends what it charged a key over the booking bus and charges its own buckets the
+    same: requests that used up the key's burst on A are refused on B, and a prompt that put the
+    key's prompt-token bucket in debt on A has B refuse it too."""
+    port_a, port_b, bus_a, bus_b = free_ports(4)
+    keys = [{"key": "sk-few-requests", "name": "few-requests", "requests_per_s": 0.1, "request_burst": 3},
+            {"key": "sk-few-tokens", "name": "few-tokens", "prompt_tokens_per_s": 10, "prompt_token_burst": 500}]
+    with running_sims(1, ["--timing", "seed"]) as urls, contextlib.ExitStack() as stack:
+        pods = [{"id": "sim-0", "url": urls[0], "model": "sim-model"}]
+        bases = []
+        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
+            cfg = tmp_path / f"router-{name}.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "port": port, "pods": pods, "api_keys": keys, "public_metrics": True,
+                "booking_bus_bind": f"tcp://127.0.0.1:{mine}", "booking_bus_peers": [f"tcp://127.0.0.1:{other}"],
+                "booking_bus_snapshot_s": 0.2}))
+            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
+                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
+            bases.append(f"http://127.0.0.1:{port}")
+        a, b = bases
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def peers(base: str) -> bool:
+                return "kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text
+            for _ in range(100):
+                if await peers(a) and await peers(b):
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the replicas never heard each other")
+
+            def send(base: str, key: str, prompt: list[int] | None = None):
+                return c.post(base + "/v1/completions", headers={"authorization": f"Bearer {key}"},
+                              json={"model": "sim-model", "prompt": prompt or [1, 2, 3], "max_tokens": 1})
+            codes = [(await send(a, "sk-few-requests")).status_code for _ in range(3)]
+            assert codes == [200, 200, 200]
+            await asyncio.sleep(0.3)  # the bus carries A's charges within milliseconds
+            refused = await send(b, "sk-few-requests")
+            assert refused.status_code == 429, refused.text
+            assert "few-requests" in refused.json()["error"]["message"]
+            assert (await send(a, "sk-few-requests")).status_code == 429
+
+            assert (await send(a, "sk-few-tokens", list(range(1, 2001)))).status_code == 200  # 1,500 in debt
+            await asyncio.sleep(0.3)
+            assert (await send(b, "sk-few-tokens")).status_code == 429
+            received = re.search(r'kvroute_booking_bus_messages_total\{direction="received",kind="limits"\} (\S+)',
+                                 (await c.get(b + "/metrics")).text)
+            assert received and float(received.group(1)) >= 2
 
 
 def test_counts_from_tokenize_threads_and_the_loop_are_not_lost():

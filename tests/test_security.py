@@ -48,6 +48,41 @@ def test_token_bucket_refills_at_its_rate_and_lets_an_oversized_cost_through_fro
 # ---------------------------------------------------------------------------------------------
 
 
+def test_a_gate_tells_what_it_charged_and_takes_the_other_processes_charges():
+    """Two router processes' gates joined as the booking bus joins them: what one charges a key is
+    charged in the other too, so the key gets its limits once across both, not once in each."""
+    from kvcommon.errors import APIError
+    from kvcommon.settings import build_settings
+    from router.auth import Gate
+    from router.config import RouterSettings
+
+    clock = [100.0]
+    settings = build_settings(RouterSettings, {"pods": [{"id": "p", "url": "http://127.0.0.1:1", "model": "m"}],
+                                               "api_keys": [{"key": "sk-a", "name": "team-a", "requests_per_s": 1,
+                                                             "request_burst": 3, "prompt_tokens_per_s": 100,
+                                                             "prompt_token_burst": 1000}]})
+    a, b = Gate(settings, clock=lambda: clock[0]), Gate(settings, clock=lambda: clock[0])
+    sent: list = []
+    a.on_spent = lambda *charge: (sent.append(charge), b.charge_foreign(*charge))
+    b.on_spent = a.charge_foreign
+    key = {"authorization": "Bearer sk-a"}
+    for _ in range(3):
+        a.admit(key)
+    with pytest.raises(APIError) as refused:
+        b.admit(key)  # the three requests a admitted used the key's burst in b too
+    assert refused.value.status == 429
+    caller = a.authenticate(key)
+    charged = a.precharge(caller, 800)
+    a.settle(caller, charged, 600)  # 200 given back
+    assert sent[-2:] == [("team-a", 0.0, 800.0), ("team-a", 0.0, -200.0)]
+    assert b.authenticate(key).prompt_tokens.level == pytest.approx(400.0)
+    b.charge_foreign("nobody", 5.0, 5.0)  # a key this process does not know: skipped
+    clock[0] += 1.0  # one second: one request more, in either process, not one in each
+    b.admit(key)
+    with pytest.raises(APIError):
+        a.admit(key)
+
+
 async def test_per_key_request_rate_limit_answers_429_with_retry_after_and_keys_are_separate():
     keys = [{"key": SECRET_A, "name": "alpha"}, {"key": SECRET_B, "name": "bravo", "requests_per_s": 50}]
     settings = {"api_keys": keys, "rate_limit_requests_per_s": 2, "rate_limit_request_burst": 2}
