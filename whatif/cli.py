@@ -12,6 +12,7 @@ replay summary (the same keys as ``kvroute replay``'s JSON).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -36,7 +37,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     fields = ReplaySettings.model_fields
     w = p.add_argument_group("workload (as kvroute replay)")
     w.add_argument("workload", nargs="?", default="multiturn", metavar="WORKLOAD",
-                   help="mooncake:PATH, azure:PATH, multiturn or shared-prefix (default: multiturn)")
+                   help="mooncake:PATH, azure:PATH, multiturn or shared-prefix")
     for name, typ in (("seed", int), ("block_size", int), ("vocab_size", int), ("system_prompts", int),
                       ("system_prompt_len", int), ("sessions", int), ("turns", int), ("turn_tokens", int),
                       ("output_len", int), ("num_groups", int), ("prompts_per_group", int), ("question_len", int),
@@ -44,7 +45,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         f = fields[name]
         flag = "--trace-block-size" if name == "block_size" else "--" + name.replace("_", "-")
         w.add_argument(flag, dest="w_" + name, type=typ, default=f.default, metavar=name.upper(),
-                       help=f"{f.description} (default: {f.default})")
+                       help=f.description)
     w.add_argument("--input-len-policy", dest="w_input_len_policy", choices=("truncate", "skip"), default="truncate")
     a = p.add_argument_group("arrivals (as kvroute replay)")
     a.add_argument("--arrival", dest="w_arrival", choices=("auto", "trace", "poisson", "gamma", "constant"),
@@ -52,9 +53,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--rate", dest="w_rate", metavar="RATE", type=float, default=None,
                    help="requests per second (poisson, gamma, constant)")
     a.add_argument("--burstiness", dest="w_burstiness", metavar="BURSTINESS", type=float, default=1.0,
-                   help="gamma shape (default: 1)")
+                   help="gamma shape")
     a.add_argument("--time-scale", dest="w_time_scale", metavar="TIME_SCALE", type=float, default=1.0,
-                   help="trace arrivals: send time = trace time x this (default: 1)")
+                   help="trace arrivals: send time = trace time x this")
     a.add_argument("--duration", dest="w_duration", metavar="DURATION", type=float, default=None,
                    help="only requests arriving before this many seconds")
     a.add_argument("--max-requests", dest="w_max_requests", metavar="MAX_REQUESTS", type=int, default=None,
@@ -64,24 +65,49 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 def add_pod_arguments(p: argparse.ArgumentParser) -> None:
     d = PodSpec()
     g = p.add_argument_group("simulated pods (as kvroute sim)")
-    g.add_argument("--pods", type=int, default=8, help="pods in the fleet (default: 8)")
+    g.add_argument("--pods", type=int, default=8, help="pods in the fleet")
     g.add_argument("--timing", choices=("seed", "cost"), default="seed",
-                   help="seed: one FIFO prefill server per pod; cost: batched steps, chunked prefill (default: seed)")
-    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
-    g.add_argument("--num-gpu-blocks", type=int, default=3000, help="KV blocks per pod (default: 3000)")
+                   help="seed: one FIFO prefill server per pod; cost: batched steps, chunked prefill")
+    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=3000, help="KV blocks per pod")
     g.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
-                   help=f"seed: prefill speed (default: {d.prefill_tokens_per_s:g})")
+                   help="seed: prefill speed")
     g.add_argument("--decode-s-per-token", type=float, default=d.decode_s_per_token,
-                   help=f"seed: seconds between output tokens (default: {d.decode_s_per_token:g})")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help=f"cost (default: {d.max_num_seqs})")
+                   help="seed: seconds between output tokens")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="cost")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help=f"cost: token budget of a step (default: {d.max_num_batched_tokens})")
+                   help="cost: token budget of a step")
     g.add_argument("--step-overhead-s", type=float, default=d.step_overhead_s,
-                   help=f"cost (default: {d.step_overhead_s:g})")
+                   help="cost")
     g.add_argument("--compute-s-per-token", type=float, default=d.compute_s_per_token,
-                   help=f"cost (default: {d.compute_s_per_token:g})")
+                   help="cost")
     g.add_argument("--kv-read-s-per-token", type=float, default=d.kv_read_s_per_token,
-                   help=f"cost (default: {d.kv_read_s_per_token:g})")
+                   help="cost")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, with the flag's name, what would end in a traceback, a loop that never ends, or a table
+    of nonsense: a fleet of no pods, a pod of no blocks or no batch, a negative or not-a-number time
+    or rate, an objective no request can meet (or every one meets, NaN)."""
+    def finite(flag: str, value: float | None, *, positive: bool) -> None:
+        if value is None:
+            return
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+    for flag, dest in (("--pods", "pods"), ("--block-size", "block_size"), ("--num-gpu-blocks", "num_gpu_blocks"),
+                       ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
+        if getattr(args, dest) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {getattr(args, dest)}")
+    finite("--prefill-tokens-per-s", args.prefill_tokens_per_s, positive=True)
+    for flag, dest in (("--decode-s-per-token", "decode_s_per_token"), ("--step-overhead-s", "step_overhead_s"),
+                       ("--compute-s-per-token", "compute_s_per_token"),
+                       ("--kv-read-s-per-token", "kv_read_s_per_token"), ("--event-delay-ms", "event_delay_ms"),
+                       ("--request-latency-ms", "request_latency_ms")):
+        finite(flag, getattr(args, dest, None), positive=False)
+    finite("--slo-ttft", args.slo_ttft, positive=True)
+    finite("--slo-tpot", args.slo_tpot, positive=True)
+    finite("--scrape-interval-s", getattr(args, "scrape_interval_s", None), positive=True)
 
 
 def pod_spec(args: argparse.Namespace) -> PodSpec:
@@ -118,7 +144,8 @@ def parse_router_overrides(items: list[str]) -> dict[str, Any]:
 def format_rows(runs: list[tuple[str, dict[str, Any]]], objective_s: float | None) -> str:
     """One row per policy, the columns of ``bench/routing_quality.py``'s table: "met" counts every
     request sent (a rejection is a miss); TTFT p99 over the admitted requests and over all sent (a
-    rejection at infinity); "admitted, late": let through but still over the objective."""
+    rejection at infinity); "admitted, late": let through but still over the objective; "[N errors]":
+    admitted but never answered, or refused by the pod (a prompt and output its KV cache cannot hold)."""
     obj = f"{objective_s:g} s" if objective_s is not None else "(no)"
     lines = [f"| policy | hit rate | TTFT p50 (admitted) | TTFT p99 (admitted) | TTFT p99 (all sent) | "
              f"met the {obj} objective (all sent) | rejected | admitted, late |",
@@ -133,8 +160,9 @@ def format_rows(runs: list[tuple[str, dict[str, Any]]], objective_s: float | Non
     for name, s in runs:
         n = max(int(s.get("requests") or 0), 1)
         rejected = (s.get("errors_by_status") or {}).get("429", 0) / n
+        met = pct(s.get("slo_attainment")) + (f" [{s['errors']} errors]" if s.get("errors") else "")
         lines.append(f"| {name} | {pct(s.get('hit_rate'))} | {sec(s.get('ttft_p50'))} | {sec(s.get('ttft_p99'))} | "
-                     f"{sec(s.get('ttft_p99_all'))} | {pct(s.get('slo_attainment'))} | {pct(rejected)} | "
+                     f"{sec(s.get('ttft_p99_all'))} | {met} | {pct(rejected)} | "
                      f"{pct(s.get('admitted_late'))} |")
     return "\n".join(lines)
 
@@ -184,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     from whatif.simulate import SimConfig, simulate
 
     try:
+        check_arguments(args)
         policies = [parse_policy(x) for x in args.policy.split(",") if x.strip()]
+        if not policies:
+            raise ValueError(f"--policy names no policy (got {args.policy!r}); choose from {', '.join(ALL_POLICIES)}")
         overrides = parse_router_overrides(args.router)
         specs, offsets, kind = build_requests(args)
     except (TraceError, ValueError) as exc:
@@ -212,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         wall = time.perf_counter() - started
         s = result.summary
-        print(f"  {cfg.name():<28} met {100 * (s.get('slo_attainment') or 0):5.1f} %  hit "
-              f"{100 * (s.get('hit_rate') or 0):5.1f} %  ({wall:.1f} s for {span:.0f} s of arrivals)",
-              file=sys.stderr, flush=True)
+        hit = "    -  " if s.get("hit_rate") is None else f"{100 * s['hit_rate']:5.1f} %"
+        errors = f"  {s['errors']} errors" if s.get("errors") else ""
+        print(f"  {cfg.name():<28} met {100 * (s.get('slo_attainment') or 0):5.1f} %  hit {hit}{errors}  "
+              f"({wall:.1f} s for {span:.0f} s of arrivals)", file=sys.stderr, flush=True)
         runs.append((cfg.name(), s))
         out.append({"label": cfg.name(), "config": result.config, "summary": s})
         if args.report:

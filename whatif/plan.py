@@ -21,10 +21,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from whatif.cli import add_pod_arguments, add_workload_arguments, build_requests, parse_router_overrides, pod_spec
+from whatif.cli import (
+    add_pod_arguments,
+    add_workload_arguments,
+    build_requests,
+    check_arguments,
+    parse_router_overrides,
+    pod_spec,
+)
 from whatif.podmodel import PodSpec
 
 DECIDERS = ("predicted", "prefix", "always")
+# the aggregated candidate's policy: the router's own (oracle and true-state bypass or replace the
+# router's predictor and run on aggregated fleets only, so they could not be compared with P/D)
+AGGREGATED_POLICIES = ("random", "round-robin", "least-load", "cache-only", "predicted-ttft")
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.default = 8192
         elif action.dest == "pods":
             action.default = 4
-            action.help = "the pod budget: every candidate has this many pods (default: 4)"
+            action.help = "the pod budget: every candidate has this many pods"
     g = p.add_argument_group("candidates and objectives")
     g.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT objective in seconds")
     g.add_argument("--slo-tpot", type=float, default=None, help="TPOT objective in seconds (none: TTFT only)")
@@ -116,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admission", action="store_true", help="early rejection (429) in every candidate")
     g.add_argument("--decider", default="predicted",
                    help=f"P/D deciders to try, comma-separated ({', '.join(DECIDERS)})")
-    g.add_argument("--splits", default="", help="P/D splits to try as p:d,p:d (default: every split of --pods)")
+    g.add_argument("--splits", default="", help="P/D splits to try as p:d,p:d (empty: every split of --pods)")
     g.add_argument("--kv-bytes-per-token", type=int, default=131072, help="KV bytes per token moved prefill -> decode")
     g.add_argument("--link-bandwidth", type=float, default=25e9, help="prefill -> decode link, bytes per second")
     g.add_argument("--link-latency-ms", type=float, default=1.0, help="fixed latency of one KV transfer")
@@ -153,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         bad = [d for d in deciders if d not in DECIDERS]
         if bad:
             raise ValueError(f"unknown P/D decider {bad[0]!r}; choose from {', '.join(DECIDERS)}")
+        if not deciders:
+            raise ValueError(f"--decider names no P/D decider (got {args.decider!r}); "
+                             f"choose from {', '.join(DECIDERS)}")
         if args.pods < 2:
             raise ValueError("--pods must be at least 2 to compare aggregated with P/D")
+        check_arguments(args)
+        if args.policy not in AGGREGATED_POLICIES:
+            raise ValueError(f"--policy {args.policy!r}: choose from {', '.join(AGGREGATED_POLICIES)} (oracle and "
+                             "true-state run on aggregated fleets only; --admission adds early rejection)")
         splits = parse_splits(args.splits, args.pods)
         overrides = parse_router_overrides(args.router)
         specs, offsets, kind = build_requests(args)

@@ -203,6 +203,10 @@ class PodModel:
         self.queries += n_prompt
         self.hits += hit_tokens
 
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of ``tokens`` tokens (prompt and output) fits this pod's KV cache at all."""
+        return -(-tokens // self.block_size) <= self.spec.num_gpu_blocks
+
     # --- seed --------------------------------------------------------------------------------
     def admit_seed(self, req: ModelRequest, now: float) -> SeedAdmission:
         assert self.seed is not None

@@ -261,6 +261,9 @@ class _Run:
         return self.result(n, last_arrival, time.perf_counter() - started)
 
     def result(self, n: int, last_arrival: float, wall: float) -> RunResult:
+        for rec in self.records:  # admitted and never answered: a pod that could not run it
+            if not rec.status and rec.error is None:
+                rec.error = "unanswered"
         duration = max([self.end, last_arrival, 1e-9])
         summary = summarize(self.records, duration=duration, slo_ttft=self.cfg.objective_s, slo_tpot=self.cfg.slo_tpot)
         queries = sum(p.queries for p in self.pods.values())
@@ -343,6 +346,9 @@ class _Run:
 
     def submit(self, pod: PodModel, req: ModelRequest) -> None:
         now = self.clock.now
+        if pod.cost is not None and not pod.fits(req.n_prompt + req.max_tokens):
+            self.refuse(pod, req)
+            return
         if pod.seed is not None:
             adm = pod.admit_seed(req, now)
             self.push(adm.first_at, _FIRST, req)
@@ -351,6 +357,18 @@ class _Run:
             if not pod.stepping:
                 pod.stepping = True  # a step starts at this instant, after the other arrivals
                 self.push(now, _KICK, pod)
+
+    def refuse(self, pod: PodModel, req: ModelRequest) -> None:
+        """A prompt and output longer than the pod's whole KV cache: vLLM caps ``max_model_len`` at
+        what its cache holds and answers such a request 400 at once. Batched, it would preempt
+        itself for ever once its blocks ran out (a loop with no end in simulated time)."""
+        leg: _Leg = req.tag
+        rec = leg.record
+        rec.status = 400
+        rec.error = (f"prompt + output of {req.n_prompt + req.max_tokens} tokens is more than {pod.pod_id}'s KV cache "
+                     f"holds ({pod.spec.num_gpu_blocks} blocks of {pod.block_size} tokens)")
+        if leg.booking is not None:
+            self.router.ended(leg.booking)
 
     def true_prediction(self, candidate: Any, request: Any) -> Any:
         """``true-state``: the pod's true TTFT for the request being planned, as a prediction whose
