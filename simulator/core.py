@@ -56,6 +56,7 @@ class CoreRequest(Protocol):
     last_token_at: float | None
     finish_reason: str | None
     prefill_compute_s: float
+    reads_cache: bool  # False: no prefix-cache or connector hit (vLLM's skip_reading_prefix_cache)
 
     def extend_hashes(self, full_blocks: int, block_size: int) -> None: ...
 
@@ -121,7 +122,7 @@ class SeedCore:
         many as fit, evicting the least recently used), and queue its uncached part on the server."""
         bs = self.params.block_size
         pool = self.pool
-        hit = pool.match_prefix(req.hashes[:max_hit_blocks(req.hashes, req.n_prompt, bs)])
+        hit = pool.match_prefix(req.hashes[:max_hit_blocks(req.hashes, req.n_prompt, bs)]) if req.reads_cache else []
         hit_tokens = len(hit) * bs
         computed = max(hit_tokens, min(req.remote_tokens, req.n_prompt - 1))
         req.admitted = True
@@ -290,7 +291,8 @@ class CostCore:
                 self._on_finish(req, "abort", now)
                 continue
             first_time = not req.admitted
-            hit = pool.match_prefix(req.hashes[:max_hit_blocks(req.hashes, req.n_prompt, bs)])
+            hit = pool.match_prefix(req.hashes[:max_hit_blocks(req.hashes, req.n_prompt, bs)]) \
+                if req.reads_cache else []
             computed = len(hit) * bs
             remote = req.remote_tokens if req.remote_tokens > computed else 0
             start = max(computed, remote)

@@ -118,7 +118,8 @@ class EngineBase:
 
     def _count_prefix(self, req: SimRequest, hit_tokens: int) -> None:
         m = self.metrics
-        m.prefix_queries.inc(req.n_prompt)
+        if req.reads_cache:  # vLLM counts no query for a request that skipped the lookup
+            m.prefix_queries.inc(req.n_prompt)
         if hit_tokens:
             m.prefix_hits.inc(hit_tokens)
         # a NIXL read brings the whole rest of the prompt: vLLM 0.32 counts every prompt token past

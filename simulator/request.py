@@ -19,7 +19,7 @@ class SimRequest:
                  "num_computed", "block_ids", "num_cached_blocks", "digests", "hashes", "hasher",
                  "cached_tokens", "remote_tokens", "arrival", "scheduled_at", "first_token_at",
                  "last_token_at", "finished_at", "finish_reason", "aborted", "queue", "keep_blocks",
-                 "num_output", "admitted", "prefill_compute_s", "salt", "lora")
+                 "num_output", "admitted", "prefill_compute_s", "salt", "lora", "reads_cache")
 
     def __init__(self, request_id: str, prompt: Sequence[int], max_tokens: int, length_capped: bool,
                  block_size: int, hasher: BlockHasher, arrival: float, salt: str | None = None,
@@ -52,6 +52,9 @@ class SimRequest:
         self.admitted = False
         self.keep_blocks = False  # NIXL prefill leg: blocks stay leased after the finish
         self.prefill_compute_s = 0.0
+        # False for a request that asks for prompt logprobs: vLLM reads no cached or transferred KV
+        # for it (its sampling params' skip_reading_prefix_cache) and computes the whole prompt
+        self.reads_cache = True
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def extend_hashes(self, full_blocks: int, block_size: int) -> None:

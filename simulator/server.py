@@ -31,6 +31,7 @@ from indexer.tokens import Tokenizer, load_tokenizer
 from kvcommon import asgi
 from kvcommon.asgi import header
 from kvcommon.errors import APIError, ClientDisconnected, error_body
+from kvcommon.transfer import wants_prompt_logprobs
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
 from simulator.faults import FaultError, Faults, RequestFaults
@@ -539,6 +540,8 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
                      pod.hasher, arrival, salt=gen.cache_salt,
                      lora=(pod.loras[gen.lora][0], gen.lora, pod.loras[gen.lora][1]) if gen.lora else None)
 
+    # prompt logprobs: vLLM reads no cached KV and takes no connector's (skip_reading_prefix_cache)
+    req.reads_cache = not wants_prompt_logprobs(body, "/v1/chat/completions" if kind == "chat" else "/v1/completions")
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))
     eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
@@ -550,7 +553,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         # the blocks stay leased for the decoder however the one token ends: vLLM 0.32 answers
         # kv_transfer_params on a stop (EOS, stop token or string) as on a length finish
         req.keep_blocks = True
-    elif kv.get("do_remote_prefill"):
+    elif kv.get("do_remote_prefill") and req.reads_cache:
         await _remote_prefill(pod, req, kv)
 
     pod.engine.submit(req)

@@ -247,6 +247,25 @@ def test_prompt_tokens_total_counts_the_whole_prompt_cached_or_not(pods):
     assert metric(pods[0], "vllm:prompt_tokens_by_source_total") == sources + 200
 
 
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}],
+                         ids=["prompt_logprobs", "echo+logprobs"])
+def test_a_request_for_prompt_logprobs_reads_no_cached_prefix_as_in_vllm(pods, extra):
+    """vLLM skips its prefix cache for a request that asks for prompt logprobs (its sampling params'
+    ``skip_reading_prefix_cache``): no hit though the pod holds the prompt, no prefix-cache query
+    counted, the whole prompt computed (seen on vLLM 0.32: tests/real_vllm/test_engine_cache.py)."""
+    prompt = list(range(4000 + 200 * len(extra), 4100 + 200 * len(extra)))
+    body = {"prompt": prompt, "max_tokens": 1}
+    assert httpx.post(pods[0] + "/v1/completions", json=body).status_code == 200
+    queries = metric(pods[0], "vllm:prefix_cache_queries_total")
+    computed = metric(pods[0], "vllm:prompt_tokens_by_source_total", source="local_compute")
+    skipped = httpx.post(pods[0] + "/v1/completions", json={**body, **extra}).json()
+    assert skipped["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(pods[0], "vllm:prefix_cache_queries_total") == queries
+    assert metric(pods[0], "vllm:prompt_tokens_by_source_total", source="local_compute") == computed + 100
+    again = httpx.post(pods[0] + "/v1/completions", json=body).json()  # the blocks are still held
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
 def test_port_runs_picked_before_anything_binds_them_never_overlap():
     # A test picks a fleet's HTTP ports and its event ports before either process binds them; two runs
     # "free a moment ago" must still not share a port (a ZeroMQ publisher once took a pod's HTTP port).

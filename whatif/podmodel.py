@@ -77,7 +77,7 @@ class ModelRequest:
     __slots__ = ("index", "prompt", "n_prompt", "all_tokens", "hashes", "block_ids", "num_computed",
                  "num_cached_blocks", "num_output", "max_tokens", "length_capped", "remote_tokens", "aborted",
                  "admitted", "keep_blocks", "scheduled_at", "first_token_at", "last_token_at", "finish_reason",
-                 "finished_at", "prefill_compute_s", "arrival", "hit_tokens", "tag")
+                 "finished_at", "prefill_compute_s", "arrival", "hit_tokens", "tag", "reads_cache")
 
     def __init__(self, index: int, prompt: list[int], hashes: list[int], max_tokens: int, arrival: float,
                  tag: Any = None):
@@ -90,6 +90,7 @@ class ModelRequest:
         self.num_computed = 0
         self.num_cached_blocks = 0
         self.num_output = 0
+        self.reads_cache = True  # replayed traces ask for no prompt logprobs
         self.max_tokens = max(1, max_tokens)
         self.length_capped = True
         self.remote_tokens = 0
