@@ -14,7 +14,7 @@ import httpx
 import yaml
 
 from realvllm.engines import Engine
-from simulator.testing import free_port, spawn, wait_ready
+from simulator.testing import free_port, spawn, stop_process, wait_ready
 
 
 def start_kvroute(pods: list[dict[str, Any]], workdir: Path, name: str, timeout: float = 60.0,
@@ -28,12 +28,16 @@ def start_kvroute(pods: list[dict[str, Any]], workdir: Path, name: str, timeout:
     log = workdir / f"{name}.log"
     proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/ready", proc, timeout, log=log)
-    deadline = time.monotonic() + timeout
-    while httpx.get(base + "/ready", timeout=5, trust_env=False).json().get("healthy_pods") != len(pods):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every pod became healthy behind kvroute within {timeout:g}s")
-        time.sleep(0.2)
+    try:
+        wait_ready(base + "/ready", proc, timeout, log=log)
+        deadline = time.monotonic() + timeout
+        while httpx.get(base + "/ready", timeout=5, trust_env=False).json().get("healthy_pods") != len(pods):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every pod became healthy behind kvroute within {timeout:g}s")
+            time.sleep(0.2)
+    except BaseException:  # not ready in time, or Ctrl-C: the router is not left running
+        stop_process(proc)
+        raise
     return proc, base
 
 

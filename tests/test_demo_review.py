@@ -200,3 +200,31 @@ def test_a_peer_router_that_never_becomes_ready_is_stopped(monkeypatch: pytest.M
     finally:
         for proc in started:
             stop_process(proc, grace=2.0)
+
+
+@pytest.mark.e2e
+def test_a_kvroute_in_front_of_real_engines_that_never_gets_healthy_pods_is_stopped(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``realvllm.fleet.start_kvroute`` (``demo --real``, ``bench/real_vllm.py``) raised when its pods
+    never became healthy and left the ``kvroute serve`` it had started running."""
+    import realvllm.fleet
+    from simulator.testing import free_port, stop_process
+
+    started: list[subprocess.Popen] = []
+    real_spawn = realvllm.fleet.spawn
+
+    def spawn(cmd: Any, log: Any = None, env: Any = None) -> subprocess.Popen:
+        started.append(real_spawn(cmd, log, env))
+        return started[-1]
+
+    monkeypatch.setattr(realvllm.fleet, "spawn", spawn)
+    dead = {"id": "engine", "url": f"http://127.0.0.1:{free_port()}", "model": "m"}  # nothing listens there
+    try:
+        with pytest.raises((TimeoutError, RuntimeError)):
+            realvllm.fleet.start_kvroute([dead], tmp_path, "router", timeout=3.0)
+        assert len(started) == 1
+        started[0].wait(timeout=20)   # stopped by start_kvroute, not by us
+        assert started[0].returncode is not None
+    finally:
+        for proc in started:
+            stop_process(proc, grace=2.0)
