@@ -340,6 +340,47 @@ def test_prefill_leg_that_stops_on_its_one_token_still_hands_over_the_kv(pd_engi
     assert (got.text, got.finish_reason, got.usage["completion_tokens"]) == ("", "stop", 1)
 
 
+def test_a_request_for_prompt_logprobs_runs_no_prefill_leg_and_the_decode_engine_computes_it(
+        pd_engines, sidecar, always_router):
+    """vLLM reads no transferred (or cached) KV for a request that asks for prompt logprobs
+    (``skip_reading_prefix_cache``): a prefill leg for it would be wasted. Even under the ``always``
+    decider the router plans it local (the sidecar passes it straight to its engine) and no NIXL read
+    happens; the decode engine computes the whole prompt, as it would have after a prefill leg too."""
+    prefill, decode = pd_engines
+    for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        body = {"model": MODEL_NAME, "prompt": text(51 + len(extra), 200), "max_tokens": 2, "temperature": 0,
+                **extra}
+        plan = debug_route(always_router, body)["pd"]
+        assert plan["mode"] == "local", plan
+        sources, reads = by_source(decode), nixl_reads(decode)
+        got = call(always_router, body)
+        assert "x-kvroute-prefill" not in got.headers  # planned local: passed straight through the sidecar
+        n = got.usage["prompt_tokens"]
+        delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+        print(f"{extra}: {n} prompt tokens, decode engine by source {delta}")
+        assert delta == {"local_compute": n, "local_cache_hit": 0, "external_kv_transfer": 0}
+        assert nixl_reads(decode) == reads
+
+
+def test_client_kv_transfer_params_under_vllm_xargs_never_reach_the_nixl_engine(pd_engines, sidecar,
+                                                                                 always_router):
+    """vLLM builds a request's extra_args from ``vllm_xargs`` and lets a top-level kv_transfer_params
+    replace the nested one only when it is truthy: ``{"vllm_xargs": {"kv_transfer_params": []}}``,
+    sent straight to a NIXL engine, stopped its engine core (a 500, then the API server gone). Through
+    the router (a local plan: prompt logprobs) and through the sidecar alone (no prefill header), the
+    nested params are dropped and the engine answers and stays up."""
+    prefill, decode = pd_engines
+    stripped = metric(sidecar.url, "kvroute_sidecar_client_kv_transfer_params_stripped_total")
+    for base, extra in ((always_router, {"prompt_logprobs": 1}), (sidecar.url, {})):
+        body = {"model": MODEL_NAME, "prompt": text(61, 60), "max_tokens": 2, "temperature": 0,
+                "vllm_xargs": {"kv_transfer_params": []}, **extra}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert httpx.get(decode.url + "/health", timeout=30).status_code == 200
+    assert metric(sidecar.url, "kvroute_sidecar_client_kv_transfer_params_stripped_total") == stripped + 1
+    assert metric(always_router, "kvroute_client_kv_transfer_params_stripped_total") >= 1
+
+
 def test_dead_prefill_engine_falls_back_to_a_local_prefill(pd_engines, sidecar, real_env, tmp_path):
     """Last in the module: it kills the session's prefill engine. The router's health checks are
     slowed so it still names the prefill pod (the window between a crash and the next check); the
