@@ -51,13 +51,18 @@ def drop_client_params(body: dict[str, Any]) -> bool:
     only when that is truthy, so the nested one reaches the connector whenever no params are sent (a
     local or fallback prefill). vLLM's schema lets it be only a string, a number or a list, which no
     connector reads: with a NIXL connector ``[]``, ``""`` or ``0`` there stopped vLLM 0.32's engine
-    core (one request, the whole pod down). True when anything was removed."""
+    core (one request, the whole pod down). ``ec_transfer_params`` under ``vllm_xargs`` too: vLLM
+    reads it from the same ``extra_args`` and hands it to an encoder-cache connector, whose transfer
+    the client must not steer either. True when anything was removed."""
     dropped = body.pop("kv_transfer_params", _ABSENT) is not _ABSENT
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
-        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
+    if isinstance(xargs, dict) and ("kv_transfer_params" in xargs or "ec_transfer_params" in xargs):
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _CONNECTOR_KEYS}
         dropped = True
     return dropped
+
+
+_CONNECTOR_KEYS = frozenset({"kv_transfer_params", "ec_transfer_params"})
 
 
 _ABSENT = object()

@@ -27,6 +27,15 @@ def test_kv_transfer_params_inside_vllm_xargs_are_stripped(value):
     assert metrics.stripped._value.get() == 1
 
 
+def test_encoder_cache_params_inside_vllm_xargs_are_stripped_too():
+    # vLLM reads ec_transfer_params from the same extra_args and hands them to an encoder-cache
+    # connector (vllm/v1/request.py): a client must not steer that transfer either
+    body = {"prompt": "p", "vllm_xargs": {"ec_transfer_params": {"remote_host": "10.0.0.9"}, "mine": 1}}
+    out, metrics = _strip(body)
+    assert orjson.loads(out) == {"prompt": "p", "vllm_xargs": {"mine": 1}}
+    assert metrics.stripped._value.get() == 1
+
+
 def test_both_spellings_go_in_one_rewrite_and_clean_bodies_pass_as_they_are():
     body = {"prompt": "p", "kv_transfer_params": {"remote_host": "h"}, "vllm_xargs": {"kv_transfer_params": ""}}
     out, metrics = _strip(body)
