@@ -373,3 +373,24 @@ def test_a_routers_credit_off_the_event_loop_is_whole_and_an_empty_prompt_is_no_
         router.speculate(pid, keys)
     assert not caplog.records
     assert router.index.match(keys)[pid].blocks == 600
+
+
+def test_plan_reads_ttft_percentiles_over_all_requests_sent(capsys: Any) -> None:
+    """With early rejection a candidate that rejects more had the better "TTFT p99", taken over the
+    requests it admitted, and won a tie on it; its percentiles are now over all requests sent, a
+    rejection at infinity, as its attainment is."""
+    import json
+    import math
+
+    from whatif.plan import main as plan_main
+
+    rc = plan_main(["multiturn", "--system-prompts", "4", "--sessions", "40", "--turns", "3", "--output-len", "16",
+                    "--rate", "200", "--pods", "2", "--slo-ttft", "0.2", "--admission", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert any(r["rejected"] > 0.02 for r in rows), rows
+    for r in rows:
+        if r["rejected"] > 0.02:  # more than the 1 % above the p99's rank: it falls on a rejection
+            assert math.isinf(r["ttft_p99"]), r
+        if r["rejected"] > 0.5:
+            assert math.isinf(r["ttft_p50"]), r
