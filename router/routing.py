@@ -317,9 +317,13 @@ class Router:
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         serving = self.registry.serving(*self.target(model))
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        lookup = keys
         # a request for prompt logprobs reads no cached KV on vLLM (skip_reading_prefix_cache): no
         # pod is credited its prefix, though its blocks are still booked to the pod that computes them
-        snap = self.snapshot(model, keys if not wants_prompt_logprobs(body, path) else [], tokens, serving)
+        # (two key tests first: the call is ~1,000 instructions a request that most never need)
+        if ("prompt_logprobs" in body or "echo" in body) and wants_prompt_logprobs(body, path):
+            lookup = []
+        snap = self.snapshot(model, lookup, tokens, serving)
         disaggregated = snap.disaggregated
         single = not disaggregated or one_prefill_cannot_serve(body, path) is None
         request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
