@@ -36,6 +36,8 @@ _UNSENDABLE = re.compile(rb"[\r\n\0]")
 # content type, which the router sets itself)
 _NOT_FORWARDED = HOP_BY_HOP | INTERNAL
 _NEVER = _NOT_FORWARDED | {"x-request-id", "content-type"}
+# Connection values that name no other header (what nearly every client sends)
+_PLAIN_CONNECTION = (b"keep-alive", b"close", b"Keep-Alive", b"Close")
 
 
 def forwardable(name: str) -> bool:
@@ -50,17 +52,24 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_autho
     upstream request. The content type is the router's to say: it has read the body as JSON, and vLLM
     refuses a completion whose declared type is anything else (``validate_json_request``: 400), so a
     client's ``curl -d`` (form-urlencoded) or a missing header would otherwise be a pod's 400 after
-    the router had booked it."""
+    the router had booked it. A header that the client's ``Connection`` names is hop-by-hop too
+    (RFC 9110 7.6.1: a proxy removes it)."""
     out: dict[str, str] = {}
     unsendable = _UNSENDABLE.search
+    nominated = b""  # what the client's Connection names besides keep-alive or close
     for k, v in raw:
         name = k.decode("latin-1").lower()
         if name in _NEVER or name.startswith(INTERNAL_PREFIXES) or (drop_authorization and name == "authorization"):
+            if name == "connection" and v not in _PLAIN_CONNECTION:
+                nominated += b"," + v
             continue  # forwardable(name), written out: this runs for every header of every request
         if unsendable(k) or unsendable(v):
             continue
         value = v.decode("latin-1")
         out[name] = f"{out[name]}, {value}" if name in out else value
+    if nominated:
+        for option in nominated.decode("latin-1").split(","):
+            out.pop(option.strip().lower(), None)
     out["x-request-id"] = request_id
     out["content-type"] = "application/json"
     return out

@@ -8,14 +8,21 @@ pool and no per-request machinery. ``bench/overhead.py`` measures both in bare p
 What it does, and the bounds it keeps:
 
 - one pool of keep-alive connections per pod (scheme, host, port), with an optional limit in all
-  and per pod; a request that finds the pool full waits at most the connect timeout for a slot;
+  and per pod; a request that finds the pool full waits at most the connect timeout for a slot
+  (a connection coming free wakes the oldest waiter it serves; under the limit in all, an idle
+  connection to another pod is closed to make room);
 - connect timeout; a read timeout between chunks (none by default: a prefill may take long);
 - a connection idle for ``idle_s`` is closed rather than reused: a pod's server closes idle
   connections after its own keep-alive (vLLM's uvicorn: 5 s), and a request written on a
   connection the pod is closing is lost. The one case left (the pod closed a reused connection
-  as the request was written, before a byte of answer) is retried once on a new connection;
-- the answer's headers are bounded (64 KiB), a whole answer by ``max_response_bytes``, and a
-  stream buffers at most ``max_buffer_bytes`` before it stops reading the socket;
+  as the request was written, before a byte of answer, within ``STALE_CLOSE_S``) is retried once
+  on a new connection; a later close is not: the pod may have started on the request;
+- the answer's head is bounded (64 KiB, interim 1xx answers and an unfinished header included), a
+  whole answer by ``max_response_bytes``, and a stream buffers at most ``max_buffer_bytes`` before
+  it stops reading the socket;
+- a body ends at its Content-Length, at its last chunk (trailer fields are dropped, not merged
+  into the head) or, with neither, at the close; bytes past the answer (a second answer in the
+  same read included) are never part of it, and the connection is then closed, not reused;
 - every failure of the pod's side raises ``PodIOError`` (a ``ConnectionError``), so callers can
   tell it from the client's socket failing; cancelling a request closes its connection, which
   is how a pod learns that the client has gone and aborts the request.
@@ -35,6 +42,10 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_HEADER_BYTES = 64 * 1024
+# a reused connection that the pod closes without a byte of answer is retried on a new one only if the
+# close came this soon after the request was written: the pod was closing it as idle. Later, the pod
+# may have read the request and worked on it, and a retry would run it twice
+STALE_CLOSE_S = 0.5
 
 
 class PodIOError(ConnectionError):
@@ -123,6 +134,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []  # (lower-case name, value)
         self._header_bytes = 0
+        self._head_bytes = 0  # bytes received while the head was still incomplete (interim answers too)
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
@@ -143,13 +155,22 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
-        if self.complete or self.error is not None:  # bytes past the answer: the connection is unusable
-            self._fail(PodIOError("the pod sent bytes after its answer"))
+        if self.complete or self.error is not None:  # bytes past the answer: the connection is unusable,
+            self._unusable()  # but an answer already whole stands
             return
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # the second is no subclass
-            self._fail(PodIOError(f"malformed answer from the pod: {exc}"))
+            if not self.complete:
+                self._fail(PodIOError(f"malformed answer from the pod: {exc}"))
+                return
+            self._unusable()  # bytes past a whole answer in the same read (``on_headers_complete``)
+        if not self.headers_done:
+            # the head is still coming: ``on_header`` sees a header only once it has ended, and until
+            # then httptools holds it whole, so a head that never ends is bounded here
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEADER_BYTES:
+                self._fail(PodIOError(f"malformed answer from the pod: a head larger than {MAX_HEADER_BYTES} bytes"))
             return
         sink = self.sink
         if sink is not None:
@@ -188,9 +209,12 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             raise httptools.HttpParserError(f"headers larger than {MAX_HEADER_BYTES} bytes")
-        self.raw_headers.append((name.lower(), value))
+        if not self.headers_done:  # else a chunked answer's trailer (dropped: RFC 9110 6.5.1 forbids
+            self.raw_headers.append((name.lower(), value))  # merging it into the head) or bytes past the answer
 
     def on_headers_complete(self) -> None:
+        if self.headers_done:  # a second answer behind the first, in the same read: nothing was asked
+            raise httptools.HttpParserError("the pod sent bytes after its answer")
         status = self._parser.get_status_code()
         if status == 101 or not 100 <= status <= 599:
             # httptools takes any three digits; a status no client can be given (and a switch of
@@ -219,8 +243,20 @@ class _Connection(asyncio.Protocol):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _eof_delimited(self) -> bool:
-        names = {k for k, _ in self.raw_headers}
-        return b"content-length" not in names and b"transfer-encoding" not in names
+        """Whether the answer's body ends where the connection does (RFC 9112 6.3): no Content-Length,
+        and no Transfer-Encoding whose last coding is chunked."""
+        coding = None
+        for k, v in self.raw_headers:
+            if k == b"content-length":
+                return False
+            if k == b"transfer-encoding":
+                coding = v.rsplit(b",", 1)[-1].strip().lower()
+        return coding != b"chunked"
+
+    def _unusable(self) -> None:
+        """The pod sent bytes past its answer: close the connection, never reuse it, keep the answer."""
+        self.keep_alive = False
+        self.close()
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -390,7 +426,8 @@ class UpstreamClient:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._count: dict[tuple[str, str, int], int] = {}
         self._total = 0
-        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        # requests waiting for a connection, oldest first: (pool key, future set when one may go on)
+        self._slot_waiters: deque[tuple[tuple[str, str, int], asyncio.Future[None]]] = deque()
         self._ssl: ssl.SSLContext | None = None
         self._closing = False
 
@@ -409,26 +446,62 @@ class UpstreamClient:
             conn.close()
         return None
 
+    def _evict_for(self, key: tuple[str, str, int]) -> bool:
+        """Only the limit in all stands in the way of a new connection to ``key``: close the longest
+        idle connection to another pod, if there is one, to make room (True when it did)."""
+        if self.max_connections_per_pod and self._count.get(key, 0) >= self.max_connections_per_pod:
+            return False
+        oldest: _Connection | None = None
+        for other, idle in self._idle.items():
+            if other != key and idle and (oldest is None or idle[0].idle_since < oldest.idle_since):
+                oldest = idle[0]
+        if oldest is None:
+            return False
+        oldest.close()
+        self._forget(oldest, wake=False)  # now, not when the loop reports the close: the caller takes the slot
+        return True
+
+    def _can_go_on(self, key: tuple[str, str, int]) -> bool:
+        """Whether a request waiting for a connection to ``key`` would find one now."""
+        if self._idle.get(key) or self._has_room(key):
+            return True
+        if self.max_connections_per_pod and self._count.get(key, 0) >= self.max_connections_per_pod:
+            return False
+        return any(idle for other, idle in self._idle.items() if other != key)
+
     async def _acquire(self, key: tuple[str, str, int], deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
         while True:
             conn = self._pop_idle(key)
             if conn is not None:
                 return conn
-            if self._has_room(key):
+            if self._has_room(key) or self._evict_for(key):
                 return await self._connect(key, deadline)
             left = deadline - loop.time()
             if left <= 0:
                 raise PoolBusy(f"no free connection to {key[1]}:{key[2]} within {self.connect_timeout_s:g} s")
-            waiter = loop.create_future()
-            self._slot_waiters.append(waiter)
+            waiter: asyncio.Future[None] = loop.create_future()
+            entry = (key, waiter)
+            self._slot_waiters.append(entry)
             handle = loop.call_later(left, _wake, waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    # woken, then cancelled before it ran: the connection or slot it was woken for
+                    # goes to the next waiter, not to nobody until that one's deadline
+                    self._remove_waiter(entry)
+                    self._wake_one()
+                raise
             finally:
                 handle.cancel()
-                if waiter in self._slot_waiters:
-                    self._slot_waiters.remove(waiter)
+                self._remove_waiter(entry)
+
+    def _remove_waiter(self, entry: tuple[tuple[str, str, int], asyncio.Future[None]]) -> None:
+        try:
+            self._slot_waiters.remove(entry)
+        except ValueError:
+            pass
 
     async def _connect(self, key: tuple[str, str, int], deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -452,8 +525,8 @@ class UpstreamClient:
             raise
         return conn
 
-    def _forget(self, conn: _Connection) -> None:
-        """A connection closed: free its slot (once)."""
+    def _forget(self, conn: _Connection, wake: bool = True) -> None:
+        """A connection closed: free its slot (once), and wake a waiter it lets go on (``wake``)."""
         if conn.forgotten:
             return
         conn.forgotten = True
@@ -466,12 +539,14 @@ class UpstreamClient:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
-        self._wake_one()
+        if wake:
+            self._wake_one()
 
     def _wake_one(self) -> None:
-        while self._slot_waiters:
-            waiter = self._slot_waiters.popleft()
-            if not waiter.done():
+        """A connection came free or was closed: wake the oldest waiter it lets go on (one for the same
+        pod, or, under the limit in all, for any pod). A waiter that cannot go on yet keeps waiting."""
+        for key, waiter in self._slot_waiters:
+            if not waiter.done() and self._can_go_on(key):
                 waiter.set_result(None)
                 return
 
@@ -503,8 +578,11 @@ class UpstreamClient:
                     await conn.wait(self.read_timeout_s)
             except PodIOError:
                 conn.close()
-                if attempt == 0 and reused and not conn.received and conn.closed:
-                    continue  # the pod closed this idle connection as the request went out
+                # the pod closed this idle connection as the request went out (a reused connection is
+                # taken without waiting, so the request was written at deadline - connect timeout)
+                if (attempt == 0 and reused and not conn.received and conn.closed
+                        and asyncio.get_running_loop().time() - deadline + self.connect_timeout_s < STALE_CLOSE_S):
+                    continue
                 raise
             except BaseException:
                 conn.close()  # cancelled: closing is how the pod learns the client has gone
