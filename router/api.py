@@ -309,7 +309,8 @@ def create_app(services: Services) -> FastAPI:
                 extra["connection"] = "close"
             return from_exc(exc, extra)
         else:
-            fwd = upstream_headers(request.scope["headers"], rid, drop_authorization=not gate.open)
+            scope = request.scope
+            fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
             figures = caller.grants.admin or caller.grants.objective  # see Lifecycle.reject
             return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid, figures)
         finally:

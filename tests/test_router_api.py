@@ -158,13 +158,15 @@ def settings_for(pods, **kw) -> RouterSettings:
 
 
 @contextlib.asynccontextmanager
-async def running_router(settings: RouterSettings, http: Any = "auto"):
+async def running_router(settings: RouterSettings, http: Any = "auto", proxy_headers: bool = True):
     """The real app under uvicorn on a free port, in this event loop; yields (base_url, services).
-    ``http``: uvicorn's protocol (its own by default; ``GuardedHttpToolsProtocol`` is kvroute serve's)."""
+    ``http``: uvicorn's protocol (its own by default; ``GuardedHttpToolsProtocol`` is kvroute serve's);
+    ``proxy_headers``: uvicorn's X-Forwarded-For middleware (kvroute serve runs it with the access log only)."""
     services = Services(settings)
     app = create_app(services)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
-                                           lifespan="on", access_log=False, http=http))
+                                           lifespan="on", access_log=False, http=http,
+                                           proxy_headers=proxy_headers))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 10
@@ -825,3 +827,18 @@ async def test_a_request_for_prompt_logprobs_is_credited_no_cached_prefix():
             await c.post("/v1/chat/completions", json={**chat, "max_tokens": 2})
             assert max(cached((await c.post("/debug/route", json=chat)).json()).values()) > 0
             assert set(cached((await c.post("/debug/route", json={**chat, "echo": True})).json()).values()) == {0}
+
+
+async def test_the_pod_gets_the_clients_address_last_in_x_forwarded_for():
+    """A client's own X-Forwarded-For went to the pod as it was written: vLLM's uvicorn trusts the
+    header from its loopback (behind a sidecar) and logged the address the client chose. The router
+    appends the address the request came from, as a proxy does, so the last entry is the real one
+    (without one the router adds none: the pod sees the connection's own address)."""
+    # as kvroute serve runs by default: no uvicorn middleware rewriting the client's address from the header
+    async with pods_running(1) as pods, running_router(settings_for(pods), proxy_headers=False) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+            r = await c.post("/v1/completions", json=completion(), headers={"x-forwarded-for": "203.0.113.9"})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/completions", json=completion())
+            assert r.status_code == 200, r.text
+    assert [s["headers"].get("x-forwarded-for") for s in pods[0].seen] == ["203.0.113.9, 127.0.0.1", None]
