@@ -196,7 +196,7 @@ def test_alert_rules_unit_tests_pass():
     tested = set(re.findall(r"alertname: (\w+)", (PROM / "alerts.test.yml").read_text()))
     assert tested >= {"KvrouteHighErrorRate", "KvrouteHighRejectionRate", "KvrouteKVEventLag",
                       "KvroutePodWithoutKVEvents", "KvroutePodMetricsStale", "KvrouteTTFTPredictionError",
-                      "KvrouteRouterDown",
+                      "KvrouteRouterDown", "KvrouteNoRouterUp",
                       "KvrouteDiscoveryStale", "KvrouteDiscoveryErrors", "KvrouteDiscoveryNoReadyPods",
                       "KvrouteTokenizeProcessDown", "KvrouteTokenizeProcessRestarts", "KvrouteBookingBusIsolated"}
 
@@ -427,9 +427,18 @@ def pod_name(workload: dict, i: int) -> str:
     return f"{name}-{i}" if workload["kind"] == "StatefulSet" else f"{name}-abc12-{i}"
 
 
+def replicas(docs: list[dict], workload: dict) -> int:
+    """How many pods a workload runs: its ``replicas``, or its HPA's minimum when the HPA owns the count."""
+    if "replicas" in workload["spec"]:
+        return workload["spec"]["replicas"]
+    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"
+            and d["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]]
+    return hpas[0]["spec"]["minReplicas"] if hpas else 1
+
+
 def pod_target_names(docs: list[dict], name: str) -> set[str]:
     w = next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name)
-    return {pod_name(w, i) for i in range(w["spec"].get("replicas", 1))}
+    return {pod_name(w, i) for i in range(replicas(docs, w))}
 
 
 def pod_targets(docs: list[dict], address_for) -> list[dict]:
@@ -440,7 +449,7 @@ def pod_targets(docs: list[dict], address_for) -> list[dict]:
         if w["kind"] not in ("Deployment", "StatefulSet"):
             continue
         template = w["spec"]["template"]
-        for i in range(w["spec"].get("replicas", 1)):
+        for i in range(replicas(docs, w)):
             pod = pod_name(w, i)
             for c in template["spec"]["containers"]:
                 for port in c.get("ports", []):
