@@ -64,7 +64,9 @@ class Lifecycle:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.policy = settings.policy if settings.scorers is None else "custom"
-        self._answered: dict[tuple[str, str], Any] = {}  # kvroute_requests_total's children, by (pod, status)
+        # kvroute_requests_total's children, by (pod, status): the metrics' own cache, which drops a
+        # departed pod's (RouterMetrics.forget_pod)
+        self._answered: dict[tuple[str, str], Any] = metrics.request_children
 
     def _end(self, router: Router, booking: Booking | None, outcome: Outcome) -> None:
         """The end of an attempt: release its booking (if the first token has not) and count it."""

@@ -25,6 +25,10 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("kvroute_requests", "Requests answered, by pod, policy and HTTP status",
                                 ["pod", "policy", "status"], registry=r)
+        # ``requests``' children by (pod, status), looked up once per pod and status (labels() builds a
+        # key and takes a lock per call): the one cache of them, so that ``forget_pod`` drops a
+        # departed pod's children here and in the counter together
+        self.request_children: dict[tuple[str, str], Any] = {}
         self.routing_seconds = Histogram("kvroute_routing_seconds", "Time to decide where a request goes "
                                          "(tokenize, index lookup, predict, rank)", buckets=ROUTING_BUCKETS, registry=r)
         self.predicted_ttft = Histogram("kvroute_predicted_ttft_seconds", "Predicted TTFT on the chosen pod",
@@ -58,6 +62,17 @@ class RouterMetrics:
         self.gc_frozen_objects = Gauge("kvroute_gc_frozen_objects", "Objects alive at start-up that kvroute serve "
                                        "moved out of the garbage collector's full collections (gc.freeze)",
                                        registry=r)
+
+    def forget_pod(self, pod_id: str) -> None:
+        """``pod_id`` left the fleet: drop its ``kvroute_requests_total`` series (pods churn, each with a
+        new id; a series per pod ever seen would grow without bound). Not for a pod that is only
+        unhealthy: it comes back, and its series with it. A departed pod that joins again starts
+        its series anew (a counter reset, which ``rate()`` takes in its stride), provided whoever
+        counts took the child from ``request_children`` (a child cached elsewhere outlives its series)."""
+        for key in [k for k in self.request_children if k[0] == pod_id]:
+            del self.request_children[key]
+        for labels in [lv for lv in list(self.requests._metrics) if lv[0] == pod_id]:
+            self.requests.remove(*labels)
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)

@@ -107,13 +107,21 @@ class Services:
             self.router.track_pod(state)
 
     def _leave_pod(self, pod_id: str) -> None:
-        self.registry.remove(pod_id)
+        pod = self.registry.remove(pod_id)
+        if pod is not None and self.dispatcher.client is not None:
+            self.dispatcher.client.drop(pod.config.url)  # its idle connections, and its address
         if self.subscriber is not None:
             self.subscriber.remove_pod(pod_id)
         if self.index is not None:
             self.index.remove_pod(pod_id)
         if self.router is not None:
             self.router.untrack_pod(pod_id)
+        # its series (pods churn, each with a new name or IP: one series per pod ever seen grows without
+        # bound); an unhealthy pod keeps them (_forget_pod), since it comes back
+        self.metrics.forget_pod(pod_id)
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.forget(pod_id)
 
     def _pod_states(self) -> dict[str, int]:
         states = {"ready": 0, "not_ready": 0, "unhealthy": 0}

@@ -539,8 +539,17 @@ class UpstreamClient:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+            if not idle:  # a pod's key goes with its last connection (pods churn, each with a new address)
+                del self._idle[conn.key]
         if wake:
             self._wake_one()
+
+    def drop(self, url: str) -> None:
+        """A pod left the fleet: close its idle connections now (a peer that never closes them, a lost
+        node, would hold them for ever) and forget its address."""
+        key = split_url(url)[0]
+        for conn in self._idle.pop(key, []):
+            conn.close()
 
     def _wake_one(self) -> None:
         """A connection came free or was closed: wake the oldest waiter it lets go on (one for the same

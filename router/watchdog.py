@@ -63,7 +63,7 @@ class EventSilenceWatchdog:
         now, dropped = self.clock(), []
         per_pod = self._batches()
         for pod in [p for p in self._seen if p not in per_pod]:  # left the fleet: forget it (pods churn)
-            del self._seen[pod]
+            self.forget(pod)
         for pod, batches in per_pod.items():
             requests = self.requests_to(pod)
             seen = self._seen.get(pod)
@@ -83,6 +83,16 @@ class EventSilenceWatchdog:
                 log.exception("clearing pod %s failed", pod)
             dropped.append(pod)
         return dropped
+
+    def forget(self, pod: str) -> None:
+        """``pod`` left the fleet: drop what is kept for it, its ``clears`` series included (pods
+        churn, each with a new id: a series per pod ever seen would grow without bound). A pod that
+        is merely unhealthy keeps its event streams, so it stays here."""
+        self._seen.pop(pod, None)
+        try:
+            self.clears.remove(pod)
+        except KeyError:  # never cleared: no series
+            pass
 
     async def _run(self, period_s: float) -> None:
         while True:
