@@ -198,6 +198,10 @@ class RouterSettings(BaseSettings):
                                     "within this long (from connecting, or from its first byte); closed after")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="largest request line plus headers (431 above)")
     keep_alive_s: float = Field(30.0, gt=0, description="an idle keep-alive connection is closed after this long")
+    shutdown_timeout_s: float | None = Field(None, ge=0, description="on SIGTERM the router stops accepting and lets "
+                                             "requests in flight (streams) finish for at most this long, then cuts "
+                                             "them and exits cleanly; none = until they end (a supervisor's SIGKILL "
+                                             "cuts them without the clean exit)")
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
     ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="largest request body accepted")

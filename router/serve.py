@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host, port=settings.port, loop=loop, http=http, ws="none",
         log_level=settings.log_level.lower(), access_log=settings.access_log, proxy_headers=settings.access_log,
         lifespan="on",
-        timeout_keep_alive=settings.keep_alive_s, ssl_certfile=settings.ssl_certfile,
+        timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
     if settings.workers > 1:
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()

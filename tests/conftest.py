@@ -96,6 +96,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_cli.py": frozenset({
         "test_help_lists_every_subcommand",
         "test_a_ctrl_c_ends_a_subcommand_with_one_line_and_code_130",
+        "test_sigterm_lets_a_stream_run_for_the_shutdown_timeout_then_the_router_exits_cleanly",
     }),
     "test_deploy_kubernetes.py": frozenset({
         "test_hadolint_finds_nothing_in_the_dockerfile",

@@ -73,3 +73,31 @@ def test_bad_config_file_is_a_clear_error(tmp_path, capsys):
     else:
         raise AssertionError("a list at the top level must be refused")
     assert "mapping" in capsys.readouterr().err
+
+
+def test_sigterm_lets_a_stream_run_for_the_shutdown_timeout_then_the_router_exits_cleanly(tmp_path):
+    """``shutdown_timeout_s``: on SIGTERM the router stops accepting and lets a stream in flight run
+    that long, then cuts it and exits (a Deployment's grace period is sized above it).
+    Without it uvicorn waited for the stream to end, however long, until a SIGKILL came."""
+    import httpx
+    import yaml
+
+    from simulator.testing import running_sims
+    from tests.helpers import free_port, kvroute_process
+
+    # one output token every 5 s: the stream outlasts the test by far
+    with running_sims(1, ["--timing", "seed", "--decode-s-per-token", "5"]) as urls:
+        port = free_port()
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml.safe_dump({"port": port, "shutdown_timeout_s": 1,
+                                       "pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}]}))
+        base = f"http://127.0.0.1:{port}"
+        with kvroute_process(["serve", "--config", str(cfg)], ready_url=base + "/ready", timeout=40) as proc:
+            body = {"model": "sim-model", "prompt": "a long answer", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # the stream is running
+                proc.send_signal(signal.SIGTERM)
+                # uvicorn, its shutdown done, raises the signal again: the exit a supervisor expects
+                assert proc.wait(timeout=20) in (0, -signal.SIGTERM)

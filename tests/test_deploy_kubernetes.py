@@ -337,6 +337,10 @@ def test_router_tier_is_replicated_protected_and_least_privileged(overlay, rende
     # Drained before SIGTERM: it keeps serving while the endpoints forget it, within the grace period.
     pre_stop = router["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep" and 3 <= int(pre_stop[1]) < pod["terminationGracePeriodSeconds"] / 2
+    # streams in flight run for the shutdown timeout, and the router exits cleanly before the SIGKILL
+    env = {e["name"]: e["value"] for e in router.get("env", []) if "value" in e}
+    shutdown = float(env["KVROUTE_SHUTDOWN_TIMEOUT_S"])
+    assert 120 <= shutdown and int(pre_stop[1]) + shutdown < pod["terminationGracePeriodSeconds"]
     assert {p["containerPort"] for p in router["ports"]} == {8000, 5570}
 
 
