@@ -363,8 +363,8 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def conversation(messages: Any, content_format: str = "string") -> list[dict[str, Any]]:
     """Chat messages as vLLM 0.32 hands them to the chat template (``parse_chat_messages``): content
-    as one string (text parts joined with "\\n") or, for templates that loop over content parts
-    ("openai"), a list of ``{"type": "text", "text": ...}``; only role, content, tool_calls,
+    as one string (text parts joined with "\\n", empty ones left out) or, for templates that loop
+    over content parts ("openai"), a list of ``{"type": "text", "text": ...}``; only role, content, tool_calls,
     reasoning (and reasoning_content), tool_call_id, name, task and a developer's tools kept."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list")
@@ -382,8 +382,9 @@ def conversation(messages: Any, content_format: str = "string") -> list[dict[str
             parts = _content_parts(content, where)
             if role == "system":
                 parts = _strip_billing_header(parts)
-            items = [p for p in (_parse_part(p, openai, f"{where}.content[{j}]") for j, p in enumerate(parts))
-                     if p is not None]
+            # vLLM keeps a part only if it parses to something truthy: in the "string" format an
+            # empty text ("" of any text type, a nameless tool_reference) is dropped, not joined in
+            items = [p for p in (_parse_part(p, openai, f"{where}.content[{j}]") for j, p in enumerate(parts)) if p]
             msg = {"role": role, "content": items if openai else "\n".join(items)}
         if role == "assistant":
             calls = m.get("tool_calls")
@@ -506,6 +507,9 @@ class ChatRequest:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
+        if api == "tokenize":  # only the chat endpoint's request model renames it to reasoning
+            messages = [{k: v for k, v in m.items() if k != "reasoning_content"}
+                        if isinstance(m, dict) and "reasoning_content" in m else m for m in messages]
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
         continue_final = _flag(body, "continue_final_message", False)
         if continue_final and body.get("add_generation_prompt"):

@@ -169,6 +169,30 @@ def test_string_content_is_what_its_one_text_part_makes_and_a_systems_billing_li
     assert conversation([{"role": "user", "content": f"{header}\nkept"}])[0]["content"] == f"{header}\nkept"
 
 
+def test_empty_text_parts_are_dropped_as_vllm_drops_them():
+    """vLLM keeps a content part only if it parses to something truthy: in the "string" format an empty
+    text ("" in a text, refusal, thinking part...) is left out, not joined in as an empty line (seen on
+    vLLM 0.32: a user's ["", "b"] rendered "b", not "\nb", one token fewer); in the "openai" format
+    the part is a dict and stays."""
+    e = {"type": "text", "text": ""}
+    messages = [
+        {"role": "user", "content": [e, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": ""}, {"type": "text", "text": "ok"},
+                                          {"type": "thinking", "thinking": ""}]},
+        {"role": "tool", "tool_call_id": "c", "content": [e, {"type": "text", "text": "x"}]},
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, e]},
+        {"role": "user", "content": [e]},
+        {"role": "tool", "tool_call_id": "d", "content": [{"type": "tool_reference", "name": ""}]},
+    ]
+    assert [m["content"] for m in conversation(messages)] == ["b", "ok", "x", "a", "", ""]
+    openai = conversation(messages, "openai")
+    assert openai[0]["content"] == [e, {"type": "text", "text": "b"}]
+    assert openai[2]["content"] == "\nx"  # a tool result's text parts joined after parsing, the empty one too
+    assert openai[5]["content"] == [{"type": "tool_reference", "name": ""}]
+    # as the template sees it: the developer message made system (the template has no developer role)
+    assert render("{% for m in messages %}[{{ m.content }}]{% endfor %}", messages[3:4]) == "[a]"
+
+
 @pytest.mark.parametrize("arguments,parsed", [("not json", {}), ("[1]", {}), ("", {}), (None, {}),
                                               ({"k": "v"}, {"k": "v"}), ("{\"k\": [1]}", {"k": [1]})])
 def test_tool_call_arguments_become_an_object(arguments, parsed):
@@ -261,6 +285,24 @@ def test_request_fields_merge_as_vllm_merges_them():
     # /tokenize's chat form has no documents or reasoning_effort
     assert bytes(chat_request_ids(body, tok, api="tokenize")).decode() == \
         '||[{"title": "k", "text": "v"}]|True|'  # undefined: empty
+
+
+def test_tokenize_endpoint_drops_reasoning_content_the_chat_endpoint_renames():
+    """vLLM 0.32's chat request model renames an assistant's ``reasoning_content`` to ``reasoning``
+    (the template sees both); /tokenize's chat form has no such step, so the field is dropped there
+    (seen on vLLM 0.32 with a template printing the messages)."""
+    tok = ByteTokenizer("{% for m in messages %}{{ m | tojson }}{% endfor %}")
+    body = {"messages": [{"role": "user", "content": "u"},
+                         {"role": "assistant", "content": "a", "reasoning_content": "r"},
+                         {"role": "assistant", "content": "b", "reasoning": "kept", "reasoning_content": "gone"}]}
+    chat = bytes(chat_request_ids(body, tok)).decode()
+    assert '"content": "a", "reasoning": "r", "reasoning_content": "r"}' in chat
+    tokenize = bytes(chat_request_ids(body, tok, api="tokenize")).decode()
+    assert tokenize == ('{"role": "user", "content": "u"}{"role": "assistant", "content": "a"}'
+                        '{"role": "assistant", "content": "b", "reasoning": "kept", "reasoning_content": "kept"}')
+    assert body["messages"][1] == {"role": "assistant", "content": "a", "reasoning_content": "r"}  # not mutated
+    # the remote path's mapping renames it, so the pod's /tokenize renders what its chat endpoint renders
+    assert chat_request_ids(tokenize_chat_body(body, "m"), tok, api="tokenize") == chat_request_ids(body, tok)
 
 
 def test_a_requests_own_template_is_refused_unless_trusted():

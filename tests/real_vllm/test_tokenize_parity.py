@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from indexer.tokens import HFTokenizer, chat_request_ids
+from indexer.tokens import HFTokenizer, chat_request_ids, tokenize_chat_body
 from realvllm.engines import MODEL_NAME, router_pod
 from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
 
@@ -37,6 +37,7 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [{
     "id": "call_1", "type": "function",
     "function": {"name": "get_weather", "arguments": "{\"unit\": \"c\", \"city\": \"Zürich <HB>\"}"}}]}
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21, \"sky\": \"☀ & clear\"}"}
+EMPTY = {"type": "text", "text": ""}
 TEXT = "the router sends each request to the pod whose prefix cache already holds most of its prompt"
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -65,6 +66,36 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat-add-special-tokens": ("chat", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}),
     "chat-developer-role": ("chat", {"messages": [{"role": "developer", "content": "be brief"},
                                                   {"role": "user", "content": "hi"}]}),
+    # an empty text part is dropped by vLLM in the "string" content format, not joined in as an empty
+    # line: the router once rendered "\nweather..." here, a token more from the user's turn on
+    "chat-empty-text-parts": ("chat", {"messages": [
+        SYSTEM, {"role": "user", "content": [EMPTY, {"type": "text", "text": "weather in Zürich?"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": ""}, {"type": "text", "text": "checking"}],
+         "tool_calls": CALL["tool_calls"]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [EMPTY, {"type": "text", "text": RESULT["content"]}]},
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}, EMPTY]}],
+        "tools": TOOLS, "tool_choice": "none"}),
+    "chat-tool-calls-names-reasoning-and-parts": ("chat", {"messages": [
+        SYSTEM, {"role": "user", "name": "ana", "content": "weather in Zürich and 東京?"},
+        {"role": "assistant", "content": "", "reasoning_content": "two cities: two calls", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": " {\"city\": \"Zürich\", \"unit\": \"c\"} "}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"東京\"}"}},
+            {"id": "c", "type": "function", "function": {"name": "search_docs", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "a", "name": "get_weather",
+         "content": [{"type": "text", "text": "21 C"}, {"type": "text", "text": "sunny"}]},
+        {"role": "tool", "tool_call_id": "b", "content": "12 C"}, {"role": "tool", "tool_call_id": "c", "content": ""},
+        {"role": "assistant", "content": None, "reasoning": "done", "tool_calls": []},
+        {"role": "user", "content": "thanks"}], "tools": TOOLS, "tool_choice": "none"}),
+    "chat-system-in-the-middle-and-empty-contents": ("chat", {"messages": [
+        SYSTEM, {"role": "user", "content": ""}, {"role": "assistant", "content": "?"},
+        {"role": "system", "content": "now answer in French"}, {"role": "user", "content": [EMPTY]}]}),
+    "chat-echo-reasoning-effort-none": ("chat", {"messages": [{"role": "user", "content": "quick"}], "echo": True,
+                                                 "reasoning_effort": "none"}),
+    "chat-continue-final-text-parts": ("chat", {"messages": [
+        {"role": "user", "content": "finish this"},
+        {"role": "assistant", "content": [{"type": "text", "text": "The answer"}, {"type": "text", "text": "is "}]}],
+        "add_generation_prompt": False, "continue_final_message": True}),
 }
 # answered 400 by the engine, so by the router too (by both routers, or by the local one where the
 # remote one leaves the refusal to the pod and routes on load alone)
@@ -132,6 +163,22 @@ def test_router_counts_the_engines_prompt_tokens(case, agg_engines, routers, loc
     counts = {mode: debug_route(base, {"model": M, **body})["prompt_tokens"] for mode, base in routers.items()}
     print(f"{case}: engine {engine_count} prompt tokens, router {counts}")
     assert counts == {"local": engine_count, "remote": engine_count}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0] == "chat"])
+def test_tokenize_endpoint_renders_what_the_router_renders(case, agg_engines, local_tokenizer):
+    """The engine's own ``POST /tokenize`` (chat form) for the body the remote tokenizer sends
+    (``tokenize_chat_body``) gives the chat endpoint's prompt ids, and the router's rendering of that
+    body as /tokenize renders it (``api="tokenize"``, the simulator's /tokenize) gives the same ids:
+    /tokenize has no documents or reasoning_effort and keeps no ``reasoning_content``."""
+    body = {"model": M, **CASES[case][1]}
+    r = engine_answer(agg_engines[0].url, "chat", CASES[case][1])
+    assert r.status_code == 200, r.text
+    mapped = tokenize_chat_body(body, M)
+    t = httpx.post(agg_engines[0].url + "/tokenize", json=mapped, timeout=60)
+    assert t.status_code == 200, t.text
+    assert t.json()["tokens"] == r.json()["prompt_token_ids"]
+    assert chat_request_ids(mapped, local_tokenizer, api="tokenize") == t.json()["tokens"]
 
 
 @pytest.mark.parametrize("case", list(BAD))
