@@ -248,24 +248,28 @@ def create_app(services: Services) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        gate.admit(request.headers)  # a request like any other: one from the key's request bucket
+        caller = gate.admit(request.headers)  # a request like any other: one from the key's request bucket
+        allowed = caller.models
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "kvroute", "root": m, "parent": None}
-                for m in services.registry.models()]
+                for m in services.registry.models() if allowed is None or m in allowed]
         # LoRA adapters as vLLM lists them: each with its base model as ``parent``
         data += [{"id": a, "object": "model", "created": now, "owned_by": "kvroute", "root": a, "parent": base}
-                 for a, base in services.registry.adapters().items()]
+                 for a, base in services.registry.adapters().items() if allowed is None or a in allowed]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def admitted_body(request: Request, caller: Caller,
                             kind: str | None) -> tuple[bytes, dict[str, Any], str, int]:
         """Admission before any tokenizing: a caller in prompt-token debt is refused before its body
         is read; then the body (size and time bounded), parsed, and a cheap estimate of all its
-        prompt tokens charged (``router.costs``). Returns raw, body, kind and what was charged."""
+        prompt tokens charged (``router.costs``), once the caller's key may use the model it names.
+        Returns raw, body, kind and what was charged."""
         gate.check_prompt_debt(caller)
         raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s)
         body = _parse(raw)
         kind = kind or ("chat" if "messages" in body else "completion")
+        if caller.models is not None:  # a key limited to some models and adapters: before any charge
+            gate.check_model(caller, router().resolve_model(body))
         charged = gate.precharge(caller, estimate_prompt_tokens(kind, body, router().chars_per_token))
         return raw, body, kind, charged
 

@@ -63,6 +63,7 @@ class Caller:
     name: str
     limits: Limits
     grants: Grants = TRUSTED
+    models: frozenset[str] | None = None  # what the key may use (None: every model and adapter)
     requests: TokenBucket | None = field(default=None, repr=False)
     prompt_tokens: TokenBucket | None = field(default=None, repr=False)
 
@@ -86,8 +87,8 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
-def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants]]:
-    """(digest, name, limits, grants) of every configured key; per-key limits override the fleet's."""
+def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants, frozenset[str] | None]]:
+    """(digest, name, limits, grants, models) of every configured key; per-key limits override the fleet's."""
     out = []
     for i, entry in enumerate(settings.api_keys):
         spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
@@ -105,7 +106,8 @@ def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants]]:
                       spec.prompt_token_burst or settings.rate_limit_prompt_token_burst)
         limits = Limits(*requests, *tokens)
         grants = Grants(admin=spec.admin, priority=spec.allow_priority, objective=spec.allow_objective)
-        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits, grants))
+        models = frozenset(spec.models) if spec.models is not None else None
+        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits, grants, models))
     return out
 
 
@@ -132,10 +134,11 @@ class Gate:
         """Adopt the keys and limits of ``settings``; buckets of keys that stay keep their level."""
         now = self.clock()
         fresh: dict[bytes, Caller] = {}
-        for digest, name, limits, grants in _keys(settings):
+        for digest, name, limits, grants, models in _keys(settings):
             caller = self.callers.get(digest) or Caller(name, limits)
             caller.name = name
             caller.grants = grants
+            caller.models = models
             caller.retune(limits, now)
             fresh[digest] = caller
         self.callers = fresh
@@ -171,6 +174,13 @@ class Gate:
             if self.on_spent is not None:
                 self.on_spent(caller.name, 1.0, 0.0)
         return caller
+
+    @staticmethod
+    def check_model(caller: Caller, model: str) -> None:
+        """404 when the caller's key may not use ``model`` (answered as for a model that does not
+        exist: another tenant's adapter is not revealed)."""
+        if caller.models is not None and model not in caller.models:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def require_admin(self, caller: Caller, what: str) -> None:
         """403 unless the caller holds the admin grant (always held on an open router)."""

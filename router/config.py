@@ -104,6 +104,8 @@ class ApiKey(BaseModel):
                                  "(an exempt value skips early rejection); ignored for other keys")
     allow_objective: bool = Field(False, description="the objective header (x-slo-ttft-ms) may loosen this key's "
                                   "objective; other keys may only tighten it")
+    models: list[str] | None = Field(None, description="the models and LoRA adapters this key may use and sees in "
+                                     "/v1/models (another is answered as one that does not exist); none = all")
 
     @field_validator("key")
     @classmethod

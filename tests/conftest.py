@@ -171,6 +171,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_per_key_request_rate_limit_answers_429_with_retry_after_and_keys_are_separate",
         "test_prompt_token_bucket_limits_big_prompts_per_key",
         "test_client_headers_cannot_choose_the_pod_or_the_prefill_host",
+        "test_a_key_limited_to_some_models_uses_and_sees_only_them",
         "test_sighup_reload_revokes_a_key_keeps_the_others_and_no_log_line_holds_a_key",
         "test_tls_listener_serves_https_with_the_configured_certificate",
         "test_tls_settings_come_in_pairs",

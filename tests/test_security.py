@@ -120,6 +120,39 @@ async def test_prompt_token_bucket_limits_big_prompts_per_key():
         assert len(pods[0].seen) == 2
 
 
+async def test_a_key_limited_to_some_models_uses_and_sees_only_them():
+    """Any key could use every model and LoRA adapter of the fleet, another tenant's adapter too, and
+    /v1/models listed them all. A key's ``models`` limits it: another model or adapter is answered as
+    one that does not exist (nothing reveals that it does), before the pod or the buckets are touched."""
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+
+    keys = [{"key": SECRET_A, "name": "alpha", "models": ["m", "alpha-sql"]}, {"key": SECRET_B, "name": "bravo"}]
+    async with pods_running(1) as pods:
+        fleet = [{"id": p.name, "url": p.url, "model": "m", "lora_adapters": ["alpha-sql", "bravo-chat"]}
+                 for p in pods]
+        settings = build_settings(RouterSettings, {"pods": fleet, "api_keys": keys, "port": free_port(),
+                                                   "health_interval_s": 0.2})
+        async with running_router(settings) as (base, services), httpx.AsyncClient(base_url=base) as c:
+            listed = (await c.get("/v1/models", headers=bearer(SECRET_A))).json()["data"]
+            assert sorted(m["id"] for m in listed) == ["alpha-sql", "m"]
+            everything = (await c.get("/v1/models", headers=bearer(SECRET_B))).json()["data"]
+            assert sorted(m["id"] for m in everything) == ["alpha-sql", "bravo-chat", "m"]
+            for model in ("m", "alpha-sql"):
+                r = await c.post("/v1/completions", json=completion(model=model), headers=bearer(SECRET_A))
+                assert r.status_code == 200, r.text
+            seen = len(pods[0].seen)
+            other = await c.post("/v1/completions", json=completion(model="bravo-chat"), headers=bearer(SECRET_A))
+            unknown = await c.post("/v1/completions", json=completion(model="nope"), headers=bearer(SECRET_A))
+            assert other.status_code == unknown.status_code == 404
+            assert other.json()["error"]["message"] == "The model `bravo-chat` does not exist."
+            assert len(pods[0].seen) == seen  # refused before the pod
+            chat = {"model": "bravo-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert (await c.post("/v1/chat/completions", json=chat, headers=bearer(SECRET_A))).status_code == 404
+            assert (await c.post("/v1/completions", json=completion(model="bravo-chat"),
+                                 headers=bearer(SECRET_B))).status_code == 200
+
+
 async def test_client_headers_cannot_choose_the_pod_or_the_prefill_host():
     async with pods_running(2) as pods, running_router(settings_for(pods, policy="round-robin")) as (base, _):
         steering = {"x-kvroute-pod": "pod-1", "x-prefiller-host-port": "169.254.169.254:80",
