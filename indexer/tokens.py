@@ -487,6 +487,21 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+@dataclass(frozen=True)
+class ServeChatFlags:
+    """The vLLM serve flags that change how a pod renders a chat prompt, which no request shows:
+    ``--default-chat-template-kwargs`` (merged under each request's chat_template_kwargs and switches,
+    below the request's ``tools``: vLLM 0.32 renderers/online_renderer.py ``preprocess_chat`` merges
+    ``merge_kwargs(defaults, {tools, tokenize})`` and then ``ChatParams.with_defaults`` puts the
+    request's own kwargs over that) and ``--exclude-tools-when-tool-choice-none`` (a chat completion
+    whose ``tool_choice`` is the string "none" renders without its tools: ``render_chat``; vLLM's
+    ``/tokenize`` does not apply it). ``router.prompts.serve_chat_flags`` gives None when both are
+    unset, and None costs nothing per request."""
+
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+
+
 @dataclass
 class ChatRequest:
     """What a chat request (``/v1/chat/completions`` or ``/tokenize`` with messages) asks of the
@@ -498,12 +513,15 @@ class ChatRequest:
     add_special_tokens: bool
 
     @classmethod
-    def from_body(cls, body: dict[str, Any], api: str = "chat", trust_request_template: bool = False) -> ChatRequest:
+    def from_body(cls, body: dict[str, Any], api: str = "chat", trust_request_template: bool = False,
+                  flags: ServeChatFlags | None = None) -> ChatRequest:
         """``api`` "chat" (chat completions: ``documents`` and ``reasoning_effort`` count) or
         "tokenize" (vLLM's ``/tokenize``, which has neither). A template carried by the request
         (``chat_template``, or ``chat_template_kwargs.chat_template``) is refused unless
         ``trust_request_template``, as vLLM refuses it without ``--trust-request-chat-template``:
-        rendering a client's template costs unbounded CPU."""
+        rendering a client's template costs unbounded CPU (a ``chat_template`` in the operator's
+        default kwargs is not the request's: vLLM checks only the request's). ``flags``: the pods'
+        serve flags (``ServeChatFlags``)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
@@ -544,7 +562,13 @@ class ChatRequest:
             extra.update(documents=documents, reasoning_effort=effort)
             if effort is not None and "enable_thinking" not in user:
                 extra["enable_thinking"] = effort != "none"
-        kwargs = _merge({"tools": tool_dicts(body.get("tools"))}, _merge(user, extra))
+        tools = tool_dicts(body.get("tools"))
+        if flags is None:
+            kwargs = _merge({"tools": tools}, _merge(user, extra))
+        else:
+            if flags.exclude_tools_when_tool_choice_none and api == "chat" and body.get("tool_choice") == "none":
+                tools = None
+            kwargs = _merge(_merge(flags.default_chat_template_kwargs or {}, {"tools": tools}), _merge(user, extra))
         kwargs.pop("tokenize", None)
         template = template or kwargs.pop("chat_template", None)
         kwargs.pop("chat_template", None)
@@ -725,17 +749,18 @@ def _cut_at_tag(text: str, final: str) -> str:
 
 
 def chat_request_ids(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
-                     trust_request_template: bool = False) -> list[int]:
+                     trust_request_template: bool = False, flags: ServeChatFlags | None = None) -> list[int]:
     """The prompt token ids vLLM computes for a chat request body (``api`` "chat" for
-    /v1/chat/completions, "tokenize" for /tokenize). Raises ``ChatTemplateError`` (a 400)."""
-    text, add_special_tokens = chat_text(body, tokenizer, api, trust_request_template)
+    /v1/chat/completions, "tokenize" for /tokenize; ``flags``: the pods' ``ServeChatFlags``).
+    Raises ``ChatTemplateError`` (a 400)."""
+    text, add_special_tokens = chat_text(body, tokenizer, api, trust_request_template, flags)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def chat_text(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
-              trust_request_template: bool = False) -> tuple[str, bool]:
+              trust_request_template: bool = False, flags: ServeChatFlags | None = None) -> tuple[str, bool]:
     """The rendered prompt of a chat request body and whether to add special tokens around it."""
-    req = ChatRequest.from_body(body, api, trust_request_template)
+    req = ChatRequest.from_body(body, api, trust_request_template, flags)
     text = tokenizer.apply_chat_template(req.messages, chat_template=req.chat_template, **req.template_kwargs)
     return text, req.add_special_tokens
 

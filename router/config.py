@@ -211,6 +211,12 @@ class RouterSettings(BaseSettings):
                                          "(408 after; bounds slow clients); none = no limit")
     tokenizer: str = Field("byte", description="'byte', a path to a Hugging Face tokenizer.json (must match the pods), "
                            "or 'remote' (ask a healthy pod of the model: POST /tokenize, cached)")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="the pods' vLLM --default-chat-template-kwargs (JSON): merged under each chat request's "
+        "chat_template_kwargs as vLLM merges them, so the router renders the prompt the pods render; none = unset")
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, description="the pods' vLLM --exclude-tools-when-tool-choice-none: a chat request with tool_choice "
+        "\"none\" is rendered without its tools, as those pods render it")
     remote_tokenize_timeout_s: float = Field(0.5, gt=0, description="tokenizer remote: deadline of a pod's /tokenize; "
                                              "past it the request is routed on load alone")
     remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod "

@@ -31,6 +31,7 @@ from indexer.tokens import (
     ChatRequest,
     ChatTemplateError,
     MediaContent,
+    ServeChatFlags,
     Tokenizer,
     chat_text,
     completion_add_special_tokens,
@@ -43,6 +44,15 @@ from router.errors import APIError
 class Unkeyed(list[int]):
     """Token ids that stand in for a prompt's length only (a rendering the router cannot reproduce):
     ``prompt_block_keys`` gives them no keys, so nothing is looked up or credited."""
+
+
+def serve_chat_flags(settings: Any) -> ServeChatFlags | None:
+    """The pods' chat-rendering serve flags from the router's settings (``default_chat_template_kwargs``,
+    ``exclude_tools_when_tool_choice_none``), or None when both are unset: then nothing changes."""
+    defaults = settings.default_chat_template_kwargs or None
+    if defaults is None and not settings.exclude_tools_when_tool_choice_none:
+        return None
+    return ServeChatFlags(defaults, settings.exclude_tools_when_tool_choice_none)
 
 
 def is_token_list(v: Any) -> bool:
@@ -106,22 +116,24 @@ def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars:
     return prompt
 
 
-def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None) -> Sequence[int]:
+def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None,
+                flags: ServeChatFlags | None = None) -> Sequence[int]:
     chat_messages(body)
     try:
-        text, special = chat_text(body, tokenizer)
+        text, special = chat_text(body, tokenizer, flags=flags)
     except MediaContent:
-        return media_chat_estimate(body, tokenizer, max_new_chars)
+        return media_chat_estimate(body, tokenizer, max_new_chars, flags)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     return routing_encoder(tokenizer, max_new_chars)(text, special)
 
 
-def media_chat_estimate(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None) -> Unkeyed:
+def media_chat_estimate(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None,
+                        flags: ServeChatFlags | None = None) -> Unkeyed:
     """A chat request with media parts: its tokens without the media (an estimate of its length),
     unkeyed. A request the router would refuse without its media is still a 400."""
     try:
-        text, special = chat_text({**body, "messages": without_media(body["messages"])}, tokenizer)
+        text, special = chat_text({**body, "messages": without_media(body["messages"])}, tokenizer, flags=flags)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     return Unkeyed(routing_encoder(tokenizer, max_new_chars)(text, special))
@@ -161,32 +173,33 @@ def truncate(tokens: Sequence[int], n: int, side: str | None, plain: Sequence[in
 
 
 def _truncated(kind: str, body: dict[str, Any], tokenizer: Tokenizer, tokens: Sequence[int], n: int,
-               side: str | None, max_new_chars: int | None) -> Sequence[int]:
+               side: str | None, max_new_chars: int | None, flags: ServeChatFlags | None = None) -> Sequence[int]:
     if len(tokens) <= n or isinstance(tokens, Unkeyed):
         return tokens
     plain = None
     if side is None and (add_special_tokens(body) if kind == "completion" else body.get("add_special_tokens") is True) \
             and (kind == "chat" or isinstance(completion_prompt(body), str)):
         plain = prompt_tokens(kind, {**body, "add_special_tokens": False, "truncate_prompt_tokens": None},
-                              tokenizer, max_new_chars)
+                              tokenizer, max_new_chars, flags)
     return truncate(tokens, n, side, plain)
 
 
 def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer,
-                  max_new_chars: int | None = None) -> Sequence[int]:
+                  max_new_chars: int | None = None, flags: ServeChatFlags | None = None) -> Sequence[int]:
     """``kind`` is "chat" or "completion". With a prefix token cache the answer may be a
     ``CachedTokens`` (``indexer/prefix_tokens.py``): a sequence whose block keys come cheap. With
     ``max_new_chars``, ``NotCached`` is raised rather than tokenize more than that many characters
     past the cached prefix (or any batch of prompts). An ``Unkeyed`` answer only estimates the
-    prompt's length (``chat_tokens``); ``truncate_prompt_tokens`` is applied (``truncate``)."""
+    prompt's length (``chat_tokens``); ``truncate_prompt_tokens`` is applied (``truncate``).
+    ``flags``: the pods' chat-rendering serve flags (``serve_chat_flags``; None: unset)."""
     if kind == "chat":
-        tokens = chat_tokens(body, tokenizer, max_new_chars)
+        tokens = chat_tokens(body, tokenizer, max_new_chars, flags)
     else:
         tokens = completion_tokens(body, tokenizer, max_new_chars)
     if body.get("truncate_prompt_tokens") is not None:
         cut = truncation(body)
         if cut is not None:
-            tokens = _truncated(kind, body, tokenizer, tokens, *cut, max_new_chars)
+            tokens = _truncated(kind, body, tokenizer, tokens, *cut, max_new_chars, flags)
     return tokens
 
 

@@ -106,12 +106,16 @@ def _has_media(messages: list[Any]) -> bool:
 
 class RemotePrompts:
     def __init__(self, registry: Any, client: Callable[[], UpstreamClient | None], timeout_s: float,
-                 cache_size: int, on_failure: Callable[[str], None]):
+                 cache_size: int, on_failure: Callable[[str], None], exclude_tools_when_tool_choice_none: bool = False):
         self._registry = registry
         self._poster = SessionPoster(client, timeout_s)
         self._timeout_s = timeout_s
         self._cache_size = cache_size
         self._on_failure = on_failure
+        # the pods' --exclude-tools-when-tool-choice-none: their chat endpoint leaves the tools out of
+        # the template for tool_choice "none", their /tokenize does not, so the router leaves them out
+        # of what it asks /tokenize
+        self._exclude_tools = exclude_tools_when_tool_choice_none
         self._by_pod: dict[tuple[str, str, str], RemoteTokenizer] = {}
 
     def _tokenizer_for(self, model: str) -> RemoteTokenizer | None:
@@ -139,6 +143,8 @@ class RemotePrompts:
             # vLLM keys a block that holds media tokens with the media's hashes too; the pod's ids
             # alone would key two requests that differ only in their image alike (a false credit)
             exact = not _has_media(ask)
+            if self._exclude_tools and body.get("tool_choice") == "none" and "tools" in body:
+                body = {k: v for k, v in body.items() if k != "tools"}
         else:
             ask = completion_prompt(body)
             if isinstance(ask, list):

@@ -33,7 +33,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.predlog import PredictionLog
-from router.prompts import prompt_block_keys, prompt_tokens
+from router.prompts import prompt_block_keys, prompt_tokens, serve_chat_flags
 from router.scheduling import (
     AggregatedPlanner,
     Calibrator,
@@ -184,6 +184,7 @@ class Router:
         self._salts = {pid: zlib.crc32(pid.encode()) for pid in registry.pods}
         self._exempt = [v.lower() for v in settings.priority_exempt_values]
         self._with_events = {pid for pid, p in registry.pods.items() if p.config.kv_events}
+        self.chat_flags = serve_chat_flags(settings)  # the pods' chat-rendering serve flags (None: unset)
         self.chars_per_token = settings.estimate_chars_per_token or (1.0 if settings.tokenizer == "byte" else 4.0)
         self.prediction_log: PredictionLog | None = None
         # told of each credit ``book`` makes (pod, the prompt's block keys): the booking bus, which
@@ -280,7 +281,7 @@ class Router:
         """The prompt's token ids with the local tokenizer, and the tokens of the other prompts of a
         completion batch. Touches no routing state, so it may run in a tokenize thread (see
         ``prompt_and_keys``). ``max_new_chars``: ``router.prompts.prompt_tokens``'s bound."""
-        tokens = prompt_tokens(kind, body, self.tokenizer, max_new_chars)  # type: ignore[arg-type]
+        tokens = prompt_tokens(kind, body, self.tokenizer, max_new_chars, self.chat_flags)  # type: ignore[arg-type]
         rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
         return tokens, rest
 

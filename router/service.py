@@ -21,7 +21,7 @@ from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
 from router.metrics import FleetCollector, IndexCollector, RouterMetrics
 from router.pods import PodRegistry
-from router.prompts import TokenizePool
+from router.prompts import TokenizePool, serve_chat_flags
 from router.routing import Router
 from router.tokenize_proc import CacheCounts, TokenizeProcess, TokenizeProcessCollector
 from router.watchdog import start_for as start_watchdog
@@ -65,7 +65,8 @@ class Services:
         if isinstance(self.tokenizer, HFTokenizer) and settings.tokenize_process:
             self.tokenize_process = TokenizeProcess(settings.tokenizer, settings.tokenize_cache_tokens,
                                                     settings.tokenize_process_timeout_s,
-                                                    tiktoken=settings.tokenize_tiktoken)
+                                                    tiktoken=settings.tokenize_tiktoken,
+                                                    chat_flags=serve_chat_flags(settings))
         if self.prefix_tokens is not None and (self.tokenize_process is not None or self.bus is not None):
             share_tokens(self.bus if settings.tokenize_cache_share else None, self.prefix_tokens,
                          self.tokenize_process)
@@ -84,7 +85,8 @@ class Services:
             self.remote_prompts = RemotePrompts(
                 self.registry, lambda: self.dispatcher.client, settings.remote_tokenize_timeout_s,
                 settings.remote_tokenize_cache_size,
-                on_failure=lambda reason: self.metrics.tokenize_failures.labels(reason).inc())
+                on_failure=lambda reason: self.metrics.tokenize_failures.labels(reason).inc(),
+                exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none)
         self.index: Any = None
         self.subscriber: Any = None
         self.router: Router | None = None

@@ -79,6 +79,7 @@ import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from indexer.tokens import ServeChatFlags
 from router.costs import batch_rest_tokens
 from router.errors import APIError
 from router.prompts import Unkeyed, prompt_block_keys, prompt_tokens
@@ -168,10 +169,12 @@ def _chunks_in(items: list[list[Any]]) -> list[tuple[int, bytes]]:
 
 # ---- the child ------------------------------------------------------------------------------------
 class _Child:
-    def __init__(self, spec: str, cache_tokens: int, share: bool, tiktoken: bool = True):
+    def __init__(self, spec: str, cache_tokens: int, share: bool, tiktoken: bool = True,
+                 chat_flags: ServeChatFlags | None = None):
         from indexer.tokens import HFTokenizer, load_tokenizer
 
         self.tokenizer: Any = load_tokenizer(spec)
+        self.chat_flags = chat_flags  # the pods' chat-rendering serve flags, as the router has them
         self.cache: Any = None
         self.stored: list[tuple[int, bytes]] = []
         if isinstance(self.tokenizer, HFTokenizer) and cache_tokens > 0:
@@ -191,7 +194,7 @@ class _Child:
                  salt: str | None, chars_per_token: float) -> _Answer:
         try:
             body = orjson.loads(raw)
-            tokens = prompt_tokens(kind, body, self.tokenizer)
+            tokens = prompt_tokens(kind, body, self.tokenizer, None, self.chat_flags)
             rest = batch_rest_tokens(body, self.tokenizer.encode, chars_per_token) if kind == "completion" else 0
         except APIError as exc:
             return _Answer(job_id, 0, 0, [], None, self.counts(), None, (exc.status, exc.message, exc.param, exc.code))
@@ -213,18 +216,30 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def child_main(argv: list[str] | None = None) -> int:
-    """``python -m router.tokenize_proc --fd N --tokenizer SPEC``: serve jobs on socket ``N`` until it closes."""
+def child_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, ServeChatFlags | None]:
+    """The child's command line (``TokenizeProcess._command``) and the chat serve flags it carries."""
     ap = argparse.ArgumentParser(description="kvroute's tokenize process (started by the router)")
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--cache-tokens", type=int, default=0)
     ap.add_argument("--share", action="store_true")
     ap.add_argument("--no-tiktoken", action="store_true")
+    ap.add_argument("--default-chat-template-kwargs", default=None, help="JSON object (the router's setting)")
+    ap.add_argument("--exclude-tools-when-tool-choice-none", action="store_true")
     args = ap.parse_args(argv)
+    flags = None
+    if args.default_chat_template_kwargs is not None or args.exclude_tools_when_tool_choice_none:
+        defaults = orjson.loads(args.default_chat_template_kwargs) if args.default_chat_template_kwargs else None
+        flags = ServeChatFlags(defaults, args.exclude_tools_when_tool_choice_none)
+    return args, flags
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """``python -m router.tokenize_proc --fd N --tokenizer SPEC``: serve jobs on socket ``N`` until it closes."""
+    args, flags = child_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core for its batches (router/serve.py)
     sock = socket.socket(fileno=args.fd)
-    child = _Child(args.tokenizer, args.cache_tokens, args.share, not args.no_tiktoken)
+    child = _Child(args.tokenizer, args.cache_tokens, args.share, not args.no_tiktoken, flags)
 
     def send(msg: _Ready | _Answer) -> None:
         payload = _encode(msg)
@@ -262,8 +277,9 @@ class TokenizeProcess:
     def __init__(self, spec: str, cache_tokens: int, timeout_s: float, share: bool = False,
                  on_stored: Callable[[list[tuple[int, bytes]]], None] | None = None,
                  restart_after_s: float = RESTART_AFTER_S, tiktoken: bool = True,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, chat_flags: ServeChatFlags | None = None):
         self.spec = spec
+        self.chat_flags = chat_flags  # the pods' chat-rendering serve flags (router.prompts.serve_chat_flags)
         self.tiktoken = tiktoken
         self.cache_tokens = cache_tokens
         self.timeout_s = timeout_s
@@ -320,7 +336,18 @@ class TokenizeProcess:
         """The child's command line, its end of the socket pair being ``fd``."""
         return [sys.executable, "-m", "router.tokenize_proc", "--fd", str(fd), "--tokenizer", self.spec,
                 "--cache-tokens", str(self.cache_tokens), *(["--share"] if self.share else []),
-                *([] if self.tiktoken else ["--no-tiktoken"])]
+                *([] if self.tiktoken else ["--no-tiktoken"]), *self._flag_args()]
+
+    def _flag_args(self) -> list[str]:
+        flags = self.chat_flags
+        if flags is None:
+            return []
+        out = []
+        if flags.default_chat_template_kwargs:
+            out += ["--default-chat-template-kwargs", orjson.dumps(flags.default_chat_template_kwargs).decode()]
+        if flags.exclude_tools_when_tool_choice_none:
+            out.append("--exclude-tools-when-tool-choice-none")
+        return out
 
     async def _read(self, reader: asyncio.StreamReader, proc: subprocess.Popen) -> None:
         why = "broke its stream"

@@ -17,6 +17,7 @@ from indexer.tokens import (
     ChatTemplateError,
     HFTokenizer,
     RemoteTokenizer,
+    ServeChatFlags,
     chat_request_ids,
     conversation,
     tokenize_chat_body,
@@ -543,3 +544,127 @@ def test_a_completion_of_prompt_embeds_alone_is_routed_unkeyed():
     assert isinstance(tokens, Unkeyed) and prompt_block_keys(tokens, 4, 1, None, "salt") == []
     with pytest.raises(APIError):
         prompt_tokens("completion", {}, ByteTokenizer())
+
+
+# ---- the pods' serve flags: --default-chat-template-kwargs, --exclude-tools-when-tool-choice-none ----
+# vLLM 0.32: renderers/online_renderer.py render_chat leaves the tools out when
+# ``request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none`` (the chat endpoint
+# only: entrypoints/serve/tokenize/serving.py builds its tool_dicts without it); preprocess_chat
+# merges ``merge_kwargs(default_template_kwargs, {tools, tokenize})`` and then
+# ``request.build_chat_params(...).with_defaults(that)`` (renderers/params.py), which is
+# ``merge_kwargs(that, merge_kwargs(request.chat_template_kwargs, switches))``: the request's own
+# kwargs and switches over the defaults, a None or "auto" in them leaving the default.
+
+FLAG_VARS = ("{{ tools | tojson }}|{{ enable_thinking }}|{{ foo }}|{{ add_generation_prompt }}|{{ reasoning_effort }}"
+             "|{{ documents | tojson }}")
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_DUMP = '[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}}}]'
+MSG = [{"role": "user", "content": "x"}]
+DEFAULTS = {"enable_thinking": False, "foo": "d", "add_generation_prompt": False}
+
+
+@pytest.mark.parametrize(("body", "api", "want"), [
+    ({"messages": MSG}, "chat", "null|False|d|True||null"),  # the request's switch beats the default
+    ({"messages": MSG, "chat_template_kwargs": {"enable_thinking": True, "foo": None}}, "chat",
+     "null|True|d|True||null"),  # the request's own kwargs win, but None leaves the default
+    ({"messages": MSG, "chat_template_kwargs": {"foo": "auto"}, "reasoning_effort": "high"}, "chat",
+     "null|True|d|True|high|null"),  # "auto" is unset too; reasoning_effort's enable_thinking beats the default
+    ({"messages": MSG, "chat_template_kwargs": {"foo": "mine"}, "add_generation_prompt": False}, "chat",
+     "null|False|mine|False||null"),
+    ({"messages": MSG, "tools": [TOOL]}, "chat", f"{TOOL_DUMP}|False|d|True||null"),
+    ({"messages": MSG, "reasoning_effort": "high"}, "tokenize", "null|False|d|True||null"),  # /tokenize: defaults too
+])
+def test_default_chat_template_kwargs_merge_under_the_request_as_vllm_merges_them(body, api, want):
+    tok = ByteTokenizer(FLAG_VARS)
+    flags = ServeChatFlags(DEFAULTS)
+    assert bytes(chat_request_ids(body, tok, api, flags=flags)).decode() == want
+    plain = bytes(chat_request_ids(body, tok, api)).decode()
+    assert plain != want  # without the setting the defaults are not there
+
+
+@pytest.mark.parametrize(("body", "api", "tools_shown"), [
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}, "chat", False),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "auto"}, "chat", True),
+    ({"messages": MSG, "tools": [TOOL]}, "chat", True),  # no tool_choice with tools: "auto"
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": None}, "chat", True),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "chat", True),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}, "tokenize", True),  # /tokenize does not apply it
+])
+def test_tools_are_left_out_when_tool_choice_is_none_as_vllm_leaves_them(body, api, tools_shown):
+    tok = ByteTokenizer(FLAG_VARS)
+    flags = ServeChatFlags(exclude_tools_when_tool_choice_none=True)
+    text = bytes(chat_request_ids(body, tok, api, flags=flags)).decode()
+    assert text.split("|")[0] == (TOOL_DUMP if tools_shown else "null")
+    assert bytes(chat_request_ids(body, tok, api)).decode().split("|")[0] == TOOL_DUMP  # unset: always shown
+
+
+def test_both_flags_together_and_defaults_tools_as_vllm_keeps_them():
+    body = {"messages": MSG, "tools": [TOOL], "tool_choice": "none", "chat_template_kwargs": {"foo": "r"}}
+    defaults = {"tools": [{"name": "from-defaults"}], "foo": "d", "enable_thinking": True}
+    flags = ServeChatFlags(defaults, True)
+    got = ChatRequest.from_body(body, flags=flags).template_kwargs
+    # vLLM: the excluded tools are None, which leaves the default's tools in merge_kwargs
+    assert got["tools"] == defaults["tools"] and got["foo"] == "r" and got["enable_thinking"] is True
+    assert bytes(chat_request_ids(body, ByteTokenizer(FLAG_VARS), flags=flags)).decode() == \
+        '[{"name": "from-defaults"}]|True|r|True||null'
+
+
+def test_settings_reach_the_routers_rendering_and_unset_ones_change_nothing(tmp_path):
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+    from router.prompts import serve_chat_flags
+    from router.routing import Router
+    from router.service import Services
+
+    assert serve_chat_flags(RouterSettings()) is None  # the common path: no flags object, no extra work
+    assert serve_chat_flags(RouterSettings(default_chat_template_kwargs={})) is None
+    flags = serve_chat_flags(RouterSettings(default_chat_template_kwargs={"foo": "d"},
+                                            exclude_tools_when_tool_choice_none=True))
+    assert flags == ServeChatFlags({"foo": "d"}, True)
+    body = {"messages": MSG, "tools": [TOOL], "tool_choice": "none", "truncate_prompt_tokens": 200}
+    tok = ByteTokenizer(FLAG_VARS)
+    assert bytes(prompt_tokens("chat", body, tok, None, flags)).decode() == "null||d|True||null"
+    assert bytes(prompt_tokens("chat", body, tok)).decode().startswith(TOOL_DUMP + "||")
+    # from the settings (YAML / env / flags) to the router's prompt and its tokenize process
+    folder = make_folder(tmp_path, "{% if tools %}hello {% endif %}{% if foo %}world {% endif %}x")
+    pods = [{"id": "p", "url": "http://127.0.0.1:9", "model": "m"}]
+    for settings, want in (({"default_chat_template_kwargs": {"foo": 1}, "exclude_tools_when_tool_choice_none": True},
+                            [4, 5]), ({}, [3, 5])):
+        services = Services(build_settings(RouterSettings, {"pods": pods, "tokenizer": str(folder / "tokenizer.json"),
+                                                            **settings}))
+        router = Router(services.settings, services.registry, None, services.tokenizer, services.metrics)
+        assert list(router.prompt("chat", body)[0]) == want
+        assert services.tokenize_process is not None
+        assert services.tokenize_process.chat_flags == router.chat_flags
+        assert (router.chat_flags is None) == (not settings)
+        services.tokenize_pool.close()
+
+
+def test_the_tokenize_process_applies_the_flags_as_the_router_does(tmp_path):
+    """The child is started with the flags on its command line and renders with them (in-process
+    here: a unit test starts no process; tests/test_tokenize_process.py runs the real child)."""
+    import orjson
+
+    from router.prompts import prompt_block_keys
+    from router.tokenize_proc import TokenizeProcess, _Child, child_args
+
+    folder = make_folder(tmp_path, "{% if tools %}hello hello hello hello {% endif %}{% if enable_thinking %}"
+                                   "world world {% endif %}{{ messages[0].content }}")
+    spec = str(folder / "tokenizer.json")
+    flags = ServeChatFlags({"enable_thinking": True}, True)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "none"}
+    plain = HFTokenizer(spec)
+    want = list(prompt_tokens("chat", body, plain, None, flags))
+    assert want == [4, 4, 6] and len(prompt_tokens("chat", body, plain)) == 5  # world world hi / hello x4 hi
+    for chat_flags in (flags, ServeChatFlags({"enable_thinking": True}), ServeChatFlags(None, True), None):
+        command = TokenizeProcess(spec, cache_tokens=0, timeout_s=30, chat_flags=chat_flags)._command(3)
+        assert command[1:3] == ["-m", "router.tokenize_proc"]
+        args, parsed = child_args(command[3:])
+        assert parsed == chat_flags and args.tokenizer == spec
+    _, parsed = child_args(TokenizeProcess(spec, cache_tokens=0, timeout_s=30, chat_flags=flags)._command(3)[3:])
+    for cache_tokens in (0, 1000):
+        answer = _Child(spec, cache_tokens, False, True, parsed).tokenize(1, "chat", orjson.dumps(body), 1, 7, None,
+                                                                          None, 4.0)
+        assert answer.error is None and answer.count == 3
+        assert answer.keys == prompt_block_keys(want, 1, 7, None, None)
+    assert _Child(spec, 0, False).tokenize(1, "chat", orjson.dumps(body), 1, 7, None, None, 4.0).count == 5

@@ -243,3 +243,34 @@ async def test_pod_tokenized_chat_with_an_image_is_routed_on_its_length_without_
     finally:
         for p in pods:
             await p.stop()
+
+
+async def test_pods_that_exclude_tools_for_tool_choice_none_are_asked_to_tokenize_without_them():
+    """vLLM's --exclude-tools-when-tool-choice-none leaves the tools out of the chat endpoint's template
+    for ``tool_choice: "none"``, but its /tokenize renders them: with the router's
+    ``exclude_tools_when_tool_choice_none`` the router asks /tokenize without them in that case only."""
+    import orjson
+
+    class RecordingPod(MultimodalPod):
+        asked: list = []
+
+        async def tokenize(self, request: web.Request) -> web.Response:
+            self.asked.append(orjson.loads(await request.read()))
+            return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]})
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    pods = [RecordingPod("pod-0", free_port())]
+    for p in pods:
+        await p.start()
+    try:
+        settings = settings_for(pods, tokenizer="remote", exclude_tools_when_tool_choice_none=True)
+        async with running_router(settings) as (base, _):
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                for choice in ("none", "auto"):
+                    body = {"model": "m", "max_tokens": 2, "tools": [tool], "tool_choice": choice,
+                            "messages": [{"role": "user", "content": f"tool choice {choice}"}]}
+                    assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert ["tools" in asked for asked in pods[0].asked] == [False, True]
+    finally:
+        for p in pods:
+            await p.stop()
