@@ -38,7 +38,8 @@ class Server:
                 writer.close()
 
         self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/completions"
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1/completions"
         return self
 
     async def __aexit__(self, *exc) -> None:

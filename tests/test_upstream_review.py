@@ -25,40 +25,22 @@ from kvcommon.listener import GuardedHttpToolsProtocol
 from router.dispatch import upstream_headers
 from router.upstream import STALE_CLOSE_S, PodIOError, UpstreamClient
 from tests.test_router_api import running_router, settings_for
+from tests.test_upstream import Server as PlainServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
 
-class Server:
-    """A loopback server calling ``handler(reader, writer, connection number)`` per connection; it
-    records each request body it reads (``read_request``)."""
+class Server(PlainServer):
+    """tests/test_upstream.py's loopback server; it also records each request body it reads
+    (``read_request``, which answers the request line and the body)."""
 
     def __init__(self, handler: Handler):
-        self.handler = handler
-        self.connections = 0
+        super().__init__(handler)
         self.bodies: list[bytes] = []
 
-    async def __aenter__(self) -> Server:
-        async def on_connect(reader, writer):
-            self.connections += 1
-            try:
-                await self.handler(reader, writer, self.connections)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1/completions"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-
-    async def read_request(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    async def read_request(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:  # type: ignore[override]
         """(request line, body)."""
         head = await reader.readuntil(b"\r\n\r\n")
         length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
