@@ -913,38 +913,45 @@ async def test_workers_reach_each_other_straight_through_their_sockets(tmp_path)
         late_pid.wait(10)
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(tmp_path, pods: list[dict], **settings):
+    """Two ``kvroute serve`` replicas (A, B) in front of ``pods``, joined by the booking bus (each binds
+    and names the other as its peer); yields their base URLs once each hears the other."""
+    port_a, port_b, bus_a, bus_b = free_ports(4)
+    with contextlib.ExitStack() as stack:
+        bases = []
+        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
+            cfg = tmp_path / f"router-{name}.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "port": port, "pods": pods, "booking_bus_bind": f"tcp://127.0.0.1:{mine}",
+                "booking_bus_peers": [f"tcp://127.0.0.1:{other}"], "booking_bus_snapshot_s": 0.2, **settings}))
+            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
+                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
+            bases.append(f"http://127.0.0.1:{port}")
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def peers(base: str) -> bool:
+                return "kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text
+            for _ in range(100):
+                if await peers(bases[0]) and await peers(bases[1]):
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the replicas never heard each other")
+        yield bases[0], bases[1]
+
+
 async def test_two_replicas_with_bind_and_peers_see_each_others_bookings(tmp_path):
     """Router replicas (two `kvroute serve` processes) configured with booking_bus_bind and
     booking_bus_peers: a burst sent through A is booked in B."""
-    port_a, port_b, bus_a, bus_b = free_ports(4)
     burst = 8
     # 2,000-token prompts at 1,000 tokens/s: no first token (which releases a booking) before 2 s,
     # so the scrapes at 1 s find the whole burst booked with a second to spare either side (at
     # 2,000 tokens/s the first release was due at the scrapes' moment, and a CI run saw A release
     # two between its scrape and B's)
-    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "1000"]) as urls, \
-            contextlib.ExitStack() as stack:
+    with running_sims(2, ["--timing", "seed", "--prefill-tokens-per-s", "1000"]) as urls:
         pods = [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]
-        bases = []
-        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
-            cfg = tmp_path / f"router-{name}.yaml"
-            cfg.write_text(yaml.safe_dump({
-                "port": port, "pods": pods, "prefill_tokens_per_s": 1000.0, "calibrate": False,
-                "booking_bus_bind": f"tcp://127.0.0.1:{mine}", "booking_bus_peers": [f"tcp://127.0.0.1:{other}"],
-                "booking_bus_snapshot_s": 0.2}))
-            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
-                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
-            bases.append(f"http://127.0.0.1:{port}")
-        a, b = bases
-        async with httpx.AsyncClient(timeout=120) as c:
-            async def peers(base: str) -> bool:
-                return "kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text
-            for _ in range(100):
-                if await peers(a) and await peers(b):
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                raise AssertionError("the replicas never heard each other")
+        async with two_replicas(tmp_path, pods, prefill_tokens_per_s=1000.0, calibrate=False) as (a, b), \
+                httpx.AsyncClient(timeout=120) as c:
             sends = [asyncio.create_task(c.post(a + "/v1/completions", json={
                 "model": "sim-model", "prompt": [11 * k + j for j in range(2000)], "max_tokens": 1, "stream": True}))
                 for k in range(burst)]
@@ -963,32 +970,12 @@ async def test_two_replicas_grant_a_keys_rate_limits_once_between_them(tmp_path)
     replica now sends what it charged a key over the booking bus and charges its own buckets the
     same: requests that used up the key's burst on A are refused on B, and a prompt that put the
     key's prompt-token bucket in debt on A has B refuse it too."""
-    port_a, port_b, bus_a, bus_b = free_ports(4)
     keys = [{"key": "sk-few-requests", "name": "few-requests", "requests_per_s": 0.1, "request_burst": 3},
             {"key": "sk-few-tokens", "name": "few-tokens", "prompt_tokens_per_s": 10, "prompt_token_burst": 500}]
-    with running_sims(1, ["--timing", "seed"]) as urls, contextlib.ExitStack() as stack:
+    with running_sims(1, ["--timing", "seed"]) as urls:
         pods = [{"id": "sim-0", "url": urls[0], "model": "sim-model"}]
-        bases = []
-        for name, port, mine, other in (("a", port_a, bus_a, bus_b), ("b", port_b, bus_b, bus_a)):
-            cfg = tmp_path / f"router-{name}.yaml"
-            cfg.write_text(yaml.safe_dump({
-                "port": port, "pods": pods, "api_keys": keys, "public_metrics": True,
-                "booking_bus_bind": f"tcp://127.0.0.1:{mine}", "booking_bus_peers": [f"tcp://127.0.0.1:{other}"],
-                "booking_bus_snapshot_s": 0.2}))
-            stack.enter_context(kvroute_process(["serve", "--config", str(cfg)],
-                                                ready_url=f"http://127.0.0.1:{port}/ready", timeout=40))
-            bases.append(f"http://127.0.0.1:{port}")
-        a, b = bases
-        async with httpx.AsyncClient(timeout=30) as c:
-            async def peers(base: str) -> bool:
-                return "kvroute_booking_peers 1.0" in (await c.get(base + "/metrics")).text
-            for _ in range(100):
-                if await peers(a) and await peers(b):
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                raise AssertionError("the replicas never heard each other")
-
+        async with two_replicas(tmp_path, pods, api_keys=keys, public_metrics=True) as (a, b), \
+                httpx.AsyncClient(timeout=30) as c:
             def send(base: str, key: str, prompt: list[int] | None = None):
                 return c.post(base + "/v1/completions", headers={"authorization": f"Bearer {key}"},
                               json={"model": "sim-model", "prompt": prompt or [1, 2, 3], "max_tokens": 1})
