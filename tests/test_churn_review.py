@@ -6,6 +6,7 @@ live router; these tests pin what the probe found growing by one series per depa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -134,14 +135,14 @@ async def test_pods_that_join_serve_and_leave_a_live_router_leave_no_series_behi
         await base_pod.stop()
 
 
-@pytest.mark.e2e
-async def test_a_pod_that_joins_again_under_a_departed_pods_id_is_counted():
-    """The lifecycle counts through the metrics' own cache of children, so a pod that rejoins under a
-    departed pod's id (an IP reused by DNS discovery) is counted in a live series, not a dropped one."""
-    from tests.helpers import free_port, until
+@contextlib.asynccontextmanager
+async def router_beside(name: str):
+    """A live router serving a pod of model "other", and a recording pod ``name`` (model "m") not yet
+    in its fleet: yields (base URL, services, that pod, a client)."""
+    from tests.helpers import free_port
     from tests.test_router_api import Pod, running_router
 
-    base_pod, pod = Pod("base", free_port()), Pod("again", free_port())
+    base_pod, pod = Pod("base", free_port()), Pod(name, free_port())
     await base_pod.start()
     await pod.start()
     settings = build_settings(RouterSettings, {
@@ -149,47 +150,46 @@ async def test_a_pod_that_joins_again_under_a_departed_pods_id_is_counted():
         "port": free_port(), "health_interval_s": 0.05, "scrape_interval_s": 0.05})
     try:
         async with running_router(settings) as (base, services), httpx.AsyncClient(timeout=10) as client:
-            for _ in range(2):
-                cfg = PodConfig(id="10.0.0.7", url=pod.url, model="m")
-                services.fleet_sync.update("10.0.0.7", DiscoveredPod(cfg, True))
-                await until(lambda: services.registry.pods["10.0.0.7"].healthy, 5, "the pod healthy")
-                resp = await client.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
-                assert resp.status_code == 200
-                assert services.metrics.registry.get_sample_value(
-                    "kvroute_requests_total", {"pod": "10.0.0.7", "policy": "predicted-ttft", "status": "200"}) == 1
-                services.fleet_sync.update("10.0.0.7", None)
+            yield base, services, pod, client
     finally:
         await pod.stop()
         await base_pod.stop()
+
+
+@pytest.mark.e2e
+async def test_a_pod_that_joins_again_under_a_departed_pods_id_is_counted():
+    """The lifecycle counts through the metrics' own cache of children, so a pod that rejoins under a
+    departed pod's id (an IP reused by DNS discovery) is counted in a live series, not a dropped one."""
+    from tests.helpers import until
+
+    async with router_beside("again") as (base, services, pod, client):
+        for _ in range(2):
+            cfg = PodConfig(id="10.0.0.7", url=pod.url, model="m")
+            services.fleet_sync.update("10.0.0.7", DiscoveredPod(cfg, True))
+            await until(lambda: services.registry.pods["10.0.0.7"].healthy, 5, "the pod healthy")
+            resp = await client.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert resp.status_code == 200
+            assert services.metrics.registry.get_sample_value(
+                "kvroute_requests_total", {"pod": "10.0.0.7", "policy": "predicted-ttft", "status": "200"}) == 1
+            services.fleet_sync.update("10.0.0.7", None)
 
 
 @pytest.mark.e2e
 async def test_a_departed_pod_that_stays_up_has_its_idle_connections_closed():
     """A pod that leaves the fleet but never closes its connections (a lost node, a partition) kept
     the router's idle connection to it, and its address in the pool, for ever: both go when it leaves."""
-    from tests.helpers import free_port, until
-    from tests.test_router_api import Pod, running_router
+    from tests.helpers import until
 
-    base_pod, pod = Pod("base", free_port()), Pod("stays-up", free_port())
-    await base_pod.start()
-    await pod.start()
-    settings = build_settings(RouterSettings, {
-        "pods": [{"id": "base", "url": base_pod.url, "model": "other"}],
-        "port": free_port(), "health_interval_s": 0.05, "scrape_interval_s": 0.05})
-    try:
-        async with running_router(settings) as (base, services), httpx.AsyncClient(timeout=10) as client:
-            cfg = PodConfig(id="stays-up", url=pod.url, model="m")
-            services.fleet_sync.update("stays-up", DiscoveredPod(cfg, True))
-            await until(lambda: services.registry.pods["stays-up"].healthy, 5, "the pod healthy")
-            resp = await client.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
-            assert resp.status_code == 200
-            key = ("http", "127.0.0.1", pod.port)
-            pool = services.dispatcher.client
-            assert pool._idle.get(key)  # the answer's connection waits for the next request
-            conn = pool._idle[key][0]
-            services.fleet_sync.update("stays-up", None)
-            assert key not in pool._idle
-            await until(lambda: conn.closed, 5, "the idle connection closed")
-    finally:
-        await pod.stop()
-        await base_pod.stop()
+    async with router_beside("stays-up") as (base, services, pod, client):
+        cfg = PodConfig(id="stays-up", url=pod.url, model="m")
+        services.fleet_sync.update("stays-up", DiscoveredPod(cfg, True))
+        await until(lambda: services.registry.pods["stays-up"].healthy, 5, "the pod healthy")
+        resp = await client.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert resp.status_code == 200
+        key = ("http", "127.0.0.1", pod.port)
+        pool = services.dispatcher.client
+        assert pool._idle.get(key)  # the answer's connection waits for the next request
+        conn = pool._idle[key][0]
+        services.fleet_sync.update("stays-up", None)
+        assert key not in pool._idle
+        await until(lambda: conn.closed, 5, "the idle connection closed")
