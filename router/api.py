@@ -241,8 +241,11 @@ def create_app(services: Services) -> FastAPI:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/prefill-pods")
-    async def prefill_pods() -> Response:
-        """The prefill pods' host:port the router may name in x-prefiller-host-port (sidecar allowlists)."""
+    async def prefill_pods(request: Request) -> Response:
+        """The prefill pods' host:port the router may name in x-prefiller-host-port (sidecar allowlists).
+        Internal addresses: with API keys only an admin key reads them (the sidecars' --prefill-allowlist-key)."""
+        if not gate.open:
+            gate.require_admin(gate.authenticate(request.headers), "GET /internal/prefill-pods")
         return Response(orjson.dumps(prefill_targets(p.config for p in services.registry.pods.values())),
                         media_type="application/json")
 

@@ -48,7 +48,7 @@ class Grants:
     """What a caller may do beyond sending requests. The anonymous caller of an open router (no keys)
     has every grant: an open router trusts whoever reaches it."""
 
-    admin: bool = False            # /debug/route, /metrics
+    admin: bool = False            # /debug/route, /metrics, /internal/prefill-pods
     priority: bool = False         # the priority header is honoured
     objective: bool = False        # the objective header may loosen the objective
 

@@ -5,7 +5,9 @@ Three sources feed one snapshot of allowed (network, port) entries:
 * static entries (IPs, CIDRs, each optionally with a port), fixed at start;
 * names (from the static list or ``--prefill-allow-dns``), re-resolved every ``dns_refresh_s``;
 * a URL answering a JSON list of ``host:port`` strings (e.g. the router's published prefill set),
-  re-fetched every ``allowlist_refresh_s``; names in it are resolved too.
+  re-fetched every ``allowlist_refresh_s``; names in it are resolved too. With ``url_key`` the fetch
+  sends it as ``Authorization: Bearer`` (a router with API keys answers that set to admin keys only);
+  the key never reaches a log line or an error.
 
 A failed refresh keeps the last good addresses of that source and is counted; the check itself
 never does I/O except resolving the target's own name. A target is allowed only if every address
@@ -98,13 +100,14 @@ class Allowlist:
                  dns_refresh_s: float = 30.0, url_refresh_s: float = 10.0,
                  resolver: Resolver = resolve_name,
                  on_refresh_error: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, url_key: str | None = None) -> None:
         addresses, names, errors = split_entries([*static, *dns_names])
         if errors:
             raise ValueError("bad allowlist entries: " + "; ".join(errors))
         self._static = addresses
         self._names = names
         self._url = url
+        self._url_headers = {"Authorization": f"Bearer {url_key}"} if url_key else {}
         self._dns_refresh_s = dns_refresh_s
         self._url_refresh_s = url_refresh_s
         self._resolve = resolver
@@ -164,8 +167,11 @@ class Allowlist:
             return
         try:
             timeout = aiohttp.ClientTimeout(total=max(1.0, min(self._url_refresh_s, 10.0)))
-            async with self._session.get(self._url, timeout=timeout, allow_redirects=False) as resp:
+            async with self._session.get(self._url, timeout=timeout, allow_redirects=False,
+                                         headers=self._url_headers) as resp:
                 body = await resp.read()
+                if resp.status in (401, 403):
+                    raise ValueError(self._refused(resp.status))
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
             addresses, names, errors = split_entries(parse_published_list(body))
@@ -184,6 +190,15 @@ class Allowlist:
         self._published.entries = addresses + resolved
         self._published.last_ok = self._clock()
         self._rebuild()
+
+    def _refused(self, status: int) -> str:
+        """Why the URL refused the fetch, naming the setting to fix (never the key)."""
+        if not self._url_headers:
+            return (f"status {status}: it needs a key and none is set (--prefill-allowlist-key, "
+                    "env KVROUTE_SIDECAR_PREFILL_ALLOWLIST_KEY: an admin API key of the router)")
+        if status == 401:
+            return f"status {status}: it refused the key of --prefill-allowlist-key (not one of its API keys)"
+        return f"status {status}: it refused the key of --prefill-allowlist-key (not an admin key)"
 
     async def _every(self, seconds: float, refresh: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -55,6 +55,10 @@ class SidecarSettings(BaseSettings):
     prefill_allowlist_url: str | None = Field(None, description=(
         'URL answering a JSON list of allowed "host:port" prefill targets (e.g. the router\'s '
         '/internal/prefill-pods), fetched every --allowlist-refresh-s'))
+    prefill_allowlist_key: str | None = Field(None, repr=False, description=(
+        "Bearer key sent when fetching --prefill-allowlist-url (an admin API key of a router with api_keys); "
+        "a secret: give it by env var or the YAML file, not this flag (a command line is visible to other "
+        "processes)"))
     allowlist_refresh_s: float = Field(10.0, gt=0, description="Seconds between fetches of --prefill-allowlist-url")
     target_dns_cache_s: float = Field(5.0, ge=0, description=(
         "Seconds a prefill target name's resolved addresses are reused"))
@@ -86,6 +90,14 @@ class SidecarSettings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
         return value.rstrip("/")
+
+    @field_validator("prefill_allowlist_key")
+    @classmethod
+    def _bearer_key(cls, value: str | None) -> str | None:
+        # the message never holds the value: it is a secret
+        if value is not None and (not value or not all("!" <= ch <= "~" for ch in value)):
+            raise ValueError("expected a non-empty key of printable ASCII characters without spaces")
+        return value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> SidecarSettings:

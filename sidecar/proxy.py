@@ -127,7 +127,8 @@ class SidecarApp:
         self.allowlist = Allowlist(
             settings.prefill_allowlist, settings.prefill_allow_dns, settings.prefill_allowlist_url,
             dns_refresh_s=settings.dns_refresh_s, url_refresh_s=settings.allowlist_refresh_s, resolver=resolver,
-            on_refresh_error=lambda source: self.metrics.allowlist_refresh_errors.labels(source).inc())
+            on_refresh_error=lambda source: self.metrics.allowlist_refresh_errors.labels(source).inc(),
+            url_key=settings.prefill_allowlist_key)
         self.targets = TargetResolver(resolver, ttl_s=settings.target_dns_cache_s)
         self.session: aiohttp.ClientSession | None = None
         self.prefill_ssl = prefill_ssl_context(settings)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.helpers import free_port
 from tests.test_router_api import completion, pods_running, running_router, settings_for
 
 ALPHA = "sk-alpha-5d0e2c91"
@@ -54,3 +55,32 @@ async def test_listing_models_is_charged_to_the_keys_request_bucket():
             assert (await c.get("/v1/models")).status_code == 401
         assert not pods[0].seen
         assert services.metrics.rejections.labels("rate-limit")._value.get() == 5
+
+
+@pytest.mark.e2e
+async def test_the_prefill_pods_addresses_are_for_admin_keys_when_the_router_has_keys():
+    # GET /internal/prefill-pods answered every caller, no key or a tenant's, with the internal
+    # host:port of every prefill pod; with API keys it is an admin route now (the sidecars send one)
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+
+    admin = "sk-ops-e61f0b37"
+    keys = [{"key": admin, "name": "ops", "admin": True}, {"key": ALPHA, "name": "alpha"}]
+    async with pods_running(1) as pods:
+        fleet = [{"id": "d0", "url": pods[0].url, "model": "m"},
+                 {"id": "p0", "url": "http://10.9.8.7:8100", "model": "m", "role": "prefill"}]
+        for api_keys in (keys, []):
+            settings = build_settings(RouterSettings, {"pods": fleet, "port": free_port(), "api_keys": api_keys})
+            async with running_router(settings) as (base, _), httpx.AsyncClient(base_url=base) as c:
+                answers = {who: await c.get("/internal/prefill-pods", headers=headers) for who, headers in
+                           (("none", {}), ("tenant", bearer(ALPHA)), ("admin", bearer(admin)))}
+                if not api_keys:  # an open router trusts whoever reaches it: unchanged
+                    assert {who: r.json() for who, r in answers.items()} == dict.fromkeys(answers, ["10.9.8.7:8100"])
+                    continue
+                assert answers["admin"].status_code == 200 and answers["admin"].json() == ["10.9.8.7:8100"]
+                for who, code, kind in (("none", 401, "AuthenticationError"), ("tenant", 403, "PermissionDeniedError")):
+                    r = answers[who]
+                    assert r.status_code == code and r.json()["error"]["type"] == kind, (who, r.text)
+                    assert "10.9.8.7" not in r.text and ALPHA not in r.text
+                assert "www-authenticate" in answers["none"].headers
+                assert "admin" in answers["tenant"].json()["error"]["message"]

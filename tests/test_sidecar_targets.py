@@ -160,3 +160,85 @@ def test_forwarded_headers_drop_hop_by_hop_ours_and_connection_listed_ones():
                (b"x-prefiller-url", b"http://a:1"), (b"x-request-id", b"r"), (b"traceparent", b"00-ab-cd-01"),
                (b"transfer-encoding", b"chunked")]
     assert forward_headers(headers) == [("authorization", "Bearer k"), ("traceparent", "00-ab-cd-01")]
+
+
+PREFILL_KEYS = [{"key": "sk-ops-4b7e19a2", "name": "ops", "admin": True}, {"key": "sk-team-0c93d5e1", "name": "team"}]
+
+
+def _router_with_a_prefill_pod(pods, port: int, api_keys: list):
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+
+    fleet = [{"id": "d0", "url": pods[0].url, "model": "m"},
+             {"id": "p0", "url": "http://10.9.8.7:8100", "model": "m", "role": "prefill"}]
+    return build_settings(RouterSettings, {"pods": fleet, "port": port, "api_keys": api_keys,
+                                           "health_interval_s": 0.2})
+
+
+@pytest.mark.e2e
+async def test_the_published_set_of_a_router_with_api_keys_is_fetched_with_the_admin_key(caplog):
+    """A router with API keys answers its prefill set to admin keys only: the allowlist's fetch sends
+    --prefill-allowlist-key; without one, or with a key the router refuses, the refresh fails, is
+    counted and keeps the last good list, and the log says why without the key."""
+    import aiohttp
+
+    from tests.helpers import free_port
+    from tests.test_router_api import pods_running, running_router
+
+    pod_ip, port = ipaddress.ip_address("10.9.8.7"), free_port()
+    url = f"http://127.0.0.1:{port}/internal/prefill-pods"
+    admin, tenant = PREFILL_KEYS[0]["key"], PREFILL_KEYS[1]["key"]
+    errors: list[str] = []
+    keyed = Allowlist([], [], url, url_key=admin, url_refresh_s=3600, on_refresh_error=errors.append)
+    keyless = Allowlist([], [], url, url_refresh_s=3600, on_refresh_error=errors.append)
+    async with pods_running(1) as pods, aiohttp.ClientSession() as session:
+        async with running_router(_router_with_a_prefill_pod(pods, port, PREFILL_KEYS)):
+            for allowlist in (keyed, keyless):
+                await allowlist.start(session)
+            assert keyed.snapshot.allows(pod_ip, 8100) and errors == ["url"]
+            assert not keyless.snapshot.allows(pod_ip, 8100) and len(keyless.snapshot) == 0
+            assert "needs a key and none is set" in caplog.text and "--prefill-allowlist-key" in caplog.text
+        # the same router restarted with that key no longer an admin's: refused, counted, last list kept
+        demoted = [{"key": admin, "name": "ops"}]
+        async with running_router(_router_with_a_prefill_pod(pods, port, demoted)):
+            await keyed.refresh_url()
+            assert errors == ["url", "url"] and keyed.snapshot.allows(pod_ip, 8100)
+            assert "refused the key of --prefill-allowlist-key (not an admin key)" in caplog.text
+        for allowlist in (keyed, keyless):
+            await allowlist.stop()
+    assert admin not in caplog.text and tenant not in caplog.text
+
+
+def test_the_allowlist_key_comes_from_the_environment_and_settings_never_show_it(monkeypatch):
+    from kvcommon.settings import load_settings, settings_error
+
+    monkeypatch.setenv("KVROUTE_SIDECAR_PREFILL_ALLOWLIST_KEY", "sk-ops-4b7e19a2")
+    settings = load_settings(SidecarSettings, [], prog="kvroute sidecar", description="")
+    assert settings.prefill_allowlist_key == "sk-ops-4b7e19a2" and "sk-ops" not in repr(settings)
+    monkeypatch.delenv("KVROUTE_SIDECAR_PREFILL_ALLOWLIST_KEY")
+
+    for bad in ("", "sk ops-4b7e19a2", "sk-ops-4b7e19a2\r\nX-Evil: 1"):
+        with pytest.raises(ValueError) as refused:
+            SidecarSettings(prefill_allowlist_key=bad)
+        message = settings_error(refused.value)
+        assert "prefill_allowlist_key" in message and "printable ASCII" in message
+        assert not bad or bad not in message
+
+
+@pytest.mark.e2e
+async def test_the_sidecar_sends_its_allowlist_key_and_counts_a_refused_fetch():
+    from tests.helpers import free_port
+    from tests.test_router_api import pods_running, running_router
+
+    pod_ip, port = ipaddress.ip_address("10.9.8.7"), free_port()
+    url = f"http://127.0.0.1:{port}/internal/prefill-pods"
+    async with pods_running(1) as pods, running_router(_router_with_a_prefill_pod(pods, port, PREFILL_KEYS)):
+        for key, allowed, errors in ((PREFILL_KEYS[0]["key"], True, 0), (None, False, 1)):
+            app = SidecarApp(SidecarSettings(prefill_allowlist_url=url, prefill_allowlist_key=key,
+                                             allowlist_refresh_s=3600))
+            await app.startup()
+            try:
+                assert app.allowlist.snapshot.allows(pod_ip, 8100) is allowed
+                assert app.metrics.allowlist_refresh_errors.labels("url")._value.get() == errors
+            finally:
+                await app.shutdown()
