@@ -18,7 +18,11 @@ merged with ``add_generation_prompt``, ``continue_final_message``, ``documents``
 ``reasoning_effort`` as vLLM merges them, and the template rendered in transformers' Jinja
 environment (``tojson`` = ``json.dumps`` without HTML escaping or key sorting, ``strftime_now``,
 loop controls, ``{% generation %}``), then encoded with the request's ``add_special_tokens``
-(default false for chat).
+(default false for chat). The pods' serve flags that change the rendering (``ServeChatFlags``:
+``--chat-template``, read as vLLM reads it by ``load_chat_template``, replacing the tokenizer's
+template; ``--chat-template-content-format``, replacing the format detected from the template;
+``--default-chat-template-kwargs``; ``--exclude-tools-when-tool-choice-none``) come from the
+router's settings of the same names.
 """
 
 from __future__ import annotations
@@ -495,11 +499,41 @@ class ServeChatFlags:
     ``merge_kwargs(defaults, {tools, tokenize})`` and then ``ChatParams.with_defaults`` puts the
     request's own kwargs over that) and ``--exclude-tools-when-tool-choice-none`` (a chat completion
     whose ``tool_choice`` is the string "none" renders without its tools: ``render_chat``; vLLM's
-    ``/tokenize`` does not apply it). ``router.prompts.serve_chat_flags`` gives None when both are
-    unset, and None costs nothing per request."""
+    ``/tokenize`` does not apply it), ``--chat-template`` (``chat_template``: the template's text, as
+    ``load_chat_template`` reads the flag; it replaces the tokenizer's for every request without a
+    template of its own, and wins over a ``chat_template`` in the kwargs: vLLM's ``ChatParams`` puts
+    ``request.chat_template or default`` over them) and ``--chat-template-content-format``
+    (``chat_template_content_format``: "string" or "openai" replace the format detected from the
+    template, "auto"; the chat endpoint and ``/tokenize`` both apply these two).
+    ``router.prompts.serve_chat_flags`` gives None when all are unset, and None costs nothing per
+    request."""
 
     default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+
+
+def load_chat_template(value: str) -> str:
+    """The text of vLLM's ``--chat-template`` as vLLM 0.32 reads the flag (renderers/chat_utils.py
+    ``load_chat_template``): the file it names, else, when it holds a Jinja character ("{", "}" or a
+    newline), the template itself. One with none that names no readable file is an error, as in vLLM;
+    vLLM's built-in templates (``template_chatml.jinja`` and the like, found by name in its package)
+    are not here: name their file. The template is compiled now, so that a broken one fails at start
+    and not on every chat request. Raises ``ChatTemplateError``."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ChatTemplateError(f"chat_template {value!r} looks like a file path, but it cannot be read "
+                                    f"({exc.strerror or exc}); vLLM's built-in templates are not known to the "
+                                    "router: give the template file's path", param="chat_template") from exc
+        text = value
+    except ValueError as exc:  # a NUL character, or a file that is not UTF-8
+        raise ChatTemplateError(f"chat_template cannot be read: {exc}", param="chat_template") from exc
+    _compiled(text)
+    return text
 
 
 @dataclass
@@ -511,6 +545,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any]  # chat_template_kwargs merged with the request's own switches and tools
     chat_template: str | None
     add_special_tokens: bool
+    content_format: str = "auto"  # "auto": detected from the template; "string" or "openai": the pods' flag
 
     @classmethod
     def from_body(cls, body: dict[str, Any], api: str = "chat", trust_request_template: bool = False,
@@ -570,11 +605,15 @@ class ChatRequest:
                 tools = None
             kwargs = _merge(_merge(flags.default_chat_template_kwargs or {}, {"tools": tools}), _merge(user, extra))
         kwargs.pop("tokenize", None)
+        content_format = "auto"
+        if flags is not None:
+            template = template or flags.chat_template  # the pods' --chat-template, over the kwargs' one
+            content_format = flags.chat_template_content_format
         template = template or kwargs.pop("chat_template", None)
         kwargs.pop("chat_template", None)
         if template is not None and not isinstance(template, str):
             raise ChatTemplateError("'chat_template' must be a string", param="chat_template")
-        return cls(messages, kwargs, template, _flag(body, "add_special_tokens", False))
+        return cls(messages, kwargs, template, _flag(body, "add_special_tokens", False), content_format)
 
 
 def tokenize_chat_body(body: dict[str, Any], model: str | None) -> dict[str, Any]:
@@ -676,9 +715,26 @@ class _ChatRendering:
                             continue_final_message: bool | str = False, tools: Any = None, documents: Any = None,
                             chat_template: str | None = None, **kwargs: Any) -> str:
         """The prompt text for ``messages``, as vLLM renders it (``kwargs``: chat_template_kwargs)."""
+        return self._render_chat(messages, add_generation_prompt, continue_final_message, tools, documents,
+                                 chat_template, "auto", kwargs)
+
+    def render_chat(self, messages: Any, template_kwargs: dict[str, Any], chat_template: str | None = None,
+                    content_format: str = "auto") -> str:
+        """``apply_chat_template(messages, chat_template=chat_template, **template_kwargs)`` with the
+        message content in ``content_format`` ("string" or "openai", as vLLM's
+        ``--chat-template-content-format`` forces it; "auto": detected from the template). Its own
+        argument, so that no key of a request's chat_template_kwargs can set it."""
+        kwargs = dict(template_kwargs)
+        return self._render_chat(messages, kwargs.pop("add_generation_prompt", True),
+                                 kwargs.pop("continue_final_message", False), kwargs.pop("tools", None),
+                                 kwargs.pop("documents", None), chat_template, content_format, kwargs)
+
+    def _render_chat(self, messages: Any, add_generation_prompt: bool, continue_final_message: bool | str,
+                     tools: Any, documents: Any, chat_template: str | None, forced_format: str,
+                     kwargs: dict[str, Any]) -> str:
         source = self.resolve_template(chat_template, tools)
         template, globals_, variables, content_format = _compiled(source)
-        conv = conversation(messages, content_format)
+        conv = conversation(messages, content_format if forced_format == "auto" else forced_format)
         if any(m["role"] == "developer" for m in conv) and '"developer"' not in source \
                 and "'developer'" not in source:
             conv = _developer_as_system(conv)
@@ -761,7 +817,11 @@ def chat_text(body: dict[str, Any], tokenizer: Tokenizer, api: str = "chat",
               trust_request_template: bool = False, flags: ServeChatFlags | None = None) -> tuple[str, bool]:
     """The rendered prompt of a chat request body and whether to add special tokens around it."""
     req = ChatRequest.from_body(body, api, trust_request_template, flags)
-    text = tokenizer.apply_chat_template(req.messages, chat_template=req.chat_template, **req.template_kwargs)
+    if req.content_format == "auto":
+        text = tokenizer.apply_chat_template(req.messages, chat_template=req.chat_template, **req.template_kwargs)
+    else:  # the pods' --chat-template-content-format (a _ChatRendering tokenizer: ByteTokenizer, HFTokenizer)
+        text = tokenizer.render_chat(req.messages, req.template_kwargs, req.chat_template,  # type: ignore[attr-defined]
+                                     req.content_format)
     return text, req.add_special_tokens
 
 

@@ -217,6 +217,13 @@ class RouterSettings(BaseSettings):
     exclude_tools_when_tool_choice_none: bool = Field(
         False, description="the pods' vLLM --exclude-tools-when-tool-choice-none: a chat request with tool_choice "
         "\"none\" is rendered without its tools, as those pods render it")
+    chat_template: str | None = Field(
+        None, description="the pods' vLLM --chat-template: a template file's path, or the template itself (a value "
+        "holding {, } or a newline that names no file), read and compiled at start; it replaces the tokenizer's "
+        "template as it does on those pods; none = unset")
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="the pods' vLLM --chat-template-content-format: message content handed to the template "
+        "as one string or as a list of parts; auto = detected from the template, as vLLM detects it")
     remote_tokenize_timeout_s: float = Field(0.5, gt=0, description="tokenizer remote: deadline of a pod's /tokenize; "
                                              "past it the request is routed on load alone")
     remote_tokenize_cache_size: int = Field(4096, ge=1, description="tokenizer remote: prompts remembered per pod "
@@ -427,6 +434,18 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _header_name(cls, value: str) -> str:
         return value.lower()  # header names are case-insensitive; requests' arrive lower-cased
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from indexer.tokens import ChatTemplateError, load_chat_template
+
+            try:
+                load_chat_template(value)
+            except ChatTemplateError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("pd_decider")
     @classmethod

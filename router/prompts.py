@@ -6,7 +6,10 @@ rendered as vLLM 0.32 renders them (``indexer.tokens.chat_request_ids``: tools, 
 chat_template_kwargs, continue_final_message, add_special_tokens default false), so the router's
 block keys match what the pods cache. A request carrying its own chat template is a 400 here, as
 in vLLM without ``--trust-request-chat-template`` (the router will not run a client's template);
-with ``tokenizer: remote`` the pod decides. For a batch of prompts the first one routes the request.
+with ``tokenizer: remote`` the pod decides. The pods' chat-rendering serve flags that no request
+shows (``--chat-template``, ``--chat-template-content-format``, ``--default-chat-template-kwargs``,
+``--exclude-tools-when-tool-choice-none``) are mirrored by the router's settings of the same names
+(``serve_chat_flags``). For a batch of prompts the first one routes the request.
 
 A request's ``truncate_prompt_tokens`` cuts its tokens as vLLM cuts them (``truncate``). A chat
 request with image, audio, video or embeddings parts is rendered by vLLM with the model's media
@@ -35,6 +38,7 @@ from indexer.tokens import (
     Tokenizer,
     chat_text,
     completion_add_special_tokens,
+    load_chat_template,
     routing_encoder,
     without_media,
 )
@@ -48,11 +52,16 @@ class Unkeyed(list[int]):
 
 def serve_chat_flags(settings: Any) -> ServeChatFlags | None:
     """The pods' chat-rendering serve flags from the router's settings (``default_chat_template_kwargs``,
-    ``exclude_tools_when_tool_choice_none``), or None when both are unset: then nothing changes."""
+    ``exclude_tools_when_tool_choice_none``, ``chat_template``: read here, as vLLM reads the flag,
+    ``chat_template_content_format``), or None when all are unset: then nothing changes. A
+    ``chat_template`` that cannot be read or compiled raises ``ChatTemplateError``."""
     defaults = settings.default_chat_template_kwargs or None
-    if defaults is None and not settings.exclude_tools_when_tool_choice_none:
+    template = load_chat_template(settings.chat_template) if settings.chat_template is not None else None
+    content_format = settings.chat_template_content_format
+    if defaults is None and not settings.exclude_tools_when_tool_choice_none and template is None \
+            and content_format == "auto":
         return None
-    return ServeChatFlags(defaults, settings.exclude_tools_when_tool_choice_none)
+    return ServeChatFlags(defaults, settings.exclude_tools_when_tool_choice_none, template, content_format)
 
 
 def is_token_list(v: Any) -> bool:

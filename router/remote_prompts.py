@@ -14,7 +14,12 @@ Token-id prompts are used as they are, with no round trip. Text prompts carry th
 input) and sent with every field that changes the rendered prompt (tools, chat_template_kwargs,
 continue_final_message, add_special_tokens, chat_template; documents and reasoning_effort, which
 vLLM's /tokenize lacks, inside chat_template_kwargs where the chat endpoint merges them):
-``indexer.tokens.tokenize_chat_body``.
+``indexer.tokens.tokenize_chat_body``. The pod's ``/tokenize`` renders with its own
+``--chat-template``, ``--chat-template-content-format`` and ``--default-chat-template-kwargs``, as
+its chat endpoint does, so the router's settings of those names are not sent (checked against
+vLLM 0.32: tests/real_vllm/test_tokenize_parity.py); of its serve flags only
+``--exclude-tools-when-tool-choice-none`` is left out there, so the router leaves the tools out of
+what it asks.
 """
 
 from __future__ import annotations

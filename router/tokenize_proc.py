@@ -226,11 +226,15 @@ def child_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Serve
     ap.add_argument("--no-tiktoken", action="store_true")
     ap.add_argument("--default-chat-template-kwargs", default=None, help="JSON object (the router's setting)")
     ap.add_argument("--exclude-tools-when-tool-choice-none", action="store_true")
+    ap.add_argument("--chat-template", default=None, help="the template's text (as the router read its setting)")
+    ap.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto")
     args = ap.parse_args(argv)
     flags = None
-    if args.default_chat_template_kwargs is not None or args.exclude_tools_when_tool_choice_none:
+    if args.default_chat_template_kwargs is not None or args.exclude_tools_when_tool_choice_none \
+            or args.chat_template is not None or args.chat_template_content_format != "auto":
         defaults = orjson.loads(args.default_chat_template_kwargs) if args.default_chat_template_kwargs else None
-        flags = ServeChatFlags(defaults, args.exclude_tools_when_tool_choice_none)
+        flags = ServeChatFlags(defaults, args.exclude_tools_when_tool_choice_none, args.chat_template,
+                               args.chat_template_content_format)
     return args, flags
 
 
@@ -347,6 +351,12 @@ class TokenizeProcess:
             out += ["--default-chat-template-kwargs", orjson.dumps(flags.default_chat_template_kwargs).decode()]
         if flags.exclude_tools_when_tool_choice_none:
             out.append("--exclude-tools-when-tool-choice-none")
+        # the text the router read, not the setting: the child renders what the router renders even if
+        # the file changes; "=" so that a text starting with "-" is not taken for an option
+        if flags.chat_template is not None:
+            out.append(f"--chat-template={flags.chat_template}")
+        if flags.chat_template_content_format != "auto":
+            out.append(f"--chat-template-content-format={flags.chat_template_content_format}")
         return out
 
     async def _read(self, reader: asyncio.StreamReader, proc: subprocess.Popen) -> None:

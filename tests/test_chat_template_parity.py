@@ -668,3 +668,147 @@ def test_the_tokenize_process_applies_the_flags_as_the_router_does(tmp_path):
         assert answer.error is None and answer.count == 3
         assert answer.keys == prompt_block_keys(want, 1, 7, None, None)
     assert _Child(spec, 0, False).tokenize(1, "chat", orjson.dumps(body), 1, 7, None, None, 4.0).count == 5
+
+
+# ---- the pods' --chat-template and --chat-template-content-format ----------------------------------
+# vLLM 0.32 reads --chat-template with renderers/chat_utils.py load_chat_template (the file it names,
+# else the value itself when it holds "{", "}" or a newline, else an error), hands it to every chat
+# request as ``request.chat_template or default`` (over a chat_template in the kwargs: ChatParams's
+# get_apply_chat_template_kwargs), and resolve_chat_template_content_format returns the given format
+# unless it is "auto". The expected texts are what vLLM 0.32 rendered (``prompt_token_ids`` of its
+# chat endpoint, detokenized) with the same template and flag.
+
+POD_TEMPLATE = ("{%- for message in messages %}[{{ message['role'] | upper }}] {{ message['content'] }}\n"
+                "{% endfor %}\n{%- if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}\n"
+                "{%- if add_generation_prompt %}[ASSISTANT] {% endif %}\n")
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}S:{{ m.content }}{% else %}"
+                  "{% for p in m.content %}P:{{ p.text }};{% endfor %}{% endif %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+TWO_PARTS = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+TURNS = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "ok"}]
+
+
+def test_the_chat_template_setting_is_read_as_vllm_reads_the_flag(tmp_path):
+    from pydantic import ValidationError
+
+    from indexer.tokens import load_chat_template
+    from router.config import RouterSettings
+    from router.prompts import serve_chat_flags
+
+    path = tmp_path / "pods.jinja"
+    path.write_text(POD_TEMPLATE)
+    assert load_chat_template(str(path)) == POD_TEMPLATE  # a file: its text
+    assert load_chat_template(PARTS_TEMPLATE) == PARTS_TEMPLATE  # no such file, Jinja characters: the template
+    assert load_chat_template("/no/such/{dir}/t.jinja") == "/no/such/{dir}/t.jinja"  # as vLLM: a template then
+    assert serve_chat_flags(RouterSettings(chat_template=str(path))) == ServeChatFlags(None, False, POD_TEMPLATE)
+    assert serve_chat_flags(RouterSettings(chat_template=PARTS_TEMPLATE, chat_template_content_format="string")) \
+        == ServeChatFlags(None, False, PARTS_TEMPLATE, "string")
+    assert serve_chat_flags(RouterSettings(chat_template_content_format="openai")) == \
+        ServeChatFlags(None, False, None, "openai")
+    assert serve_chat_flags(RouterSettings(chat_template_content_format="auto")) is None
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }}")
+    for value, why in ((str(tmp_path / "missing.jinja"), "looks like a file path"),
+                       ("template_chatml.jinja", "looks like a file path"),  # vLLM's built-in names: not here
+                       (str(tmp_path), "looks like a file path"),  # a folder
+                       ("", "looks like a file path"),
+                       ("{% for m in messages %}{{ m.content }}", "failed to compile"),
+                       (str(broken), "failed to compile")):
+        with pytest.raises(ChatTemplateError, match=why):
+            load_chat_template(value)
+        with pytest.raises(ValidationError, match=why) as err:  # at start, not on every chat request
+            RouterSettings(chat_template=value)
+        assert err.value.errors()[0]["loc"] == ("chat_template",)
+    with pytest.raises(ValidationError):
+        RouterSettings(chat_template_content_format="strings")
+
+
+@pytest.mark.parametrize(("template", "content_format", "messages", "generation", "want"), [
+    # engine: --chat-template <file of POD_TEMPLATE> --chat-template-content-format openai
+    (POD_TEMPLATE, "openai", TWO_PARTS, True,
+     "[USER] [{'type': 'text', 'text': 'one'}, {'type': 'text', 'text': 'two'}]\n[ASSISTANT] "),
+    (POD_TEMPLATE, "openai", TURNS, False,
+     "[SYSTEM] [{'type': 'text', 'text': 'be terse'}]\n[USER] [{'type': 'text', 'text': 'hi'}]\n"
+     "[ASSISTANT] [{'type': 'text', 'text': 'ok'}]\n"),
+    (POD_TEMPLATE, "auto", TWO_PARTS, True, "[USER] one\ntwo\n[ASSISTANT] "),  # detected: "string"
+    # engine: --chat-template '<PARTS_TEMPLATE>' (inline) --chat-template-content-format string
+    (PARTS_TEMPLATE, "string", TWO_PARTS, True, "<user>S:one\ntwo<assistant>"),
+    (PARTS_TEMPLATE, "string", TURNS[:2], False, "<system>S:be terse<user>S:hi"),
+    (PARTS_TEMPLATE, "auto", TWO_PARTS, True, "<user>P:one;P:two;<assistant>"),  # detected: "openai"
+])
+def test_the_pods_template_and_content_format_render_as_vllm_renders_them(template, content_format, messages,
+                                                                           generation, want):
+    tok = ByteTokenizer()  # the tokenizer's own template (DEFAULT_CHAT_TEMPLATE) is not the pods'
+    flags = ServeChatFlags(chat_template=template, chat_template_content_format=content_format)
+    body = {"messages": messages, "add_generation_prompt": generation}
+    for api in ("chat", "tokenize"):  # vLLM's /tokenize applies both flags too
+        assert bytes(chat_request_ids(body, tok, api, flags=flags)).decode() == want
+    assert bytes(prompt_tokens("chat", body, tok, None, flags)).decode() == want
+    assert bytes(chat_request_ids(body, tok)).decode() != want  # unset: the tokenizer's template
+    # a folder's own (named) templates are replaced too
+    assert bytes(chat_request_ids(body, ByteTokenizer({"default": "D", "tool_use": "T"}), flags=flags)).decode() \
+        == want
+
+
+def test_the_pods_template_yields_to_a_trusted_requests_own_but_not_to_one_in_its_kwargs():
+    flags = ServeChatFlags(chat_template="POD {{ messages[0].content }}")
+    own = {"messages": MSG, "chat_template": "OWN {{ messages[0].content }}"}
+    in_kwargs = {"messages": MSG, "chat_template_kwargs": {"chat_template": "KW {{ messages[0].content }}"}}
+    tok = ByteTokenizer()
+    assert bytes(chat_request_ids(own, tok, trust_request_template=True, flags=flags)).decode() == "OWN x"
+    assert bytes(chat_request_ids(in_kwargs, tok, trust_request_template=True, flags=flags)).decode() == "POD x"
+    assert bytes(chat_request_ids(in_kwargs, tok, trust_request_template=True)).decode() == "KW x"  # unset
+    with pytest.raises(ChatTemplateError, match="trust-request-chat-template"):  # untrusted: refused as before
+        chat_request_ids(own, tok, flags=flags)
+    defaults = ServeChatFlags({"chat_template": "DEF {{ messages[0].content }}"}, False,
+                              "POD {{ messages[0].content }}")
+    assert bytes(chat_request_ids({"messages": MSG}, tok, flags=defaults)).decode() == "POD x"
+
+
+def test_a_content_format_kwarg_of_a_request_is_a_template_variable_not_the_format():
+    tok = ByteTokenizer("{{ messages[0].content }}|{{ content_format }}")
+    body = {"messages": TWO_PARTS, "chat_template_kwargs": {"content_format": "openai"}}
+    assert bytes(chat_request_ids(body, tok)).decode() == "one\ntwo|openai"
+    flags = ServeChatFlags(chat_template_content_format="openai")
+    assert bytes(chat_request_ids(body, tok, flags=flags)).decode() == \
+        "[{'type': 'text', 'text': 'one'}, {'type': 'text', 'text': 'two'}]|openai"
+
+
+def test_the_template_settings_reach_the_router_and_its_tokenize_process(tmp_path):
+    import orjson
+
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+    from router.prompts import prompt_block_keys
+    from router.routing import Router
+    from router.service import Services
+    from router.tokenize_proc import TokenizeProcess, _Child, child_args
+
+    folder = make_folder(tmp_path, "hello {{ messages[0].content }}")
+    spec = str(folder / "tokenizer.json")
+    path = tmp_path / "pods.jinja"
+    path.write_text("{% for m in messages %}world {{ m.content }} {% endfor %}")
+    pods = [{"id": "p", "url": "http://127.0.0.1:9", "model": "m"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}]}
+    for settings, want in (({"chat_template": str(path)}, [4, 6, 4, 5]), ({}, [3, 6])):
+        services = Services(build_settings(RouterSettings, {"pods": pods, "tokenizer": spec, **settings}))
+        router = Router(services.settings, services.registry, None, services.tokenizer, services.metrics)
+        assert list(router.prompt("chat", body)[0]) == want
+        assert services.tokenize_process is not None
+        assert services.tokenize_process.chat_flags == router.chat_flags
+        services.tokenize_pool.close()
+    # the child gets the text the router read (a template starting with "-", with newlines and quotes)
+    # and the format on its command line, and renders with them
+    flags = ServeChatFlags(None, False, "-{% for m in messages %}\n{{ m.content }} 'x' \"hi\"{% endfor %}", "openai")
+    for chat_flags in (flags, ServeChatFlags(chat_template="{{ messages }}"),
+                       ServeChatFlags(chat_template_content_format="string"), None):
+        command = TokenizeProcess(spec, cache_tokens=0, timeout_s=30, chat_flags=chat_flags)._command(3)
+        _, parsed = child_args(command[3:])
+        assert parsed == chat_flags
+    _, parsed = child_args(TokenizeProcess(spec, cache_tokens=0, timeout_s=30, chat_flags=flags)._command(3)[3:])
+    want = list(prompt_tokens("chat", body, HFTokenizer(spec), None, flags))
+    text = "-[{'type': 'text', 'text': 'hi'}] 'x' \"hi\"[{'type': 'text', 'text': 'x'}] 'x' \"hi\""
+    assert want == HFTokenizer(spec).encode(text, add_special_tokens=False)  # the parts' list, as "openai" gives
+    answer = _Child(spec, 0, False, True, parsed).tokenize(1, "chat", orjson.dumps(body), 1, 7, None, None, 4.0)
+    assert answer.error is None and answer.keys == prompt_block_keys(want, 1, 7, None, None)

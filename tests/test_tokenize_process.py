@@ -440,3 +440,30 @@ async def test_the_child_truncates_and_leaves_media_requests_unkeyed_as_the_rout
         assert proc.jobs["done"] == len(cases)
     finally:
         proc.stop()
+
+
+async def test_the_child_renders_with_the_pods_chat_template_and_content_format(tokenizer_file):
+    """The ``chat_template`` and ``chat_template_content_format`` settings reach the real child (its
+    command line: the template's text, with newlines, quotes and a leading "-") and it answers the ids
+    the router computes with them, not those of the tokenizer's own template."""
+    from indexer.tokens import ServeChatFlags
+
+    plain = HFTokenizer(tokenizer_file)
+    flags = ServeChatFlags(None, False, "-{% for m in messages %}\n<{{ m.role }}> {{ m.content }} 'q' \"d\"\n"
+                                        "{% endfor %}", "openai")
+    proc = TokenizeProcess(tokenizer_file, cache_tokens=1_000_000, timeout_s=30, chat_flags=flags)
+    await proc.start()
+    try:
+        await until_ready(proc)
+        seed = key_seed("m")
+        for turns in (1, 3):
+            body = {"model": "m", "messages": conversation(turns)}
+            want = list(prompt_tokens("chat", body, plain, None, flags))
+            assert want != list(prompt_tokens("chat", body, plain))  # the setting changes the ids
+            got = await proc.run("chat", orjson.dumps(body), 16, seed, None, None, 4.0)
+            assert got is not None
+            tokens, _, keys = got
+            assert len(tokens) == len(want) and keys == prompt_block_keys(want, 16, seed, None, None)
+        assert proc.jobs["done"] == 2
+    finally:
+        proc.stop()

@@ -6,7 +6,8 @@ one tokenizing locally (the model's tokenizer.json and chat template) and one wi
 remote`` (a pod's ``/tokenize``): ``/debug/route``'s ``prompt_tokens`` must equal the engine's count
 in both, and the local renderer's ids the engine's ids. Then a tool-using conversation's follow-up:
 the cached tokens the router credits the pod that served the first turn equal the engine's own
-prefix-cache hits.
+prefix-cache hits. Last, an engine of its own started with ``--chat-template`` (a file) and
+``--chat-template-content-format openai``, and a router with the same two settings.
 """
 
 from __future__ import annotations
@@ -19,8 +20,16 @@ import httpx
 import pytest
 
 from indexer.tokens import HFTokenizer, chat_request_ids, tokenize_chat_body
+from realvllm import engines as rv
 from realvllm.engines import MODEL_NAME, router_pod
-from tests.real_vllm.conftest import cached_tokens, debug_route, engine_metric, running_router, wait_for
+from tests.real_vllm.conftest import (
+    cached_tokens,
+    debug_route,
+    engine_metric,
+    running_router,
+    wait_for,
+    wait_indexed,
+)
 
 M = MODEL_NAME
 SYSTEM = {"role": "system", "content": "You are a terse & careful assistant; answer in <one> line, 'no' fluff."}
@@ -248,3 +257,61 @@ def test_truncated_prompts_are_the_tokens_the_engine_keeps(case, agg_engines, ro
     assert list(prompt_tokens(kind, {"model": M, **body}, local_tokenizer)) == engine_ids
     counts = {mode: debug_route(base, {"model": M, **body})["prompt_tokens"] for mode, base in routers.items()}
     assert counts == {"local": len(engine_ids), "remote": len(engine_ids)}, (engine_ids, counts)
+
+
+# a template the model does not have, printing each message's content as it comes: with the content
+# format forced to "openai" a string content is handed over as a list of parts (auto detects "string")
+POD_TEMPLATE = ("{%- for message in messages %}[{{ message['role'] | upper }}] {{ message['content'] }}\n"
+                "{% endfor %}\n{%- if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}\n"
+                "{%- if add_generation_prompt %}[ASSISTANT] {% endif %}\n")
+
+
+def test_a_pods_chat_template_and_content_format_are_rendered_and_credited_as_the_engine_does(
+        real_env, real_scratch, tmp_path):
+    """An engine started with ``--chat-template <file> --chat-template-content-format openai`` and a
+    router with the settings ``chat_template`` (the same file) and ``chat_template_content_format``:
+    the router's ids are the engine's (without the settings they are not: the tokenizer's own
+    template, or the right template with its detected "string" format), the engine's ``/tokenize``
+    (what ``tokenizer: remote`` asks) renders them too, and a conversation's follow-up is credited
+    exactly the prefix-cache hits the engine then has (before the settings existed: none, as no key
+    matched)."""
+    from router.config import RouterSettings
+    from router.prompts import serve_chat_flags
+
+    path = tmp_path / "pods.jinja"
+    path.write_text(POD_TEMPLATE)
+    settings = {"chat_template": str(path), "chat_template_content_format": "openai"}
+    flags = serve_chat_flags(RouterSettings(**settings))
+    template_only = serve_chat_flags(RouterSettings(chat_template=str(path)))
+    tok = HFTokenizer(real_env.tokenizer)
+    engine = rv.Engine(real_env, "chat-template", real_scratch, core=0, extra_args=[
+        "--chat-template", str(path), "--chat-template-content-format", "openai"])
+    cases = ("chat-system-multi-turn", "chat-tools", "chat-text-parts", "chat-no-generation-prompt")
+    with rv.running([engine]), running_router(tmp_path, [router_pod(engine)], tokenizer=str(real_env.tokenizer),
+                                              speculative_ttl_s=0.05, **settings) as base:
+        for case in cases:
+            body = {"model": M, **CASES[case][1]}
+            r = engine_answer(engine.url, "chat", CASES[case][1])
+            assert r.status_code == 200, r.text
+            ids = r.json()["prompt_token_ids"]
+            assert chat_request_ids(body, tok, flags=flags) == ids, case
+            assert chat_request_ids(body, tok) != ids and chat_request_ids(body, tok, flags=template_only) != ids
+            t = httpx.post(engine.url + "/tokenize", json=tokenize_chat_body(body, M), timeout=60)
+            assert t.status_code == 200 and t.json()["tokens"] == ids, t.text
+            assert debug_route(base, body)["prompt_tokens"] == len(ids)
+        system = {"role": "system", "content": " ".join(f"Rule {i}: route city number {i} to its own forecast."
+                                                        for i in range(30))}
+        first = {"model": M, "messages": [system, {"role": "user", "content": "weather in Kraków?"}], "max_tokens": 2}
+        r = httpx.post(base + "/v1/chat/completions", json=first, timeout=60)
+        assert r.status_code == 200, r.text
+        stored = r.json()["usage"]["prompt_tokens"]
+        follow = {**first, "messages": first["messages"] + [{"role": "assistant", "content": "snow"},
+                                                            {"role": "user", "content": "and tomorrow?"}]}
+        predicted = wait_indexed(base, follow, engine.name, stored)
+        before = engine_metric(engine.url, "vllm:prefix_cache_hits_total")
+        r = httpx.post(base + "/v1/chat/completions", json=follow, timeout=60)
+        assert r.status_code == 200, r.text
+        observed = engine_metric(engine.url, "vllm:prefix_cache_hits_total") - before
+        print(f"chat-template follow-up: {r.json()['usage']['prompt_tokens']} prompt tokens, router credited "
+              f"{predicted}, engine hit {observed}")
+        assert observed > 0 and predicted == observed
