@@ -98,8 +98,8 @@ class ApiKey(BaseModel):
     request_burst: float | None = Field(None, gt=0, description="request bucket size for this key")
     prompt_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second for this key")
     prompt_token_burst: float | None = Field(None, gt=0, description="prompt-token bucket size for this key")
-    admin: bool = Field(False, description="may use introspection: POST /debug/route, and GET /metrics unless "
-                        "public_metrics")
+    admin: bool = Field(False, description="may use introspection: POST /debug/route, GET /internal/prefill-pods "
+                        "(the sidecars' allowlist source), and GET /metrics unless public_metrics")
     allow_priority: bool = Field(False, description="the priority header (x-priority) is honoured for this key "
                                  "(an exempt value skips early rejection); ignored for other keys")
     allow_objective: bool = Field(False, description="the objective header (x-slo-ttft-ms) may loosen this key's "
