@@ -185,8 +185,8 @@ class PrefixIndex:
             "events", "blocks_stored", "blocks_removed", "blocks_evicted", "clears", "orphan_blocks",
             "hash_only_joined", "hash_only_unknown", "unknown_removals", "unknown_pod_events",
             "block_size_mismatches", "refused_events", "skipped_kind", "malformed_events",
-            "predicted_added", "predicted_expired", "predicted_confirmed", "lookups", "duplicate_copies",
-            "copies_removed", "skipped_group", "tier_limit")}
+            "predicted_added", "predicted_expired", "predicted_confirmed", "predicted_withdrawn", "lookups",
+            "duplicate_copies", "copies_removed", "skipped_group", "tier_limit")}
         self.recency = BlockRecency(clock, max_blocks_per_pod, counters=self.counters)
 
     # --- fleet ------------------------------------------------------------------------------------
@@ -696,6 +696,24 @@ class PrefixIndex:
         mine.remove_many(confirmed)
         self._pred.clear_bits(confirmed, primary.bit)
         self.counters["predicted_confirmed"] += len(confirmed)
+
+    def withdraw(self, pod_id: str, keys: Sequence[int]) -> int:
+        """Take back the credit of ``keys`` on ``pod_id`` (:meth:`speculate`, :meth:`record_route`):
+        the request it was made for never reached the engine's cache (the pod refused it, or failed).
+        Only predicted entries go: a key the pod's own events have stored is not a credit any more
+        (its BlockStored replaced it) and stays. Returns how many were withdrawn. Not for the hot
+        path: the router calls it only for a request the pod did not answer 2xx."""
+        pod = self._pods.get(pod_id)
+        if pod is None or pod.primary is None or not keys:
+            return 0
+        primary = pod.primary
+        credited = primary.pred.present(keys)
+        if credited:
+            primary.spans = {}   # a note may vouch for a run that now has a hole
+            primary.pred.remove_many(credited)
+            self._pred.clear_bits(credited, primary.bit)
+            self.counters["predicted_withdrawn"] += len(credited)
+        return len(credited)
 
     def _expire(self, now: float) -> None:
         """Drop predicted entries whose time is up. Each source's entries are in refresh order,

@@ -12,6 +12,8 @@
 3. the answer is relayed: a stream chunk by chunk (the first chunk is the first token), a
    non-streaming answer whole.
 
+An attempt the pod did not take (a non-2xx answer, a 5xx, a connection that failed) releases its
+booking and withdraws the prompt blocks its booking credited to the index at once (``_unserved``).
 Every attempt ends in exactly one ``Outcome``, and ``_end`` is the one place that releases its
 booking and records its metrics (``Booking.release`` is idempotent besides, because the first
 token releases a booking before the request has ended).
@@ -38,7 +40,8 @@ from router.dispatch import Dispatcher, Opened, UpstreamError, relay, response_h
 from router.errors import error_body, error_response
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry
-from router.routing import Plan, Router
+from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_PIECE, Plan, Router
+from router.scheduling.decide import Route
 from router.upstream import PodIOError
 
 POD_HEADER = "x-kvroute-pod"
@@ -103,6 +106,7 @@ class Lifecycle:
                 opened = await self._open(router, booking, plan.url(cand.pod_id, path), raw,
                                           {**headers, **prefill_header(route, plan.pods)}, request)
             except UpstreamError as failed:
+                self._unserved(router, plan, route, booking)
                 self._end(router, booking, Outcome(cand.pod_id, ""))
                 if failed.pod_down:
                     self.registry.mark(cand.pod_id, False)
@@ -115,6 +119,8 @@ class Lifecycle:
             if opened is None:  # the client left while the pod was still queueing or prefilling
                 self._end(router, booking, Outcome(cand.pod_id, "499", disconnect=True))
                 return Response(b"", status_code=499)
+            if opened.resp.status >= 300:  # refused (a 4xx; a 5xx raised above): nothing was computed
+                self._unserved(router, plan, route, booking)
             return await self._respond(router, opened, booking, body, rid, request)
         assert failure is not None
         pod_id, exc = failure
@@ -125,6 +131,43 @@ class Lifecycle:
         log.info("request %s: pod %s could not be reached (%s)", rid, pod_id, exc.cause)
         return error_response(502, f"pod {pod_id} could not be reached ({exc.kind})",
                               headers={POD_HEADER: pod_id, "x-request-id": rid})
+
+    @staticmethod
+    def _unserved(router: Router, plan: Plan, route: Route, booking: Booking) -> None:
+        """The pod did not take the request: it refused it (a non-2xx answer: vLLM checks a request
+        before its engine sees it, so a 400 computed and cached nothing), failed it (a 5xx) or could
+        not be reached. Its booking is released now, without learning a TTFT from the answer and
+        without counting it among the requests whose blocks the pod must announce (the event
+        watchdog's ``event_sources``), and the prompt blocks ``Router.book`` credited to the pods
+        that were to store them are withdrawn from the index: left, they drew the prompt's
+        follow-ups and siblings to a pod that holds none of it, for ``speculative_ttl_s`` (2 s) on a
+        pod with KV events and ``approximate_ttl_s`` (120 s) on one without. Only what this request
+        credited goes: the blocks after those the index gave the pod when it was routed; what the
+        pod's events have stored since is not a credit and stays (``PrefixIndex.withdraw``). A
+        prompt credited in pieces (``Router.speculate``) may have pieces still to come: they are
+        withdrawn again once they are in. Never on a 2xx: one comparison of the status there."""
+        booking.new_blocks = 0
+        router.finish(booking)
+        keys = plan.keys
+        if not keys:
+            return
+        held = (route.prefill_pod,) if route.pod_id == route.prefill_pod else (route.prefill_pod, route.pod_id)
+        index, bs, snapshot = router.index, router.block_size, plan.snapshot
+
+        def withdraw() -> None:
+            try:
+                for pod_id in held:   # what the index gave the pod when it was routed was not this credit
+                    index.withdraw(pod_id, keys[snapshot.candidate(pod_id).cached_tokens // bs:])
+            except Exception:  # the index is advisory; never fail a request over it
+                log.exception("withdrawing the credit of a request the pod did not take failed")
+
+        withdraw()
+        if len(keys) > CREDIT_NOW_BLOCKS:  # one piece a loop turn: withdraw again after the last
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            _after_turns(loop, -(-len(keys) // LONG_CREDIT_PIECE) + 1, withdraw)
 
     def _still_candidate(self, pod_id: str) -> bool:
         pod = self.registry.pods.get(pod_id)
@@ -206,6 +249,14 @@ class Lifecycle:
         router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
         self._end(router, booking, Outcome(pod_id, status))
         return _answer(payload, resp.status, headers)
+
+
+def _after_turns(loop: asyncio.AbstractEventLoop, turns: int, call: Callable[[], None]) -> None:
+    """``call`` after ``turns`` more turns of ``loop`` (each ``call_soon`` waits one turn)."""
+    if turns <= 0:
+        call()
+    else:
+        loop.call_soon(_after_turns, loop, turns - 1, call)
 
 
 def _ours(pod_id: str, rid: str) -> list[tuple[bytes, bytes]]:

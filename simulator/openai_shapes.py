@@ -28,6 +28,18 @@ MAX_TOKEN_ID = 2**32 - 1
 # handlers/validation.py), not the "BadRequestError" of the checks in its serving code
 VALIDATION_TYPE = "Bad Request"
 
+# The switches vLLM 0.32 types a plain ``bool`` (a default, not ``bool | None``): its pydantic model
+# refuses a null for them (400, "Input should be a valid boolean") where the simulator's own checks,
+# and the chat renderer's, take a null for the default. ChatCompletionRequest
+# (vllm/entrypoints/openai/chat_completion/protocol.py) and CompletionRequest
+# (vllm/entrypoints/openai/completion/protocol.py), with their sampling fields; ``echo`` is
+# ``bool | None`` on a completion only.
+_BOTH_NOT_NULL = ("add_special_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                  "spaces_between_special_tokens", "use_beam_search")
+NOT_NULL_BOOLEANS = {"completion": _BOTH_NOT_NULL,
+                     "chat": (*_BOTH_NOT_NULL, "add_generation_prompt", "continue_final_message", "echo",
+                              "include_reasoning")}
+
 # vLLM's CompletionRequest.max_tokens default (vllm/entrypoints/openai/completion/protocol.py)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -178,6 +190,9 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         _opt(body, key, (int, float), "a number")
     for key in ("ignore_eos", "echo", "return_token_ids"):
         _opt(body, key, (bool,), "a boolean")
+    for key in NOT_NULL_BOOLEANS[kind]:
+        if key in body and body[key] is None:
+            raise invalid(key, f"'{key}' must be a boolean")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise invalid("kv_transfer_params", "'kv_transfer_params' must be an object or null")
