@@ -75,6 +75,7 @@ class StreamState:
     topic: str = ""
     dp_rank: int | None = None
     one_rank: bool = False              # the pod is this one engine: index every batch as its rank 0
+    rank: int | None = None             # the rank its last applied batch was indexed under (what a restart clears)
     applied: int | None = None          # last applied sequence number
     last_live: int | None = None        # last sequence number seen on the live stream
     last_ts: float | None = None        # publish time of the last applied batch
@@ -449,7 +450,7 @@ class KVEventSubscriber:
                 async with st.lock:
                     if st.suspect:
                         await verify_after_reconnect(st, lambda s, b: self._apply(st, b),
-                                                     lambda: self.index.clear_pod(st.pod_id, st.dp_rank or 0),
+                                                     lambda: self.index.clear_pod(st.pod_id, self._stream_rank(st)),
                                                      self._replay_fn(st))
                 # a batch published while our subscription was still on its way to the publisher
                 # never reaches the SUB: once that has settled, take it from the replay buffer
@@ -488,8 +489,18 @@ class KVEventSubscriber:
         rank = batch.dp_rank if batch.dp_rank is not None else st.dp_rank
         return rank or 0
 
+    def _stream_rank(self, st: StreamState) -> int:
+        """The rank this stream's entries are indexed under, for a restart found without a batch in
+        hand (a reconnect): the rank of its last batch. Not ``dp_rank or 0``: a pod with one stream per
+        rank (several ``kv_events``, not steered) lost rank 0's entries when rank 1's engine restarted,
+        and rank 1 kept its stale ones."""
+        if st.one_rank:
+            return 0
+        return st.rank if st.rank is not None else (st.dp_rank or 0)
+
     def _apply(self, st: StreamState, batch: EventBatch) -> None:
-        self.index.apply_batch(st.pod_id, batch.events, self._rank(st, batch))
+        st.rank = self._rank(st, batch)
+        self.index.apply_batch(st.pod_id, batch.events, st.rank)
 
     def _clear(self, st: StreamState, batch: EventBatch) -> None:
         self.index.clear_pod(st.pod_id, self._rank(st, batch))

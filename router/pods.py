@@ -85,11 +85,16 @@ def _labels(text: str) -> dict[str, str]:
 
 def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
     """The load signals of a vLLM /metrics page, summed over engines (DP ranks), or those of one
-    engine (its ``engine`` label) when ``engine`` is given."""
+    engine (its ``engine`` label) when ``engine`` is given.
+
+    vLLM's API server puts the sum of its engines' KV blocks in ``vllm:cache_config_info`` under
+    every engine's label (its client adds each engine's ``num_gpu_blocks`` as the engine reports
+    ready), so one engine's share is that sum over the number of engine labels on the page."""
     m = PodMetrics()
     tag = f'engine="{engine}"' if engine is not None else None
     kv_new: list[float] = []
     kv_old: list[float] = []
+    engines = 0  # cache_config_info series: one per engine the server fronts
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -101,6 +106,8 @@ def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
         else:
             name, _, rest = line.partition(" ")
             labels_text = ""
+        if name == "vllm:cache_config_info":
+            engines += 1
         if tag is not None and tag not in labels_text:
             continue
         try:
@@ -136,6 +143,8 @@ def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
     kv = kv_new or kv_old
     if kv:
         m.kv_usage = sum(kv) / len(kv)
+    if tag is not None and m.num_gpu_blocks and engines > 1:
+        m.num_gpu_blocks //= engines
     return m
 
 

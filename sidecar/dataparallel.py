@@ -14,7 +14,11 @@ llm-d refuses it. The header can only choose among this pod's own engines, never
 
 kvroute's own router steers a rank with ``X-data-parallel-rank`` on the request it sends to the
 first port; in ``internal-lb`` mode that header passes through unchanged on the first port, and the
-rank ports set their own.
+rank ports set their own. In ``external-lb`` mode each of vLLM's API servers fronts one engine and
+refuses any rank but 0 (vLLM 0.32: ``data_parallel_size_local`` is 1 there, and
+``InputProcessor.process_inputs`` answers a rank out of range with a 400), so on the first port the
+header picks the rank's API server, as a rank port does, and is not forwarded; a value that is not an
+integer is ignored and one out of range refused (400), as vLLM reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from sidecar.legs import DP_HOST_PORT_HEADER
 from sidecar.targets import TargetError, parse_target
 
 RANK_HEADER = "X-data-parallel-rank"
+RANK_HEADER_BYTES = RANK_HEADER.lower().encode()
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -65,10 +70,12 @@ class DataParallel:
         return [self.base_port + r for r in range(self.size)]
 
     def rank(self, scope) -> int | None:
-        """The rank this request is for: named by the header, else by the port it arrived on.
+        """The rank this request is for: named by llm-d's header, else by the port it arrived on, else
+        (``external-lb``, first port) by ``X-data-parallel-rank``, which external-lb never forwards.
 
-        None on the first port without the header (the decoder, or a rank header the request
-        carries, decides). Raises ``RankError`` for a header that names no rank of this pod."""
+        None on the first port without either header (the decoder, or in ``internal-lb`` a rank header
+        the request carries, decides). Raises ``RankError`` for a header that names no rank of this pod."""
+        header_rank = self._take_rank_header(scope) if self.size > 1 and self.mode == "external-lb" else None
         named = [v for k, v in scope["headers"] if k.lower() == DP_HOST_PORT_HEADER]
         if named:
             raw = named[0].decode("latin-1").strip()
@@ -86,7 +93,22 @@ class DataParallel:
             r = int(server[1]) - self.base_port
             if 0 < r < self.size:
                 return r
-        return None
+        if header_rank is not None and not 0 <= header_rank < self.size:
+            raise RankError(f"data_parallel_rank {header_rank} is out of range [0, {self.size}).")
+        return header_rank
+
+    def _take_rank_header(self, scope) -> int | None:
+        """Drop the request's ``X-data-parallel-rank`` and answer the rank it names, read as vLLM reads
+        it (not an integer: none)."""
+        headers = scope["headers"]
+        raw = [v for k, v in headers if k.lower() == RANK_HEADER_BYTES]
+        if not raw:
+            return None
+        scope["headers"] = [(k, v) for k, v in headers if k.lower() != RANK_HEADER_BYTES]
+        try:
+            return int(raw[0].decode("latin-1"))
+        except ValueError:
+            return None
 
     def decoder(self, rank: int | None) -> tuple[str, list[tuple[str, str]]]:
         """(the decoder's base URL, headers to set) for a request to ``rank``."""

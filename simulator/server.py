@@ -98,7 +98,9 @@ class Pod:
         self.created = int(time.time())
         self.fingerprint = fingerprint(VLLM_VERSION, s.model, s.max_model_len, s.block_size, s.num_gpu_blocks,
                                        s.prefix_caching_hash_algo)
-        cache_info = {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
+        # vLLM's API server adds up its engines' blocks (core_client.py, _apply_ready_response) and shows
+        # that sum under every engine's label: a data-parallel pod's engines each report all of them
+        cache_info = {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks * s.data_parallel_size),
                       "enable_prefix_caching": "True", "cache_dtype": "auto", "prefix_caching_hash_algo": "sha256",
                       "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None"}
         self.metrics = PodMetrics(s.model, str(rank), cache_info)
@@ -440,6 +442,22 @@ class MultiPodApp:
         await app(scope, receive, send)
 
 
+def check_rank_header(scope: dict, engines: int) -> int | None:
+    """The engine a request's ``X-data-parallel-rank`` names, as vLLM 0.32 reads it: not an integer,
+    none (``_get_data_parallel_rank`` in entrypoints/generate/base/serving.py); outside the engines
+    the server fronts, a 400 (``InputProcessor.process_inputs``), a one-engine server included."""
+    raw = next((v for k, v in scope["headers"] if k.lower() == b"x-data-parallel-rank"), None)
+    if raw is None:
+        return None
+    try:
+        rank = int(raw.decode("latin-1"))
+    except ValueError:
+        return None
+    if not 0 <= rank < engines:
+        raise ShapeError(f"data_parallel_rank {rank} is out of range [0, {engines}).")
+    return rank
+
+
 class DataParallelApp:
     """One pod's HTTP server in front of its data-parallel engines, as vLLM's API server with
     ``--data-parallel-size N``: a generation request goes to the rank its ``X-data-parallel-rank``
@@ -490,16 +508,11 @@ class DataParallelApp:
         if path not in self.GENERATION or method != "POST":
             await self.apps[0](scope, receive, send)
             return
-        raw = next((v for k, v in scope["headers"] if k.lower() == b"x-data-parallel-rank"), None)
-        rank: int | None = None
-        if raw is not None:
-            try:
-                rank = int(raw.decode("latin-1"))
-            except ValueError:
-                rank = None
-            if rank is not None and not 0 <= rank < len(self.pods):
-                await respond_error(send, 400, f"data_parallel_rank {rank} is out of range [0, {len(self.pods)}).")
-                return
+        try:
+            rank = check_rank_header(scope, len(self.pods))
+        except ShapeError as exc:
+            await respond_error(send, 400, exc.message)
+            return
         if rank is None:
             rank = self.pick()
         self.inflight[rank] += 1
@@ -527,6 +540,8 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, adapters=pod.loras,
                            max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
                            max_prompt_tokens=pod.max_prompt_tokens)
+    if s.data_parallel_size == 1:  # a data-parallel pod's rank was checked by DataParallelApp
+        check_rank_header(scope, 1)
     base_id = base_id or gen.body_request_id or uuid.uuid4().hex
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
     if faults.status is not None:

@@ -38,7 +38,9 @@ class SimSettings(BaseSettings):
 
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    num_gpu_blocks: int = Field(4096, ge=1, description="KV blocks per pod (capacity = this x block size)")
+    num_gpu_blocks: int = Field(4096, ge=1, description=(
+        "KV blocks per engine (capacity = this x block size); a data-parallel pod's vllm:cache_config_info "
+        "shows the sum over its engines, as vLLM's API server does"))
     data_parallel_size: int = Field(1, ge=1, le=64, description=(
         "engines behind this pod's one HTTP server, as vLLM's --data-parallel-size: each with its own cache, "
         "queue and KV-event ports (endpoint and replay + rank; with --kv-events-port P: events P..P+N-1, "

@@ -8,6 +8,7 @@ with ``X-data-parallel-rank``; a follow-up is credited exactly what that engine 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from realvllm import engines as rv
 from realvllm.engines import MODEL_NAME, router_pod
+from router.pods import parse_vllm_metrics
 from tests.helpers import http
 from tests.real_vllm.conftest import (
     _AggPair,
@@ -83,3 +85,20 @@ def test_follow_ups_go_to_the_engine_holding_them_and_hit_what_was_credited(dp_e
             observed = [a - b for a, b in zip(per_engine(dp_engine, "vllm:prefix_cache_hits_total"), hits, strict=True)]
             print(f"session {s}: {unit}, credited {predicted}, engine hits {observed}")
             assert observed == [predicted if e == rank else 0 for e in range(2)] and predicted > 0
+
+
+def test_each_engine_counts_its_own_kv_blocks_not_the_pods(dp_engine):
+    """vLLM's server shows the sum of its engines' KV blocks under every engine's label
+    (``vllm:cache_config_info``); the router's reading of one engine is that engine's own KV cache,
+    as its start-up log line reports it."""
+    logged: dict[int, int] = {}
+    for line in dp_engine.log.read_text(errors="replace").splitlines():
+        m = re.search(r"EngineCore_DP(\d+) .*KV cache size: ([\d,]+) tokens", line)
+        if m:
+            logged[int(m[1])] = int(m[2].replace(",", ""))  # the last start's
+    assert sorted(logged) == [0, 1]
+    page = http().get(dp_engine.url + "/metrics").text
+    for r in range(2):
+        seen = parse_vllm_metrics(page, str(r))
+        assert seen.num_gpu_blocks is not None and seen.block_size is not None
+        assert seen.num_gpu_blocks * seen.block_size == logged[r]
