@@ -208,6 +208,18 @@ def response_headers(raw: Any) -> list[tuple[bytes, bytes]]:
     return [(k.lower(), v) for k, v in raw if k.lower() not in _DROPPED_RESPONSE_HEADERS]
 
 
+# the strings pydantic's lax bool reads as true (vLLM's request models read ``stream`` so)
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def is_streamed(body: dict[str, Any]) -> bool:
+    """Whether vLLM answers ``body`` as a stream: its ``stream`` read as pydantic reads a bool."""
+    value = body.get("stream")
+    if isinstance(value, str):
+        return value.lower() in _TRUE_STRINGS
+    return value is True or (type(value) in (int, float) and value == 1)
+
+
 def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
     """The P-leg body: one token, not streamed, no minimum, with the remote-decode transfer request."""
     out = dict(body)

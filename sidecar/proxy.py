@@ -33,6 +33,7 @@ from sidecar.legs import (
     forward_headers,
     has_prefill_header,
     is_generation_path,
+    is_streamed,
     parse_body,
     pick_prefill_target,
     prefill_body,
@@ -338,7 +339,10 @@ class SidecarApp:
                 return
         told = [(b"x-kvroute-prefill", how.encode()),
                 (b"x-kvroute-prefill-ms", f"{result.seconds * 1000:.1f}".encode())]
-        await self._decode_leg(scope, out, send, leg="decode", rid=rid, extra_headers=told, rank=rank)
+        # a streamed decode leg that carries the prefill's params is handed over even if the client leaves
+        # (below, _decode_leg): the decode engine then reads the blocks, and the prefill pod frees them
+        await self._decode_leg(scope, out, send, leg="decode", rid=rid, extra_headers=told, rank=rank,
+                               hand_over=how == "remote" and is_streamed(request))
 
     def _engine_body(self, scope, body: bytes) -> bytes:
         """The body to send the decoder for a request that goes to it directly, on any path.
@@ -468,10 +472,41 @@ class SidecarApp:
         return PrefillResult("ok", status, params=params, decode=decode)
 
     # ---- the decoder: decode leg and pass-through ------------------------------------------
+    @staticmethod
+    async def _first_chunk(resp: aiohttp.ClientResponse) -> None:
+        """Wait (each read bounded by the leg's ``sock_read``, ``--decode-timeout``) for ``resp``'s first
+        body chunk, or its end; nothing is relayed: the client is gone."""
+        try:
+            if resp.status == 200:
+                await resp.content.readany()
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+
+    async def _hand_over(self, pending: asyncio.Future) -> None:
+        """The client left while a streamed decode leg carrying a prefill's params had no answer yet:
+        let the request reach the decode engine (its first chunk), then close it (``_decode_leg``)."""
+        try:
+            resp = await pending
+        except Exception:  # the decoder failed or was unreachable: nothing was handed over
+            return
+        try:
+            await self._first_chunk(resp)
+        finally:
+            resp.close()
+
     async def _decode_leg(self, scope, body: bytes, send, *, leg: str, rid: str | None = None,
-                          extra_headers: list[tuple[bytes, bytes]] | None = None, rank: int | None = None) -> None:
+                          extra_headers: list[tuple[bytes, bytes]] | None = None, rank: int | None = None,
+                          hand_over: bool = False) -> None:
         """Send ``body`` to the local decoder (engine ``rank``: ``dataparallel.py``) and relay its answer
-        chunk by chunk (plus ``extra_headers``)."""
+        chunk by chunk (plus ``extra_headers``).
+
+        ``hand_over``: ``body`` is a streamed request carrying a prefill pod's ``kv_transfer_params``. If
+        the client leaves before the decoder's first chunk, the leg is not cut at once but when that
+        chunk arrives (each wait bounded by ``--decode-timeout``): by then the decode engine has taken
+        the params over (read the blocks, so the prefill pod frees them). Cut earlier, the request can
+        be lost before the engine sees it (vLLM 0.32's server drops a request whose connection closes
+        before its body is read, and adds a streamed one to the engine only when its body is first
+        iterated), and the prefill pod holds the blocks for its whole NIXL lease (30 s by default)."""
         assert self.session is not None
         target = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
@@ -495,11 +530,16 @@ class SidecarApp:
                                         sock_connect=self.settings.connect_timeout,
                                         sock_read=self.settings.decode_timeout)
         started = time.perf_counter()
+        request = self.session.request(scope["method"], url, data=body or None, headers=headers,
+                                       timeout=timeout, allow_redirects=False)
+        # handed over: a cancel (the client gone) does not reach the request until _hand_over is done
+        pending = asyncio.ensure_future(request) if hand_over else None
         try:
-            resp = await self.session.request(scope["method"], url, data=body or None, headers=headers,
-                                              timeout=timeout, allow_redirects=False)
+            resp = await (asyncio.shield(pending) if pending is not None else request)
         except asyncio.CancelledError:
             self.metrics.legs.labels(leg, "cancelled").inc()
+            if pending is not None:
+                await self._hand_over(pending)
             raise
         except (aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
             self.metrics.legs.labels(leg, "connect_error").inc()
@@ -524,6 +564,7 @@ class SidecarApp:
             await _send_error(send, 502, f"the decoder failed: {type(exc).__name__}", "BadGateway")
             return
         outcome = _outcome(resp.status)
+        first = False  # a body chunk has come from the decoder
         try:
             out_headers = response_headers(resp.raw_headers)
             if rid is not None and not any(k == b"x-request-id" for k, _ in out_headers):
@@ -532,6 +573,7 @@ class SidecarApp:
             await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
             try:
                 async for chunk in resp.content.iter_any():
+                    first = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (TimeoutError, aiohttp.ClientError) as exc:
                 outcome = "stream_error"
@@ -544,6 +586,8 @@ class SidecarApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             outcome = "cancelled"
+            if hand_over and not first:
+                await self._first_chunk(resp)
             resp.close()
             raise
         finally:

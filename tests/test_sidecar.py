@@ -136,7 +136,12 @@ class FakePod:
                     chunk = {"id": "cmpl-d", "object": "chat.completion.chunk", "model": "fake-model",
                              "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    if i == 0:
+                        self.events.append("first_chunk")
                     if i == 0 and b.get("drop"):
+                        # a moment first: aiohttp's reader raises a broken connection's error before the
+                        # data it still buffers, so a chunk and the close read together lose the chunk
+                        await asyncio.sleep(0.1)
                         request.transport.close()
                         self.events.append("dropped")
                         return resp
@@ -485,6 +490,32 @@ def test_client_disconnect_mid_stream_cancels_the_decode_request(pods, sidecar):
         first = next(line for line in r.iter_lines() if line)
         assert "tok0" in first
     assert decode.wait_event("stream_cancelled", timeout=3), decode.events
+
+
+@pytest.mark.parametrize(("stream", "params"), [(True, True), (False, True), (True, False)])
+def test_a_client_that_leaves_before_the_decoders_first_chunk(pods, sidecar, stream, params):
+    """A streamed decode leg that carries the prefill's params is cut only once the decoder's first chunk
+    has come (the engine has then read the blocks, which frees them on the prefill pod; cut before, vLLM
+    can lose the request and the prefill pod holds the blocks for its whole lease). Other decode legs are
+    cut at once."""
+    prefill, decode = pods
+    if not params:
+        prefill.behaviour = {"params": "null"}
+    decode.behaviour = {"delay": 0.8}  # the decoder answers (headers, then chunks) 0.8 s after the request
+    cancelled = metric(sidecar, "kvroute_sidecar_legs_total", leg="decode", outcome="cancelled")
+    left = metric(sidecar, "kvroute_sidecar_requests_total", mode="client_disconnected")
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves while the decode leg waits for its answer
+        httpx.post(sidecar + "/v1/chat/completions", json=chat_body(stream=stream),
+                   headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=0.4)
+    assert decode.received and ("kv_transfer_params" in decode.received[0]["json"]) == params
+    if stream and params:
+        assert decode.wait_event("first_chunk", timeout=5), decode.events
+        assert "cancelled" not in decode.events
+    else:
+        assert decode.wait_event("cancelled", timeout=5), decode.events
+        assert "first_chunk" not in decode.events
+    assert metric(sidecar, "kvroute_sidecar_legs_total", leg="decode", outcome="cancelled") == cancelled + 1
+    assert metric(sidecar, "kvroute_sidecar_requests_total", mode="client_disconnected") == left + 1
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from kvcommon.transfer import one_prefill_cannot_serve
 from sidecar.config import SidecarSettings
-from sidecar.legs import BadBody, parse_body, write_body
+from sidecar.legs import BadBody, is_streamed, parse_body, write_body
 from sidecar.proxy import SidecarApp
 from tests.helpers import ROOT
 
@@ -124,3 +124,14 @@ def test_parse_takes_the_fast_path_for_ordinary_bodies_and_refuses_what_the_engi
 ])
 def test_which_requests_one_prefill_cannot_serve(body, path, reason):
     assert one_prefill_cannot_serve(body, path) == reason
+
+
+@pytest.mark.parametrize(("value", "streamed"), [
+    (True, True), ("true", True), ("TRUE", True), ("yes", True), ("1", True), (1, True), (1.0, True),
+    (False, False), (None, False), ("false", False), (" true ", False), (2, False), ("2", False), ([], False),
+])
+def test_is_streamed_reads_stream_as_vllms_request_models_do(value, streamed):
+    """vLLM's request models read ``stream`` as a lax pydantic bool; the sidecar hands a streamed decode
+    leg over on a client disconnect (proxy._decode_leg), so it reads the flag the same way."""
+    assert is_streamed({"stream": value}) is streamed
+    assert is_streamed({}) is False

@@ -15,6 +15,8 @@ engines themselves report:
   NIXL read, and the engine's own ``local_cache_hit`` is what the router predicted;
 * a prefill leg whose one token is a stop token still hands its KV over (vLLM 0.32 keeps the blocks
   on a stop too);
+* a client that leaves mid-decode: the decode engine still reads the prompt's blocks and the prefill
+  engine frees them on that read; blocks no decode leg reads stay leased until vLLM's 30 s lease ends;
 * with the prefill engine killed, the sidecar falls back to a local prefill (counted) and the request
   succeeds (that test is last: it leaves the module's prefill engine dead).
 """
@@ -35,6 +37,7 @@ import httpx
 import pytest
 
 from realvllm.engines import BLOCK_SIZE, MODEL_NAME, Engine, router_pod
+from sidecar.legs import prefill_body
 from simulator.testing import free_port, spawn, stop_process, wait_ready
 from tests.helpers import metric
 from tests.real_vllm.conftest import (
@@ -379,6 +382,68 @@ def test_client_kv_transfer_params_under_vllm_xargs_never_reach_the_nixl_engine(
         assert httpx.get(decode.url + "/health", timeout=30).status_code == 200
     assert metric(sidecar.url, "kvroute_sidecar_client_kv_transfer_params_stripped_total") == stripped + 1
     assert metric(always_router, "kvroute_client_kv_transfer_params_stripped_total") >= 1
+
+# vLLM 0.32's NixlConnector keeps a prefill's blocks for a reader this long (kv_connector_extra_config
+# "kv_lease_duration", default 30 s: nixl/base_scheduler.py), then its worker frees them unread
+# (``_reap_expired_send_leases``, counted in vllm:nixl_num_kv_expired_reqs)
+KV_LEASE_S = 30.0
+
+
+def test_a_client_that_leaves_frees_the_prefill_blocks_by_the_read_and_unread_ones_by_the_lease(pd_engines,
+                                                                                                 sidecar):
+    """A client that leaves while the decode leg streams: the sidecar closes the leg, the decode engine
+    still completes its NIXL read, so the prefill engine frees the prompt's blocks on the reader's
+    notification (its lease counter does not move). Blocks nobody reads (a prefill leg answered, no
+    decode leg: the client left between the legs) stay held until the lease ends, and are then freed
+    by the prefill engine's reaper. Both engines then serve the next request through both legs."""
+    prefill, decode = pd_engines
+    hdr = {"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}
+
+    def expired() -> float:
+        return engine_metric(prefill.url, "vllm:nixl_num_kv_expired_reqs_total")
+
+    def held() -> float:  # the prefill engine's share of KV blocks in use (idle: only leased blocks)
+        return engine_metric(prefill.url, "vllm:kv_cache_usage_perc")
+
+    def idle(engine: Engine) -> bool:
+        return not (engine_metric(engine.url, "vllm:num_requests_running")
+                    + engine_metric(engine.url, "vllm:num_requests_waiting"))
+
+    wait_for(lambda: held() == 0 and idle(prefill) and idle(decode), TIMEOUT, "both engines idle")
+    # 1. the client leaves after the first streamed token
+    leases, reads = expired(), nixl_reads(decode)[0]
+    gone = metric(sidecar.url, "kvroute_sidecar_requests_total", mode="client_disconnected")
+    cancelled = metric(sidecar.url, "kvroute_sidecar_legs_total", leg="decode", outcome="cancelled")
+    body = {"model": MODEL_NAME, "prompt": text(41), "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", sidecar.url + "/v1/completions", json=body, headers=hdr, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["x-kvroute-prefill"] == "remote", r.read()
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"], first
+    wait_for(lambda: metric(sidecar.url, "kvroute_sidecar_requests_total", mode="client_disconnected") == gone + 1,
+             30, "the sidecar to see the client leave")
+    assert metric(sidecar.url, "kvroute_sidecar_legs_total", leg="decode", outcome="cancelled") == cancelled + 1
+    wait_for(lambda: idle(decode), TIMEOUT, "the decode engine to drop the abandoned request")
+    wait_for(lambda: held() == 0, TIMEOUT, "the prefill engine to free the prompt's blocks")
+    assert nixl_reads(decode)[0] == reads + 1  # the decode engine read them ...
+    assert expired() == leases                 # ... and that, not the lease, freed them
+    # 2. a prefill leg (the sidecar's own body) that no decode leg follows
+    leg = prefill_body({"model": MODEL_NAME, "prompt": text(42), "temperature": 0}, "/v1/completions")
+    answer = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=TIMEOUT).json()
+    params = answer["kv_transfer_params"]
+    # the prefill engine does not say when its lease ends, so the decode side cannot check it
+    assert params["remote_block_ids"] and params["remote_blocks_expiry_time"] is None, params
+    assert held() > 0
+    wait_for(lambda: held() == 0, KV_LEASE_S + TIMEOUT, "the prefill engine's lease on unread blocks to end")
+    assert expired() == leases + 1 and nixl_reads(decode)[0] == reads + 1
+    # 3. both engines go on serving both legs
+    before = by_source(decode)
+    got = call(sidecar.url, {"model": MODEL_NAME, "prompt": text(43), "max_tokens": MAX_TOKENS, "temperature": 0},
+               headers=hdr)
+    assert got.headers["x-kvroute-prefill"] == "remote"
+    wait_for(lambda: by_source(decode)["external_kv_transfer"] > before["external_kv_transfer"], 30,
+             "the read in the decode engine's metrics")
+    assert nixl_reads(decode)[0] == reads + 2
 
 
 def test_dead_prefill_engine_falls_back_to_a_local_prefill(pd_engines, sidecar, real_env, tmp_path):
