@@ -267,7 +267,9 @@ def test_every_image_is_pinned_to_a_tag(overlay, rendered):
     for w in workloads(rendered[overlay]):
         for c in containers(w):
             image = c["image"]
-            assert re.fullmatch(r"[\w./-]+:[\w.-]+", image), f"{w['metadata']['name']}/{c['name']}: {image}"
+            # a tag, or a digest (kustomize's images: digest:, docs/deploy.md), with or without the tag
+            assert re.fullmatch(r"[\w./-]+(:[\w.-]+|(:[\w.-]+)?@sha256:[0-9a-f]{64})", image), \
+                f"{w['metadata']['name']}/{c['name']}: {image}"
             assert not image.endswith(":latest")
 
 
@@ -464,6 +466,47 @@ def test_vllm_pods_publish_kv_events_with_replay_where_the_annotations_say(overl
         assert replay - pub >= int(ann["kvroute.io/data-parallel-size"])
         assert events["topic"] == f"kv@{sts['metadata']['name']}-0@{model}"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+# Where vLLM 0.32, PyTorch, Triton and Hugging Face write (vllm/envs.py; ~ and the XDG roots cover the rest)
+VLLM_WRITABLE_ENV = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT",
+                     "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "TMPDIR")
+
+
+def vllm_containers(docs: list[dict]) -> list[tuple[dict, dict]]:
+    """(workload, container) for every container that runs the vLLM image."""
+    return [(w, c) for w in workloads(docs) for c in containers(w) if c["image"].split("@")[0].split(":")[0]
+            in ("vllm", "vllm/vllm-openai")]
+
+
+@pytest.mark.parametrize("overlay", ("vllm-pd", "vllm-aggregated"))
+def test_vllm_containers_run_non_root_on_a_read_only_root_with_writable_caches(overlay, rendered):
+    """The tightest securityContext vLLM runs with (verified with vLLM 0.32's CPU build: docs/deploy.md):
+    non-root, no privilege escalation, no capabilities, RuntimeDefault seccomp, a read-only root
+    filesystem; every cache path vLLM and its dependencies write, /tmp and /dev/shm on emptyDirs."""
+    found = vllm_containers(rendered[overlay])
+    assert len(found) == len(model_sets(rendered[overlay])) >= 1
+    for w, c in found:
+        where = f"{w['metadata']['name']}/{c['name']}"
+        pod = w["spec"]["template"]["spec"]
+        sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}  # the container's win
+        assert sc.get("runAsNonRoot") is True, where
+        assert isinstance(sc.get("runAsUser"), int) and sc["runAsUser"] > 0, where
+        assert sc.get("allowPrivilegeEscalation") is False, where
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), where
+        assert sc.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        assert sc.get("readOnlyRootFilesystem") is True, where
+        assert "privileged" not in sc or sc["privileged"] is False, where
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+        writable = [path for path, v in mounts.items() if "emptyDir" in v]
+        assert {"/tmp", "/dev/shm"} <= set(writable), where
+        assert mounts["/dev/shm"]["emptyDir"].get("medium") == "Memory", where
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        for name in VLLM_WRITABLE_ENV:
+            path = env.get(name)
+            assert path and any(path == m or path.startswith(m.rstrip("/") + "/") for m in writable), \
+                f"{where}: {name}={path} is not on a writable emptyDir"
 
 
 def test_vllm_pd_prefill_and_decode_pods_speak_nixl(rendered):

@@ -33,6 +33,7 @@ from tests.test_discovery_dns import StubDNS
 
 PROM = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
+RUNBOOK = ROOT / "docs" / "runbook.md"
 
 PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
                 "bool", "offset", "inf", "nan"}
@@ -87,6 +88,22 @@ def exported(text: str) -> set[str]:
 
 def alert_rules(path: Path = PROM / "alerts.yml") -> list[dict]:
     return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
+def runbook_sections() -> dict[str, str]:
+    """docs/runbook.md's ``## `` headings -> the text under each, up to the next one."""
+    parts = re.split(r"^## (.+)$", RUNBOOK.read_text(), flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub (and most Markdown renderers) give a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def runbook_metric_names(text: str) -> set[str]:
+    """The metric names a runbook section mentions: kvroute's own, vLLM's (``vllm:``) and ``up{...}``."""
+    return set(re.findall(r"(?<![\w:./-])(kvroute_[a-z0-9_]+|vllm:[a-z0-9_:]+|up(?=\{))", text))
 
 
 def dashboard_exprs() -> list[str]:
@@ -284,6 +301,42 @@ def test_every_metric_in_the_alert_rules_is_exported(exported_names):
         names = metric_names(rule["expr"])
         assert names, rule["alert"]
         assert names <= known, f"{rule['alert']} reads metrics nobody exports: {sorted(names - known)}"
+
+
+def test_every_alert_has_a_runbook_section_and_links_to_it():
+    """The on-call engineer lands on docs/runbook.md#<alert name in lower case> from the alert itself:
+    every alert carries that runbook_url, every alert has its section there (and no section is left
+    for an alert that is gone), and each says what to check and what to do."""
+    sections = runbook_sections()
+    rules = alert_rules()
+    assert sorted(sections) == sorted(r["alert"] for r in rules)
+    for rule in rules:
+        name = rule["alert"]
+        assert github_anchor(name) == name.lower()
+        assert rule["annotations"].get("runbook_url") == f"docs/runbook.md#{name.lower()}", name
+        text = sections[name]
+        for part in ("**Means.**", "**Likely causes.**", "**Check first.**", "**Do.**"):
+            assert part in text, f"runbook section {name} has no {part}"
+        assert runbook_metric_names(text), f"runbook section {name} names no metric to check"
+    operator = yaml.safe_load((PROM / "operator" / "prometheusrule.yaml").read_text())
+    assert all(r["annotations"]["runbook_url"] for g in operator["spec"]["groups"] for r in g["rules"])
+
+
+def test_runbook_metric_name_extraction():
+    assert runbook_metric_names("`kvroute_pod_healthy{pod=\"x\"}`, `rate(vllm:num_preemptions_total[5m])`, "
+                                "kvroute.io/pool, kvroute-router, KVROUTE_BOOKING_BUS_PORT, `kvroute_made_up`, "
+                                'is up, `up{job="vllm"}`') == {
+        "kvroute_pod_healthy", "vllm:num_preemptions_total", "kvroute_made_up", "up"}
+
+
+def test_every_metric_the_runbook_names_is_exported(exported_names):
+    """A runbook that tells the on-call engineer to query a series nobody exports wastes the night."""
+    known = set().union(*exported_names.values())
+    for name, text in runbook_sections().items():
+        unknown = runbook_metric_names(text) - known
+        assert not unknown, f"runbook section {name} names metrics nobody exports: {sorted(unknown)}"
+    head = RUNBOOK.read_text().split("\n## ", 1)[0]
+    assert not runbook_metric_names(head) - known
 
 
 def test_every_metric_on_the_dashboard_is_exported(exported_names):
