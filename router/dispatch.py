@@ -138,6 +138,31 @@ class Opened:
     resp: UpstreamResponse
     first_chunk: bytes
     streaming: bool
+    # a stream whose first chunk held only SSE comment lines: the first-byte callback, still owed at
+    # the first event (``relay`` calls it), and whether that chunk ended inside a comment line
+    first_token: Callable[[], None] | None = None
+    in_comment: bool = False
+
+
+def first_event_begins(data: bytes, in_comment: bool = False) -> tuple[bool, bool]:
+    """(whether an SSE event's first line begins in ``data``, whether ``data`` ends inside a comment
+    line), ``in_comment`` telling whether it begins inside one. Comment lines (``:`` first) and blank
+    lines are no event: vLLM's ``--sse-keep-alive-interval`` sends ``: keep-alive`` while a request
+    waits or prefills, long before its first token."""
+    i, n = 0, len(data)
+    while i < n:
+        if in_comment:
+            ends = [j for j in (data.find(b"\n", i), data.find(b"\r", i)) if j >= 0]
+            if not ends:
+                return False, True
+            in_comment, i = False, min(ends) + 1
+        elif data[i] in (10, 13):
+            i += 1
+        elif data[i] == 58:  # ":"
+            in_comment = True
+        else:
+            return True, False
+    return False, in_comment
 
 
 class Dispatcher:
@@ -188,6 +213,10 @@ class Dispatcher:
                     raise UpstreamError(f"read: {exc}") from exc
                 if not first:
                     raise UpstreamError("empty stream")
+                if first[:1] == b":":  # a comment: the stream has begun, its first token has not
+                    found, in_comment = first_event_begins(first)
+                    if not found:
+                        return Opened(resp, first, True, on_first_byte, in_comment)
                 if on_first_byte:
                     on_first_byte()
             return Opened(resp=resp, first_chunk=first, streaming=streaming)
@@ -201,16 +230,49 @@ async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]],
                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Send the first chunk and then every network chunk as it arrives: through ``send``, or given
     ``sink`` and ``drain`` (``kvcommon.listener.ChunkWriter``), straight from the pod's connection
-    (``UpstreamResponse.relay_to``)."""
+    (``UpstreamResponse.relay_to``). A stream that opened with comments alone calls its
+    ``first_token`` when its first event comes."""
     if sink is not None and drain is not None:
         if sink(opened.first_chunk):
             await drain()
+        if opened.first_token is not None:
+            sink = _watch_first_event(opened, sink)
         await opened.resp.relay_to(sink, drain)
         return
     await send(opened.first_chunk)
+    if opened.first_token is not None:
+        send = _watch_first_event_async(opened, send)
     resp = opened.resp
     while True:
         chunk = await resp.readany()
         if not chunk:
             return
         await send(chunk)
+
+
+def _seen(opened: Opened, data: bytes) -> None:
+    """Calls ``opened.first_token`` once, when the first event begins in ``data``."""
+    call = opened.first_token
+    if call is not None:
+        found, opened.in_comment = first_event_begins(data, opened.in_comment)
+        if found:
+            opened.first_token = None
+            call()
+
+
+def _watch_first_event(opened: Opened, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+    """``sink``, looking for the first event in each chunk first (only a stream whose first chunk held
+    SSE comments alone pays for it)."""
+    def watched(data: bytes) -> bool:
+        _seen(opened, data)
+        return sink(data)
+    return watched
+
+
+def _watch_first_event_async(opened: Opened, send: Callable[[bytes], Awaitable[None]]
+                             ) -> Callable[[bytes], Awaitable[None]]:
+    """``send``, as ``_watch_first_event`` wraps a sink."""
+    async def watched(data: bytes) -> None:
+        _seen(opened, data)
+        await send(data)
+    return watched

@@ -1,0 +1,159 @@
+"""Review of how the router relays streamed (SSE) answers: loopback pods that stream in one exact way
+each, a real OpenAI client in front of the router.
+
+- a stream that opens with SSE comment lines (vLLM's ``--sse-keep-alive-interval`` sends
+  ``: keep-alive`` while a request waits or prefills) has not produced its first token yet: the
+  router's TTFT is taken at the first event, not at the comment, and the comment still reaches the
+  client at once;
+- a pod that drops the stream between two events: the client's SDK raises the router's error
+  event, and the request counts as a 502 (no fix needed: a regression test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import openai
+import pytest
+
+from kvcommon.listener import GuardedHttpToolsProtocol
+from tests.test_router_api import running_router, settings_for
+from tests.test_upstream_review import Server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+         b'"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n')
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def ttft_observations(services) -> tuple[float, float]:
+    """(sum, count) of kvroute_observed_ttft_seconds."""
+    samples = {s.name: s.value for m in services.metrics.observed_ttft.collect() for s in m.samples}
+    return samples["kvroute_observed_ttft_seconds_sum"], samples["kvroute_observed_ttft_seconds_count"]
+
+
+def answering(server_ref: list[Server], stream: Callable[[asyncio.StreamWriter], Awaitable[None]]):
+    async def handler(reader, writer, n):
+        while True:
+            line, _ = await server_ref[0].read_request(reader)
+            if line.startswith(b"GET "):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+                continue
+            await stream(writer)
+    return handler
+
+
+@pytest.mark.parametrize("data", [b": keep-alive\n\n", b":\r\n\r\n", b": a comment\n: another\n\n"])
+def test_first_event_begins_skips_comment_lines(data):
+    from router.dispatch import first_event_begins
+
+    assert first_event_begins(data)[0] is False
+    assert first_event_begins(data + EVENT)[0] is True
+    assert first_event_begins(EVENT)[0] is True
+    # a comment line split across reads: its rest is no event
+    found, in_comment = first_event_begins(data[:1])
+    assert (found, in_comment) == (False, True)
+    assert first_event_begins(data[1:], in_comment) == (False, False)
+    assert first_event_begins(b"ive\n\n" + EVENT, True)[0] is True
+
+
+@pytest.mark.parametrize("listener", ["uvicorn", "kvroute"])
+async def test_a_keep_alive_comment_before_the_first_token_is_no_first_token(listener):
+    wait_s = 0.6
+
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b": keep-alive\n\n"))
+        await writer.drain()
+        await asyncio.sleep(wait_s)  # the request waits or prefills: vLLM sends a keep-alive comment
+        writer.write(chunk(EVENT) + chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        http = GuardedHttpToolsProtocol if listener == "kvroute" else "auto"
+        async with running_router(settings_for([pod], retries=0), http=http) as (base, services):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
+            t0 = time.monotonic()
+            texts, first_at = [], None
+            response = await client.completions.with_raw_response.create(model="m", prompt="hi", max_tokens=2,
+                                                                          stream=True)
+            async for part in response.parse():
+                if first_at is None:
+                    first_at = time.monotonic() - t0
+                texts.append(part.choices[0].text)
+            await client.close()
+            total, count = ttft_observations(services)
+    assert texts == ["a", "a"] and first_at is not None and first_at >= wait_s
+    assert count == 1
+    # before: the keep-alive comment was taken for the first token (0.00 s observed against 0.6 s)
+    assert total >= wait_s * 0.9, f"observed TTFT {total:.3f} s, first event after {first_at:.3f} s"
+
+
+async def test_the_keep_alive_comment_is_relayed_at_once():
+    """The comment keeps the client's own proxies from timing the stream out: it goes on before the
+    first token, as the pod sent it."""
+    release = asyncio.Event()
+
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b": keep-alive\n\n"))
+        await writer.drain()
+        await asyncio.wait_for(release.wait(), 10)
+        writer.write(chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=GuardedHttpToolsProtocol) as (base, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+            body = b'{"model": "m", "prompt": "hi", "max_tokens": 1, "stream": true}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+            got = b""
+            try:
+                async with asyncio.timeout(5):
+                    while b": keep-alive" not in got:
+                        data = await reader.read(65536)
+                        assert data, got
+                        got += data
+            finally:
+                release.set()
+                writer.close()
+    assert b"text/event-stream" in got
+
+
+async def test_a_pod_that_drops_the_stream_between_events_leaves_the_client_a_readable_error():
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(EVENT) + chunk(EVENT))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()  # the pod's process died: no [DONE], no last chunk
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=GuardedHttpToolsProtocol) as (base, services):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
+            texts = []
+            with pytest.raises(openai.APIError) as failed:
+                async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
+                    texts.append(part.choices[0].text)
+            await client.close()
+            answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
+                        if s.name.endswith("_total")}
+    assert texts == ["a", "a"]
+    assert "upstream stream failed" in str(failed.value)
+    assert answered == {"502": 1}
