@@ -65,7 +65,7 @@ log = logging.getLogger("kvroute.sim")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 VLLM_VERSION = "0.33.0"   # what /version answers and system_fingerprint names
 JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]  # as vLLM 0.32: no cache-control
 
 
 class SimulatedDrop(Exception):
