@@ -23,6 +23,11 @@ the origin's messages from 1.
   sibling or a follow-up that lands on another worker or replica finds them. Taken only where
   ``key space`` (``indexer.keys.key_space``: the block size and a probe key) is the receiver's own;
   at most ``CREDIT_KEYS_PER_MESSAGE`` keys per message
+- ``"w"`` withdrawals: body as credits': credits this origin took back (``Router.withdraw``: the pod
+  did not take the request they were made for, so it holds none of those blocks); each receiver
+  takes back the same credit (``Router.withdraw_foreign``), never what a pod's events stored.
+  Queued with the credits, in order: a flush sends each run of credits or of withdrawals as its
+  messages, so a credit, its withdrawal and a new credit of the same keys arrive as they were made
 - ``"l"`` limits:   body ``[[caller, requests, prompt tokens], ...]``: what this origin charged each
   caller's rate-limit buckets since its last message (``router/auth.py``: a key's *name*, or
   ``anonymous``), net of what it gave back; each receiver charges its own buckets of that caller the
@@ -242,7 +247,7 @@ def decode(frames: list[bytes], max_snapshot: int | None = None) -> tuple[str, s
         return kind, origin, seq, ([_booking(b) for b in held], len(body))
     if kind == "t":
         return kind, origin, seq, _tokens(body)
-    if kind == "c":
+    if kind == "c" or kind == "w":
         return kind, origin, seq, _credits(body)
     if kind == "l":
         return kind, origin, seq, _spent(body)
@@ -289,7 +294,7 @@ def _tokens(body: Any) -> tuple[str, list[tuple[int, bytes]]]:
 
 
 def _credits(body: Any) -> tuple[str, list[tuple[str, list[int]]]]:
-    """A "c" message's (key space, [(pod, block keys)])."""
+    """A "c" (or "w") message's (key space, [(pod, block keys)])."""
     if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str) and 0 < len(body[0]) <= 64
             and isinstance(body[1], list) and 0 < len(body[1]) <= CREDIT_KEYS_PER_MESSAGE
             and isinstance(body[2], bytes) and len(body[2]) % 8 == 0
@@ -339,7 +344,8 @@ def _change(op: Any) -> tuple[str, tuple]:
     raise BadFrame("a change is neither ['b', ...] nor ['r', ...]")
 
 
-KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens", "c": "credits", "l": "limits"}
+KINDS = {"b": "book", "r": "release", "s": "snapshot", "m": "batch", "t": "tokens", "c": "credits",
+         "w": "withdrawals", "l": "limits"}
 
 
 @dataclass
@@ -462,10 +468,11 @@ class BookingBus:
         self._pending_token_count = 0
         self._tokens_wake = False
         self._tokens_lock = threading.Lock()
-        # credits not yet sent (``share_credit``, on the loop): (pod, keys), at most
-        # ``MAX_PENDING_CREDIT_KEYS`` keys in all
-        self._pending_credits: list[tuple[str, list[int]]] = []
+        # credits and withdrawals not yet sent (``share_credit``, ``share_withdrawal``, on the loop), in
+        # order: (kind "c" or "w", pod, keys), at most ``MAX_PENDING_CREDIT_KEYS`` keys of each kind in all
+        self._pending_credits: list[tuple[str, str, list[int]]] = []
         self._pending_credit_keys = 0
+        self._pending_withdrawn_keys = 0
         # rate-limit charges not yet sent (``share_spent``, on the loop): caller -> [requests, tokens]
         self._pending_spent: dict[str, list[float]] = {}
         self._loop_thread: int | None = None
@@ -477,6 +484,8 @@ class BookingBus:
         self.on_tokens: Callable[[str, list[tuple[int, bytes]]], bool] | None = None
         # another origin's credit of a prompt's block keys to a pod, taken where its key space is ours
         self.on_credits: Callable[[str, list[int]], None] | None = None
+        # another origin's withdrawal of such a credit (``Router.withdraw_foreign``), likewise
+        self.on_withdrawals: Callable[[str, list[int]], None] | None = None
         # another origin's charges to a caller's rate-limit buckets (``Gate.charge_foreign``)
         self.on_spent: Callable[[str, float, float], None] | None = None
         self.key_space = ""
@@ -551,7 +560,7 @@ class BookingBus:
             self.stats.count("release", "coalesced", self._coalesced)
             self._coalesced = 0
         credits, self._pending_credits = self._pending_credits, []
-        self._pending_credit_keys = 0
+        self._pending_credit_keys = self._pending_withdrawn_keys = 0
         spent = self._pending_spent
         if spent:
             self._pending_spent = {}
@@ -593,20 +602,23 @@ class BookingBus:
             for at in range(0, len(charges), SPENT_PER_MESSAGE):
                 self._send("l", charges[at:at + SPENT_PER_MESSAGE])
 
-    def _send_credits(self, credits: list[tuple[str, list[int]]]) -> None:
-        """The queued credits as "c" messages of at most ``CREDIT_KEYS_PER_MESSAGE`` keys: a list of
-        (pod, number of keys) and one string of all the keys, converted in one pass each."""
+    def _send_credits(self, credits: list[tuple[str, str, list[int]]]) -> None:
+        """The queued credits and withdrawals, in their order: each run of one kind as "c" (or "w")
+        messages of at most ``CREDIT_KEYS_PER_MESSAGE`` keys, a list of (pod, number of keys) and one
+        string of all the keys, converted in one pass each."""
         start = 0
         while start < len(credits):
+            kind = credits[start][0]
             end, n = start, 0
-            while end < len(credits) and n + len(credits[end][1]) <= CREDIT_KEYS_PER_MESSAGE:
-                n += len(credits[end][1])
+            while end < len(credits) and credits[end][0] == kind \
+                    and n + len(credits[end][2]) <= CREDIT_KEYS_PER_MESSAGE:
+                n += len(credits[end][2])
                 end += 1
             part = credits[start:end]
-            keys = array("Q", chain.from_iterable(k for _, k in part))
+            keys = array("Q", chain.from_iterable(k for _, _, k in part))
             if _BIG_ENDIAN:
                 keys.byteswap()
-            self._send("c", [self.key_space, [[pod, len(k)] for pod, k in part], keys.tobytes()])
+            self._send(kind, [self.key_space, [[pod, len(k)] for _, pod, k in part], keys.tobytes()])
             start = end
 
     def share_credit(self, pod: str, keys: list[int]) -> None:
@@ -623,9 +635,29 @@ class BookingBus:
         if self._pending_credit_keys + len(keys) > MAX_PENDING_CREDIT_KEYS:
             self.stats.count("credits", "dropped")
             return
-        self._pending_credits.append((pod, keys))
+        self._pending_credits.append(("c", pod, keys))
         self._pending_credit_keys += len(keys)
         if self._flush_handle is None:  # the booking before it asked for one already, as a rule
+            self._flush_soon()
+
+    def share_withdrawal(self, pod: str, keys: list[int]) -> None:
+        """Publish that this process took back its credit of block ``keys`` on ``pod`` (on the event
+        loop, from ``Router.withdraw``: the pod did not take the request), so the other processes
+        take back the copy ``share_credit`` gave them. Queued after the credits before it and sent
+        with them, in order, at the next flush; a withdrawal of more than ``CREDIT_KEYS_PER_MESSAGE``
+        keys sends its first ones (the credit it takes back sent no more). Past
+        ``MAX_PENDING_CREDIT_KEYS`` withdrawn keys queued, a withdrawal is dropped and counted
+        (``kind="withdrawals", direction="dropped"``): a peer then keeps that credit until its TTL."""
+        if self._pub is None or not keys:
+            return
+        if len(keys) > CREDIT_KEYS_PER_MESSAGE:
+            keys = keys[:CREDIT_KEYS_PER_MESSAGE]
+        if self._pending_withdrawn_keys + len(keys) > MAX_PENDING_CREDIT_KEYS:
+            self.stats.count("withdrawals", "dropped")
+            return
+        self._pending_credits.append(("w", pod, keys))
+        self._pending_withdrawn_keys += len(keys)
+        if self._flush_handle is None:
             self._flush_soon()
 
     def share_spent(self, caller: str, requests: float, tokens: float) -> None:
@@ -745,6 +777,13 @@ class BookingBus:
                 return
             for pod, keys in credits:
                 self.on_credits(pod, keys)
+        elif kind == "w":
+            key_space, withdrawals = body
+            if self.on_withdrawals is None or key_space != self.key_space:
+                self.stats.count("withdrawals", "dropped")  # not sharing, or keys of another block size or Python
+                return
+            for pod, keys in withdrawals:
+                self.on_withdrawals(pod, keys)
         elif kind == "l":
             if self.on_spent is None:
                 self.stats.count("limits", "dropped")  # this process keeps no buckets to charge
@@ -943,9 +982,9 @@ class BusCollector(Collector):
     def collect(self):
         bus = self.bus
         c = CounterMetricFamily("kvroute_booking_bus_messages", "Booking-bus messages by kind (book, release, "
-                                "snapshot, batch, tokens, credits, limits; dropped: bad, stale, lost, full) and "
-                                "direction (sent, received, dropped; coalesced: booked and released before it was "
-                                "sent, so neither was)", labels=["kind", "direction"])
+                                "snapshot, batch, tokens, credits, withdrawals, limits; dropped: bad, stale, lost, "
+                                "full) and direction (sent, received, dropped; coalesced: booked and released before "
+                                "it was sent, so neither was)", labels=["kind", "direction"])
         for (kind, direction), n in sorted(bus.stats.messages.items()):
             c.add_metric([kind, direction], float(n))
         yield c

@@ -152,12 +152,12 @@ class Lifecycle:
         if not keys:
             return
         held = (route.prefill_pod,) if route.pod_id == route.prefill_pod else (route.prefill_pod, route.pod_id)
-        index, bs, snapshot = router.index, router.block_size, plan.snapshot
+        bs, snapshot = router.block_size, plan.snapshot
 
         def withdraw() -> None:
             try:
                 for pod_id in held:   # what the index gave the pod when it was routed was not this credit
-                    index.withdraw(pod_id, keys[snapshot.candidate(pod_id).cached_tokens // bs:])
+                    router.withdraw(pod_id, keys[snapshot.candidate(pod_id).cached_tokens // bs:])
             except Exception:  # the index is advisory; never fail a request over it
                 log.exception("withdrawing the credit of a request the pod did not take failed")
 

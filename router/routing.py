@@ -190,6 +190,12 @@ class Router:
         # told of each credit ``book`` makes (pod, the prompt's block keys): the booking bus, which
         # hands it to the other router processes' ``credit_foreign``
         self.on_credit: Callable[[str, list[int]], None] | None = None
+        # told of each credit ``withdraw`` takes back (pod, keys): the booking bus, which hands it to
+        # the other router processes' ``withdraw_foreign``
+        self.on_withdraw: Callable[[str, list[int]], None] | None = None
+        # per pod, its credits going in a piece a loop turn (``_credit_in_pieces``) -> what to call
+        # once each is all in (``withdraw_foreign``)
+        self._in_pieces: dict[str, dict[Iterator[None], list[Callable[[], None]]]] = {}
         if settings.prediction_log_path:
             path = settings.prediction_log_path + (f".{os.getpid()}" if settings.workers > 1 else "")
             self.prediction_log = PredictionLog(path, settings.prediction_log_max_bytes)
@@ -380,6 +386,37 @@ class Router:
             return
         self.speculate(pod_id, keys)
 
+    def withdraw(self, pod_id: str, keys: list[int]) -> int:
+        """Take back this process's credit of ``keys`` on ``pod_id`` (``PrefixIndex.withdraw``: only
+        credits, never what the pod's events stored): the request it was made for never reached the
+        pod's cache (``Lifecycle._unserved``). ``book`` shared the credit with the other router
+        processes (``on_credit``), so they are told too (``on_withdraw``, the booking bus) and take
+        back theirs (``withdraw_foreign``). Returns how many of ``keys`` were credits here."""
+        withdrawn = self.index.withdraw(pod_id, keys)
+        if self.on_withdraw is not None and keys:
+            self.on_withdraw(pod_id, keys)
+        return int(withdrawn)
+
+    def withdraw_foreign(self, pod_id: str, keys: list[int]) -> None:
+        """Another router process took back its credit of ``keys`` on ``pod_id`` (``withdraw``), a
+        credit it had shared with this one (``credit_foreign``): take back the same credit here, never
+        what the pod's events stored. A pod this process does not know is skipped. The credit may
+        still be coming in a piece a loop turn (``speculate``: the withdrawal can arrive in the
+        receive pass that brought the credit): so it is withdrawn again as each credit of the pod
+        that is going in pieces now is all in."""
+        if pod_id not in self.registry.pods:
+            return
+
+        def withdraw() -> None:
+            try:
+                self.index.withdraw(pod_id, keys)
+            except Exception:  # the index is advisory; never fail over it
+                log.exception("withdrawing another router's credit failed")
+
+        withdraw()
+        for then in self._in_pieces.get(pod_id, {}).values():
+            then.append(withdraw)
+
     def _credit_now(self, pod_id: str, keys: list[int]) -> None:
         try:
             if pod_id in self._with_events:
@@ -402,7 +439,9 @@ class Router:
             steps: Iterator[None] = self._speculate_steps(pod_id, keys, piece)
         else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
             steps = self.index.credit_steps(pod_id, keys, self._kv_blocks(pod_id), piece)
-        self._credit_step(loop, steps)
+        if loop is not None:
+            self._in_pieces.setdefault(pod_id, {})[steps] = []
+        self._credit_step(loop, steps, pod_id)
 
     def _speculate_steps(self, pod_id: str, keys: list[int], piece: int) -> Iterator[None]:
         step = piece if piece > 0 else max(1, len(keys))
@@ -411,16 +450,29 @@ class Router:
                 yield
             self.index.speculate(pod_id, keys[i:i + step])
 
-    def _credit_step(self, loop: asyncio.AbstractEventLoop | None, steps: Iterator[None]) -> None:
+    def _credit_step(self, loop: asyncio.AbstractEventLoop | None, steps: Iterator[None], pod_id: str) -> None:
         try:
             next(steps)
         except StopIteration:
+            self._credited(pod_id, steps)
             return
         except Exception:  # the index is advisory; never fail a request over it
             log.exception("crediting a route to the index failed")
+            self._credited(pod_id, steps)
             return
         if loop is not None:
-            loop.call_soon(self._credit_step, loop, steps)
+            loop.call_soon(self._credit_step, loop, steps, pod_id)
+
+    def _credited(self, pod_id: str, steps: Iterator[None]) -> None:
+        """A credit that went in pieces is all in: call what waited for it (``withdraw_foreign``)."""
+        under_way = self._in_pieces.get(pod_id)
+        if under_way is None:
+            return
+        then = under_way.pop(steps, None)
+        if not under_way:
+            del self._in_pieces[pod_id]
+        for call in then or ():
+            call()
 
     def _kv_blocks(self, pod_id: str) -> int | None:
         """The pod's KV cache in the index's blocks (its ``num_gpu_blocks`` are of its own block size)."""

@@ -191,6 +191,8 @@ class Services:
                 self.bus.key_space = key_space(block_size)
                 self.bus.on_credits = self.router.credit_foreign
                 self.router.on_credit = self.bus.share_credit
+                self.bus.on_withdrawals = self.router.withdraw_foreign
+                self.router.on_withdraw = self.bus.share_withdrawal
             await self.bus.start()
             self.metrics.add_collector(BusCollector(self.bus))
         self.metrics.add_collector(FleetCollector(self.router.pod_snapshot, self._fleet_totals))

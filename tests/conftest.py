@@ -89,6 +89,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         "test_replicas_follow_the_peer_list_a_resolver_gives",
         "test_two_replicas_with_bind_and_peers_see_each_others_bookings",
         "test_two_replicas_grant_a_keys_rate_limits_once_between_them",
+        "test_two_replicas_take_back_a_credit_when_the_pod_refuses_the_request",
         "test_with_a_curve_key_only_its_holders_publish_or_read_bookings",
         "test_a_keyed_forwarder_takes_only_keyed_workers",
     }),

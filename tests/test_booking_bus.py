@@ -995,6 +995,51 @@ async def test_two_replicas_grant_a_keys_rate_limits_once_between_them(tmp_path)
             assert received and float(received.group(1)) >= 2
 
 
+async def test_two_replicas_take_back_a_credit_when_the_pod_refuses_the_request(tmp_path):
+    """A request routed through A that the pod refuses (vLLM's 400 for a negative token id) had its
+    prompt's blocks credited to the pod on A and, over the bus, on B. A withdraws its credit and B
+    follows (``w`` messages, wired by ``Services``): a follow-up sharing the refused prompt's head is
+    given none of it on B either. Without it B kept the credit for ``approximate_ttl_s`` (120 s: the
+    pod publishes no KV events) and drew the follow-up to a pod that holds none of it. A served
+    request's credit reaches B and stays, so the check is not empty."""
+    bs = 16
+    head = list(range(1, 1 + 8 * bs))
+    refused_prompt = list(range(900, 900 + 8 * bs)) + [-1]
+    with running_sims(2, ["--timing", "seed", "--block-size", str(bs)]) as urls:
+        pods = [{"id": f"sim-{i}", "url": u, "model": "sim-model"} for i, u in enumerate(urls)]
+        async with two_replicas(tmp_path, pods, block_size=bs) as (a, b), httpx.AsyncClient(timeout=30) as c:
+            async def cached_on_b(prompt: list[int]) -> int:
+                rows = (await c.post(b + "/debug/route", json={"model": "sim-model", "prompt": prompt,
+                                                                "max_tokens": 1})).json()["pods"]
+                return max(row["cached_tokens"] for row in rows)
+
+            served = await c.post(a + "/v1/completions", json={"model": "sim-model", "prompt": head, "max_tokens": 1})
+            assert served.status_code == 200, served.text
+            await until_async(lambda: cached_on_b(head + [5]), 8 * bs, "A's credit of the served prompt on B")
+            refused = await c.post(a + "/v1/completions",
+                                   json={"model": "sim-model", "prompt": refused_prompt, "max_tokens": 1})
+            assert refused.status_code == 400, refused.text
+            await until_async(lambda: cached_on_b(refused_prompt[:-1] + [5]), 0, "the withdrawal on B")
+            await asyncio.sleep(0.3)  # nothing brings it back
+            assert await cached_on_b(refused_prompt[:-1] + [5]) == 0
+            assert await cached_on_b(head + [5]) == 8 * bs
+            text = (await c.get(b + "/metrics")).text
+            received = re.search(r'kvroute_booking_bus_messages_total\{direction="received",kind="withdrawals"\} (\S+)',
+                                 text)
+            assert received and float(received.group(1)) >= 1, text[:2000]
+
+
+async def until_async(read, want, what: str, timeout: float = 10.0) -> None:
+    """Poll the coroutine function ``read`` until it returns ``want`` (at most ``timeout`` seconds)."""
+    got = None
+    for _ in range(int(timeout / 0.05)):
+        got = await read()
+        if got == want:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what}: {got!r}, not {want!r}")
+
+
 def test_counts_from_tokenize_threads_and_the_loop_are_not_lost():
     """A tokenize thread counts the chunks it drops (``share_tokens``) while the loop counts others
     under the same key: every increment lands (without the lock about half were lost here)."""
