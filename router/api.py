@@ -39,6 +39,9 @@ from router.errors import APIError, error_response, from_exc
 from router.explain import explain
 from router.lifecycle import POD_HEADER, Lifecycle
 from router.openapi import openapi_body
+from router.passthrough import PATHS as PASSTHROUGH_PATHS
+from router.passthrough import POLICY as PASSTHROUGH_POLICY
+from router.passthrough import Passthrough, passthrough_model
 from router.prompts import LoopLoad, usable_cpus
 from router.routing import Router, cache_salt
 from router.service import Services
@@ -72,9 +75,9 @@ def _request_id(headers: Mapping[str, str]) -> str:
 
 
 class KVRouteApp(FastAPI):
-    """FastAPI with a fast path: the two proxy routes skip the middleware stack, routing table and
-    dependency solver (they need none of them) and are called as plain functions; everything
-    else, including the lifespan, goes through FastAPI as usual."""
+    """FastAPI with a fast path: the two proxy routes (and the pass-through routes, POST alike) skip
+    the middleware stack, routing table and dependency solver (they need none of them) and are
+    called as plain functions; everything else, including the lifespan, goes through FastAPI as usual."""
 
     fast_routes: dict[str, Callable[[Request], Any]]
 
@@ -124,6 +127,7 @@ def create_app(services: Services) -> FastAPI:
     metrics = services.metrics
     gate = Gate(settings, on_limited=lambda kind: metrics.rejections.labels("rate-limit").inc())
     lifecycle = Lifecycle(settings, services.registry, services.dispatcher, metrics)
+    passthrough = Passthrough(settings, services.registry, services.dispatcher, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -332,4 +336,40 @@ def create_app(services: Services) -> FastAPI:
         return await proxy(request, "chat", "/v1/chat/completions")
 
     app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+
+    # ---- vLLM's other routes (router/passthrough.py) ----------------------------------------------
+    async def pass_through(request: Request, path: str) -> Response:
+        """The generation routes' front door (API key, the key's models, its request bucket, body
+        size and JSON; no prompt-token charge), then the least loaded pod of the body's model.
+        ``path`` is the route's own (``PASSTHROUGH_PATHS``), never the client's raw target."""
+        headers = header_map(request.scope["headers"])
+        rid = _request_id(headers)
+        raw = None
+        try:
+            caller = gate.admit(headers)
+            raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s)
+            body = _parse(raw)
+            r = router()
+            model = passthrough_model(r, body)
+            gate.check_model(caller, model)
+        except APIError as exc:
+            metrics.requests.labels("", PASSTHROUGH_POLICY, str(exc.status)).inc()
+            extra = {"x-request-id": rid}
+            if raw is None:  # refused before its body was read: close rather than read and discard it
+                extra["connection"] = "close"
+            return from_exc(exc, extra)
+        scope = request.scope
+        fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
+        return await passthrough.serve(r, path, model, raw, fwd, request, rid)
+
+    def passthrough_route(path: str) -> Callable[[Request], Any]:
+        async def handler(request: Request) -> Response:
+            return await pass_through(request, path)
+        return handler
+
+    for path in PASSTHROUGH_PATHS:
+        handler = passthrough_route(path)
+        # in the routing table for a GET's 405; out of the OpenAPI schema (vLLM's own describes the bodies)
+        app.add_api_route(path, handler, methods=["POST"], include_in_schema=False)
+        app.fast_routes[path] = handler
     return app

@@ -110,7 +110,7 @@ class Lifecycle:
                 self._end(router, booking, Outcome(cand.pod_id, ""))
                 if failed.pod_down:
                     self.registry.mark(cand.pod_id, False)
-                self.metrics.retries.labels("5xx" if failed.status else "connect" if failed.pod_down else "busy").inc()
+                self.metrics.retries.labels(retry_cause(failed)).inc()
                 failure = (cand.pod_id, failed)
                 continue
             except BaseException:
@@ -125,12 +125,7 @@ class Lifecycle:
         assert failure is not None
         pod_id, exc = failure
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
-        if exc.status:
-            return _answer(exc.body, exc.status, exc.headers + _ours(pod_id, rid))
-        # the client learns what failed, not the detail: a connect error names the pod's address
-        log.info("request %s: pod %s could not be reached (%s)", rid, pod_id, exc.cause)
-        return error_response(502, f"pod {pod_id} could not be reached ({exc.kind})",
-                              headers={POD_HEADER: pod_id, "x-request-id": rid})
+        return failed_answer(pod_id, exc, rid)
 
     @staticmethod
     def _unserved(router: Router, plan: Plan, route: Route, booking: Booking) -> None:
@@ -208,7 +203,7 @@ class Lifecycle:
     async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
                        rid: str, request: Request) -> Response:
         resp = opened.resp
-        headers = response_headers(resp) + _ours(booking.pod_id, rid)
+        headers = response_headers(resp) + ours(booking.pod_id, rid)
         router.observe_answer(booking, resp.headers)
         pod_id, status = booking.pod_id, str(resp.status)
         if opened.streaming:
@@ -259,7 +254,23 @@ def _after_turns(loop: asyncio.AbstractEventLoop, turns: int, call: Callable[[],
         loop.call_soon(_after_turns, loop, turns - 1, call)
 
 
-def _ours(pod_id: str, rid: str) -> list[tuple[bytes, bytes]]:
+def retry_cause(failed: UpstreamError) -> str:
+    """``kvroute_retries_total``'s cause for a try that failed before the pod's answer."""
+    return "5xx" if failed.status else "connect" if failed.pod_down else "busy"
+
+
+def failed_answer(pod_id: str, exc: UpstreamError, rid: str) -> Response:
+    """The answer when the last pod tried failed before answering: its own 5xx, passed through with
+    its body, or a 502 that says what failed and not the detail (a connect error names the pod's
+    address)."""
+    if exc.status:
+        return _answer(exc.body, exc.status, exc.headers + ours(pod_id, rid))
+    log.info("request %s: pod %s could not be reached (%s)", rid, pod_id, exc.cause)
+    return error_response(502, f"pod {pod_id} could not be reached ({exc.kind})",
+                          headers={POD_HEADER: pod_id, "x-request-id": rid})
+
+
+def ours(pod_id: str, rid: str) -> list[tuple[bytes, bytes]]:
     """The headers the router adds to a pod's answer: which pod, and the request id."""
     return [(POD_HEADER_BYTES, pod_id.encode("latin-1")), (b"x-request-id", rid.encode("latin-1"))]
 
@@ -272,7 +283,7 @@ def _answer(payload: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> 
 class WholeAnswer(Response):
     """A pod's whole (non-streaming) answer, relayed: under kvroute's listener in one write, head and
     body together (``kvcommon.listener.write_whole``), elsewhere as the two ASGI messages.
-    ``headers`` come from ``response_headers`` and ``_ours``: no Content-Length or Connection."""
+    ``headers`` come from ``response_headers`` and ``ours``: no Content-Length or Connection."""
 
     def __init__(self, payload: bytes, status: int, headers: list[tuple[bytes, bytes]]):
         self.body = self._payload = payload

@@ -1,0 +1,167 @@
+"""vLLM's other request routes, passed through to a pod of the body's model (docs/router.md, "Other
+vLLM routes").
+
+``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
+``/v1/score``, ``/rerank``, ``/v1/rerank`` and ``/v2/rerank`` (``PATHS``: each one a route of vLLM
+0.32's server whose body names its model in ``model``, which vLLM lets a client leave out) go
+through the same front door as the generation routes in ``router/api.py`` (API key, the key's
+models, its request bucket, body size and JSON) and then here: no tokenizing, no prefix lookup, no
+TTFT prediction and no booking. The pod is the least loaded healthy, ready pod that serves the
+model (``Passthrough.ranked``); a connection failure or a 5xx before the answer is tried once more
+on the next (``retries``), as ``Lifecycle.serve`` does; the answer is relayed whole, status and
+body as the pod sent them (``WholeAnswer``).
+
+The path sent to the pod is the route's own, from ``PATHS``, never the client's raw target, and
+the pod's address comes from the fleet alone: nothing the client sends picks a host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvcommon.asgi import unless_disconnected
+from router.config import RouterSettings
+from router.disagg import RANK_HEADER
+from router.dispatch import Dispatcher, Opened, UpstreamError, response_headers
+from router.errors import APIError, error_response
+from router.lifecycle import POD_HEADER, WholeAnswer, failed_answer, ours, retry_cause
+from router.metrics import RouterMetrics
+from router.pods import PodRegistry, PodState
+from router.routing import Router
+from router.upstream import PodIOError
+
+log = logging.getLogger(__name__)
+
+# vLLM 0.32's routes passed through (vllm/entrypoints/serve/tokenize/api_router.py and
+# vllm/entrypoints/pooling/*/api_router.py); every body names its model in ``model`` (optional there)
+PATHS = ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
+         "/rerank", "/v1/rerank", "/v2/rerank")
+# kvroute_requests_total's ``policy`` label on these routes' answers: one fixed value, never the path
+POLICY = "passthrough"
+
+
+def passthrough_model(router: Router, body: Mapping[str, Any]) -> str:
+    """The model (a base model or a LoRA adapter) a pass-through body names, as the generation routes
+    resolve it (``Router.resolve_model``: 400 for a non-string, 404 for a model no pod serves). A body
+    without ``model`` takes the fleet's base model when it serves exactly one, as vLLM's own server
+    takes its one model; with several it is a 400."""
+    if body.get("model") is None:
+        models = router.registry.models()
+        if len(models) != 1:
+            if not models:
+                raise APIError(503, "no pods are configured")
+            raise APIError(400, "`model` is required: this router serves several models", param="model")
+        return models[0]
+    return router.resolve_model(body)
+
+
+class Passthrough:
+    """Sends a pass-through request to a pod and relays its answer; counts what each pod has in
+    flight of them (``inflight``), which its choice of pod reads."""
+
+    def __init__(self, settings: RouterSettings, registry: PodRegistry, dispatcher: Dispatcher,
+                 metrics: RouterMetrics):
+        self.settings = settings
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.inflight: dict[str, int] = {}
+        self._turns = itertools.count()
+
+    def count(self, pod_id: str, status: int | str) -> None:
+        """One answer in ``kvroute_requests_total{pod, policy="passthrough", status}`` (pod "" when
+        none was chosen)."""
+        self.metrics.requests.labels(pod_id, POLICY, str(status)).inc()
+
+    def ranked(self, router: Router, model: str) -> list[PodState]:
+        """The healthy, ready pods that serve ``model`` (the adapter's pods for an adapter), least
+        loaded first: by what waits there (the pod's scraped ``waiting``, the generation requests
+        the routers have booked there and not yet seen start, and the pass-through requests this
+        process has in flight there), then by its scraped ``running``. Pods of role ``both`` when
+        any is up, as the aggregated planner takes them; equals in turn (round robin), so that an
+        idle fleet shares the work."""
+        pods = self.registry.serving(*router.target(model))
+        both = [p for p in pods if p.config.role == "both"]
+        pods = both or pods
+        if len(pods) > 1:
+            k = next(self._turns) % len(pods)
+            pods = pods[k:] + pods[:k]
+            ledger, inflight = router.ledger, self.inflight
+            pods.sort(key=lambda p: (p.waiting + ledger.inflight(p.id) + inflight.get(p.id, 0), p.running))
+        return pods
+
+    async def serve(self, router: Router, path: str, model: str, raw: bytes, headers: dict[str, str],
+                    request: Request, rid: str) -> Response:
+        """Send ``raw`` to ``path`` on the best pod for ``model`` (``headers`` already filtered for
+        upstream), the next one after a failure before the answer, and relay the answer."""
+        pods = self.ranked(router, model)
+        if not pods:
+            self.count("", 503)
+            return error_response(503, f"no healthy pod serves model `{model}`", headers={"x-request-id": rid})
+        failure: tuple[str, UpstreamError] | None = None
+        tries = 1 + max(self.settings.retries, 0)
+        for pod in pods:
+            if failure is not None and not (pod.id in self.registry.pods and pod.healthy and pod.ready):
+                continue  # went down or left since the ranking was made
+            if tries == 0:
+                break
+            tries -= 1
+            sent = headers if pod.config.dp_rank is None else {**headers, RANK_HEADER: str(pod.config.dp_rank)}
+            self.inflight[pod.id] = self.inflight.get(pod.id, 0) + 1
+            try:
+                try:
+                    opened = await unless_disconnected(request.scope, request.receive,
+                                                       self.dispatcher.open(pod.config.url + path, raw, sent))
+                except UpstreamError as failed:
+                    if failed.pod_down:
+                        self.registry.mark(pod.id, False)
+                    self.metrics.retries.labels(retry_cause(failed)).inc()
+                    failure = (pod.id, failed)
+                    continue
+                if opened is None:  # the client left while the pod worked: the open was cancelled
+                    return self._left(pod.id)
+                return await self._respond(pod.id, opened, request, rid)
+            finally:
+                left = self.inflight.get(pod.id, 1) - 1
+                if left > 0:
+                    self.inflight[pod.id] = left
+                else:
+                    self.inflight.pop(pod.id, None)
+        assert failure is not None
+        pod_id, exc = failure
+        self.count(pod_id, exc.status or 502)
+        return failed_answer(pod_id, exc, rid)
+
+    def _left(self, pod_id: str) -> Response:
+        self.metrics.client_disconnects.inc()
+        self.count(pod_id, 499)
+        return Response(b"", status_code=499)
+
+    async def _respond(self, pod_id: str, opened: Opened, request: Request, rid: str) -> Response:
+        """The pod's answer, read whole (watched for the client leaving, as the generation path reads
+        a non-streaming answer) and relayed with its status and headers."""
+        resp = opened.resp
+        try:
+            payload = await (resp.read() if resp.complete else
+                             unless_disconnected(request.scope, request.receive, resp.read()))
+        except PodIOError as exc:
+            resp.close()
+            self.count(pod_id, 502)
+            return error_response(502, f"pod {pod_id} failed mid-response ({type(exc).__name__})",
+                                  headers={POD_HEADER: pod_id, "x-request-id": rid})
+        except BaseException:
+            resp.close()
+            raise
+        if payload is None:  # the client left mid-answer: closing the connection tells the pod
+            resp.close()
+            return self._left(pod_id)
+        headers = response_headers(resp) + ours(pod_id, rid)
+        resp.release()
+        self.count(pod_id, resp.status)
+        return WholeAnswer(opened.first_chunk + payload, resp.status, headers)
