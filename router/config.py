@@ -29,6 +29,16 @@ class EventEndpoint(BaseModel):
     topic: str = Field("", description="topic prefix to subscribe to ('' = all)")
 
 
+def _http_url(v: str, what: str) -> str:
+    if not v.startswith(("http://", "https://")):
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        # not the url itself: it may carry a password (scheme://user:password@host)
+        raise ValueError(f"{what} must start with http:// or https://" + (f", not {scheme[:16]}://" if scheme else ""))
+    if not v.split("://", 1)[1].split("/", 1)[0] or any(c.isspace() for c in v):
+        raise ValueError(f"{what} must name a host and hold no spaces")
+    return v.rstrip("/")
+
+
 class PodConfig(BaseModel):
     """A pod of the fleet: where it serves HTTP, what it serves, where it publishes KV events."""
 
@@ -47,6 +57,10 @@ class PodConfig(BaseModel):
                                                "(else the fleet default)")
     metrics_url: str | None = Field(None, description="base URL of the engine's own /metrics when it differs from "
                                     "url (a decode pod behind its sidecar); none = url")
+    metrics_urls: list[str] = Field(default_factory=list, description=(
+        "a data-parallel pod whose every rank has an API server of its own (vLLM's external-lb, behind a sidecar "
+        "with --data-parallel-mode external-lb: the decoder's port + r): one /metrics base URL per rank, in rank "
+        "order, each rank's load and KV capacity read from its own page; instead of metrics_url"))
     data_parallel_size: int | None = Field(None, ge=1, le=1024, description=(
         "engines behind url (vLLM's --data-parallel-size, or its local share on a multi-node deployment); "
         "none = one per kv_events entry"))
@@ -60,20 +74,35 @@ class PodConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            scheme = v.split("://", 1)[0] if "://" in v else ""
-            # not the url itself: it may carry a password (scheme://user:password@host)
-            raise ValueError("pod url must start with http:// or https://"
-                             + (f", not {scheme[:16]}://" if scheme else ""))
-        if not v.split("://", 1)[1].split("/", 1)[0] or any(c.isspace() for c in v):
-            raise ValueError("pod url must name a host and hold no spaces")
-        return v.rstrip("/")
+        return _http_url(v, "pod url")
+
+    @field_validator("metrics_urls")
+    @classmethod
+    def _metrics_urls(cls, v: list[str]) -> list[str]:
+        return [_http_url(u, f"metrics_urls entry {r}") for r, u in enumerate(v)]
 
     @model_validator(mode="after")
     def _ranks(self) -> PodConfig:
         if self.data_parallel_size and self.kv_events and len(self.kv_events) != self.data_parallel_size:
             raise ValueError(f"pod {self.id}: {len(self.kv_events)} kv_events entries for data_parallel_size "
                              f"{self.data_parallel_size} (one per engine, in rank order)")
+        if self.metrics_urls:
+            n = self.data_parallel_size or len(self.kv_events)
+            if self.metrics_url is not None:
+                raise ValueError(f"pod {self.id}: metrics_url and metrics_urls exclude each other (metrics_urls: "
+                                 "one page per data-parallel rank; metrics_url: one page for every engine)")
+            if n < 2:
+                raise ValueError(f"pod {self.id}: metrics_urls is for a data-parallel pod (one entry per engine): "
+                                 "set data_parallel_size, or give one engine's page as metrics_url")
+            if len(self.metrics_urls) != n:
+                raise ValueError(f"pod {self.id}: {len(self.metrics_urls)} metrics_urls entries for {n} "
+                                 "data-parallel engines (one per engine, in rank order)")
+            first: dict[str, int] = {}
+            for r, u in enumerate(self.metrics_urls):
+                if u in first:
+                    raise ValueError(f"pod {self.id}: metrics_urls entries {first[u]} and {r} are the same page "
+                                     "(each rank's API server has its own)")
+                first[u] = r
         return self
 
     @field_validator("kv_events", mode="before")
@@ -134,7 +163,9 @@ class ScorerConfig(BaseModel):
 def data_parallel_ranks(pod: PodConfig, steer: bool = True) -> list[PodConfig]:
     """The routable units of ``pod``: itself, or with ``steer`` and several data-parallel engines one
     pod per engine, ``<id>#<rank>``, each with its own event endpoint and ``dp_rank`` (the rank the
-    pod's HTTP server is told in X-data-parallel-rank: its index among the engines behind ``url``)."""
+    pod's HTTP server is told in X-data-parallel-rank: its index among the engines behind ``url``).
+    Each keeps the pod's ``metrics_urls``: the scraper reads rank r's load from entry r
+    (``router.pods.PodRegistry.scrape``)."""
     n = pod.data_parallel_size or len(pod.kv_events)
     if not steer or n <= 1 or pod.dp_rank is not None:
         return [pod]
@@ -337,6 +368,10 @@ class RouterSettings(BaseSettings):
     discovery_kv_events_replay_port: int | None = Field(5558, description="dns: KV-event replay port of rank 0 "
                                                         "(rank r: + r; none = no replay)")
     discovery_data_parallel_size: int = Field(1, ge=1, description="dns: event streams (DP ranks) per pod")
+    discovery_data_parallel_mode: Literal["internal-lb", "external-lb"] = Field(
+        "internal-lb", description="dns: how a pod's ranks are served (the sidecar's --data-parallel-mode): "
+        "'internal-lb', one vLLM API server for all, its /metrics labelled per engine; 'external-lb', one per "
+        "rank on the engine port + r, each rank's load read from its own /metrics")
     data_parallel_steering: bool = Field(True, description=(
         "a pod with several data-parallel engines is routed as one candidate per engine: each with its own "
         "prefix index, load, bookings and calibration, and the request carries vLLM's X-data-parallel-rank "

@@ -58,6 +58,7 @@ class PodMetrics:
     kv_usage: float | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    engines: int = 0  # vllm:cache_config_info series on the page: one per engine its server fronts
     seen: set[str] = field(default_factory=set)
 
 
@@ -145,6 +146,7 @@ def parse_vllm_metrics(text: str, engine: str | None = None) -> PodMetrics:
         m.kv_usage = sum(kv) / len(kv)
     if tag is not None and m.num_gpu_blocks and engines > 1:
         m.num_gpu_blocks //= engines
+    m.engines = engines
     return m
 
 
@@ -288,15 +290,27 @@ class PodRegistry:
 
     async def scrape(self, pod: PodState) -> bool:
         assert self._session is not None
-        url = (pod.config.metrics_url or pod.config.url) + "/metrics"
+        config, rank = pod.config, pod.config.dp_rank
+        # external-lb: each rank's API server has a page of its own (not steered: rank 0's, where a
+        # sidecar sends a request that names no rank); else the pod's one page, for every engine
+        own = config.metrics_urls[rank or 0] if config.metrics_urls else None
+        url = (own or config.metrics_url or config.url) + "/metrics"
         try:
-            text = await (self._shared_metrics(url) if pod.config.dp_rank is not None else self._fetch_metrics(url))
+            text = await (self._shared_metrics(url) if rank is not None else self._fetch_metrics(url))
         except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
             pod.scrape_errors += 1
             return False
-        rank = pod.config.dp_rank
-        engine = None if rank is None else str(pod.config.data_parallel_start_rank + rank)
-        self.apply_metrics(pod.id, parse_vllm_metrics(text, engine))
+        engine = None if rank is None else str(config.data_parallel_start_rank + rank)
+        if own is None:
+            m = parse_vllm_metrics(text, engine)
+        else:
+            # a rank's own server fronts its one engine, labelled with its global rank (vLLM's external-lb,
+            # MoE models) or "0" (a dense model's independent per-rank servers: vLLM refuses external-lb DP
+            # for those): the whole page is the rank's. A page of several engines is filtered as before.
+            m = parse_vllm_metrics(text)
+            if m.engines > 1 and engine is not None:
+                m = parse_vllm_metrics(text, engine)
+        self.apply_metrics(pod.id, m)
         return True
 
     async def refresh_all(self) -> None:

@@ -11,6 +11,9 @@
   (``arg_utils.py``: ``data_parallel_size_local = 1``) and refuses any ``X-data-parallel-rank`` but 0
   (``input_processor.py``: out of range is a 400); the sidecar turns kvroute's rank header on its
   first port into that rank's API server.
+* Each of those API servers has a /metrics of its own, with only its engine (``engine="r"``, its own
+  blocks; a dense model's independent per-rank servers: ``engine="0"``): a pod's one ``metrics_url``
+  gave ranks above 0 no load and no KV capacity; ``metrics_urls`` gives each rank its own page.
 """
 
 from __future__ import annotations
@@ -151,3 +154,106 @@ def test_routers_rank_header_through_an_external_lb_sidecar_reaches_that_ranks_s
             r = httpx.post(f"http://127.0.0.1:{side}/v1/completions", json=body, timeout=20,
                            headers={"X-data-parallel-rank": "2"})
             assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# external-lb: each rank's API server has a /metrics page of its own (PodConfig.metrics_urls)
+# ---------------------------------------------------------------------------------------------
+
+def rank_page(label: str, blocks: int, waiting: int, running: int, usage: float) -> str:
+    """What one rank's own API server shows: its one engine, its own blocks."""
+    return (f'vllm:cache_config_info{{block_size="32",engine="{label}",model_name="m",num_gpu_blocks="{blocks}"}} 1.0\n'
+            f'vllm:num_requests_waiting{{engine="{label}",model_name="m"}} {waiting}.0\n'
+            f'vllm:num_requests_running{{engine="{label}",model_name="m"}} {running}.0\n'
+            f'vllm:kv_cache_usage_perc{{engine="{label}",model_name="m"}} {usage}\n')
+
+
+async def _scraped(pages: dict[str, str], steer: bool = True, **pod: object) -> dict[str, tuple]:
+    """Each routable unit of a pod after one health check and one scrape: its ranks' pages served at
+    ``pages``' paths (in rank order) on one loopback server, which is also the pod's url (/health)."""
+    from aiohttp import web
+
+    from tests.helpers import serve_routes
+
+    def page(text: str):
+        async def handler(request):
+            return web.Response(text=text, content_type="text/plain")
+        return handler
+
+    routes = [web.get(path + "/metrics", page(text)) for path, text in pages.items()]
+    async with serve_routes(web.get("/health", page("ok")), *routes) as port:
+        base = f"http://127.0.0.1:{port}"
+        config = PodConfig.model_validate({**pod, "url": base, "metrics_urls": [base + path for path in pages]})
+        units = data_parallel_ranks(config, steer)
+        reg = PodRegistry(units, timeout_s=5.0)
+        await reg.start()
+        try:
+            return {u.id: (reg.pods[u.id].waiting, reg.pods[u.id].running, reg.pods[u.id].num_gpu_blocks,
+                           reg.pods[u.id].kv_usage, reg.pods[u.id].block_size) for u in units}
+        finally:
+            await reg.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("labels", [("0", "1"), ("0", "0")], ids=["global-rank-labels", "independent-servers"])
+async def test_each_rank_of_an_external_lb_pod_reads_its_own_servers_page(labels):
+    """vLLM 0.32's external-lb rank r (``--data-parallel-rank r``, MoE models) labels its page with its
+    global rank and shows its own engine's blocks (``core_client.py``: ``engine_ranks_managed = [r]``); a
+    dense model's per-rank servers are independent vLLMs (vLLM refuses external-lb DP for them), each
+    ``engine="0"``. Rank 0's page alone (the pod's one metrics_url) left rank 1 with no load and no capacity."""
+    pod = {"id": "dec", "role": "decode", "data_parallel_size": 2}
+    pages = {"/r0": rank_page(labels[0], 300, 2, 5, 0.25), "/r1": rank_page(labels[1], 200, 7, 1, 0.75)}
+    assert await _scraped(pages, **pod) == {"dec#0": (2, 5, 300, 0.25, 32), "dec#1": (7, 1, 200, 0.75, 32)}
+    # not steered: one candidate, read from rank 0's server (where a sidecar sends a request naming no rank)
+    assert await _scraped(pages, steer=False, **pod) == {"dec": (2, 5, 300, 0.25, 32)}
+
+
+@pytest.mark.e2e
+async def test_a_ranks_page_that_shows_several_engines_is_filtered_by_its_label():
+    """A rank's page that fronts several engines (vLLM's summed blocks under each label) is read as the
+    pod's one page is: the rank's engine label, its share of the blocks."""
+    got = await _scraped({"/a": PAGE, "/b": PAGE}, id="dp", data_parallel_size=2)
+    assert {k: v[1:3] for k, v in got.items()} == {"dp#0": (3, 300), "dp#1": (1, 300)}
+
+
+def test_metrics_urls_are_checked_against_the_pods_ranks():
+    def err(**kw) -> str:
+        with pytest.raises(ValueError) as exc:
+            PodConfig(id="p", url="http://10.0.0.1:8000", **kw)
+        return str(exc.value)
+
+    two = ["http://10.0.0.1:8200", "http://10.0.0.1:8201"]
+    ok = PodConfig(id="p", url="http://10.0.0.1:8000", data_parallel_size=2, metrics_urls=[two[0], two[1] + "/"])
+    assert ok.metrics_urls == two  # a trailing slash goes, as the pod url's does
+    by_events = PodConfig(id="p", url="http://10.0.0.1:8000", kv_events=["tcp://a:1", "tcp://a:2"], metrics_urls=two)
+    assert [u.metrics_urls for u in data_parallel_ranks(by_events)] == [two, two]
+    assert "3 metrics_urls entries for 2 data-parallel engines" in err(data_parallel_size=2,
+                                                                        metrics_urls=[*two, "http://10.0.0.1:8202"])
+    assert "metrics_urls is for a data-parallel pod" in err(metrics_urls=two[:1])
+    assert "exclude each other" in err(data_parallel_size=2, metrics_urls=two, metrics_url="http://10.0.0.1:8200")
+    assert "metrics_urls entry 1 must start with http:// or https://, not tcp://" in err(
+        data_parallel_size=2, metrics_urls=[two[0], "tcp://10.0.0.1:8201"])
+    assert "metrics_urls entry 0 must name a host" in err(data_parallel_size=2, metrics_urls=["http://", two[1]])
+    assert "entries 0 and 1 are the same page" in err(data_parallel_size=2, metrics_urls=[two[0], two[0]])
+
+
+def test_discovery_gives_an_external_lb_pods_ranks_their_own_pages():
+    from router.config import RouterSettings
+    from router.discovery.dns import pod_for_address
+    from router.discovery.kubernetes import pod_from_object
+
+    ann = {"kvroute.io/model": "m", "kvroute.io/http-port": "8000", "kvroute.io/engine-port": "8200",
+           "kvroute.io/data-parallel-size": "2"}
+    obj = {"metadata": {"name": "dec-1", "labels": {"kvroute.io/role": "decode"}, "annotations": ann},
+           "status": {"podIP": "10.1.2.3", "phase": "Running"}}
+    c = pod_from_object(obj).config
+    assert (c.metrics_url, c.metrics_urls) == ("http://10.1.2.3:8200", [])  # internal-lb: one page
+    ann["kvroute.io/data-parallel-mode"] = "external-lb"
+    c = pod_from_object(obj).config
+    assert (c.metrics_url, c.metrics_urls) == (None, ["http://10.1.2.3:8200", "http://10.1.2.3:8201"])
+    ann["kvroute.io/data-parallel-mode"] = "external"
+    assert pod_from_object(obj) is None  # an unknown mode is skipped, as an unknown role is
+    settings = RouterSettings(discovery="dns", discovery_dns_name="x", discovery_engine_port=8200,
+                              discovery_data_parallel_size=2, discovery_data_parallel_mode="external-lb")
+    c = pod_for_address("10.1.2.4", settings).config
+    assert (c.metrics_url, c.metrics_urls) == (None, ["http://10.1.2.4:8200", "http://10.1.2.4:8201"])

@@ -145,10 +145,14 @@ def pod_for_address(ip: str, settings: RouterSettings) -> DiscoveredPod:
             replay = settings.discovery_kv_events_replay_port
             endpoints.append(EventEndpoint(endpoint=f"tcp://{host}:{settings.discovery_kv_events_port + r}",
                                            replay=f"tcp://{host}:{replay + r}" if replay else None))
+    dp = max(1, settings.discovery_data_parallel_size)
+    # external-lb: rank r's API server (and its /metrics) on the engine port + r, as the sidecar reaches it
+    metrics = ([f"http://{host}:{engine + r}" for r in range(dp)]
+               if settings.discovery_data_parallel_mode == "external-lb" and dp > 1 else [])
     return DiscoveredPod(PodConfig(id=ip, url=f"http://{host}:{http}", role=settings.discovery_role,
                                    model=settings.discovery_model, kv_events=endpoints,
-                                   metrics_url=f"http://{host}:{engine}" if engine != http else None,
-                                   data_parallel_size=max(1, settings.discovery_data_parallel_size)))
+                                   metrics_url=f"http://{host}:{engine}" if engine != http and not metrics else None,
+                                   metrics_urls=metrics, data_parallel_size=dp))
 
 
 class DNSDiscovery:

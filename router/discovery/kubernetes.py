@@ -48,7 +48,8 @@ POOL, ROLE = "kvroute.io/pool", "kvroute.io/role"
 MODEL, HTTP_PORT, ENGINE_PORT = "kvroute.io/model", "kvroute.io/http-port", "kvroute.io/engine-port"
 EVENTS_PORT, REPLAY_PORT, DP_SIZE = ("kvroute.io/kv-events-port", "kvroute.io/kv-events-replay-port",
                                      "kvroute.io/data-parallel-size")
-DP_START = "kvroute.io/data-parallel-start-rank"
+DP_START, DP_MODE = "kvroute.io/data-parallel-start-rank", "kvroute.io/data-parallel-mode"
+DP_MODES = ("internal-lb", "external-lb")  # the sidecar's --data-parallel-mode
 ROLES = ("prefill", "decode", "both")
 YIELD_EVERY = 64  # watch events applied between two yields to the event loop
 
@@ -116,6 +117,13 @@ def pod_from_object(obj: Mapping[str, Any]) -> DiscoveredPod | None:
         start = max(0, min(65535, int(str(ann.get(DP_START, 0)))))
     except ValueError:
         start = 0
+    mode = str(ann.get(DP_MODE, "internal-lb"))
+    if mode not in DP_MODES:
+        return None
+    # external-lb: rank r's API server (and its /metrics) on the engine port + r, as the sidecar reaches it
+    metrics = [f"http://{host}:{engine + r}" for r in range(dp)] if mode == "external-lb" and dp > 1 else []
+    if metrics and engine + dp - 1 > 65535:
+        return None
     endpoints = []
     if events is not None:
         for r in range(start, start + dp):
@@ -125,8 +133,9 @@ def pod_from_object(obj: Mapping[str, Any]) -> DiscoveredPod | None:
                                            replay=f"tcp://{host}:{replay + r}" if replay is not None else None))
     try:  # what the pod checks refuse (a model name, ...): this pod is skipped, the list or watch goes on
         config = PodConfig(id=str(name), url=f"http://{host}:{http}", role=role, model=str(model),
-                           kv_events=endpoints, metrics_url=f"http://{host}:{engine}" if engine != http else None,
-                           data_parallel_size=dp, data_parallel_start_rank=start)
+                           kv_events=endpoints, data_parallel_size=dp, data_parallel_start_rank=start,
+                           metrics_url=f"http://{host}:{engine}" if engine != http and not metrics else None,
+                           metrics_urls=metrics)
     except ValueError:  # pydantic's ValidationError included
         return None
     return DiscoveredPod(config, is_ready(obj))

@@ -8,15 +8,20 @@ with ``X-data-parallel-rank``; a follow-up is credited exactly what that engine 
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from realvllm import engines as rv
 from realvllm.engines import MODEL_NAME, router_pod
-from router.pods import parse_vllm_metrics
+from router.config import PodConfig, data_parallel_ranks
+from router.pods import PodRegistry, parse_vllm_metrics
 from tests.helpers import http
 from tests.real_vllm.conftest import (
     _AggPair,
@@ -29,6 +34,74 @@ from tests.real_vllm.conftest import (
 )
 
 WORDS = "river stone cloud lantern meadow harbor copper violet thunder orchard signal ember".split()
+
+# a tiny Mixtral (vLLM 0.32 refuses external-lb data parallelism for dense models: "Non-MoE models do
+# not support external data parallel mode"), random weights, the tiny model's tokenizer
+MAKE_MOE = """
+import shutil, sys, torch
+from pathlib import Path
+from transformers import MixtralConfig, MixtralForCausalLM
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+cfg = MixtralConfig(vocab_size=2824, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1,
+                    pad_token_id=1, tie_word_embeddings=False)
+MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    shutil.copy(src / f, out / f)
+"""
+
+
+@dataclass
+class _ExternalRank(rv.Engine):
+    """One rank of an external-lb pod: ``vllm serve MOE --data-parallel-size 2 --data-parallel-rank r``,
+    an API server of its own fronting that rank's one engine."""
+
+    model: Path = Path()
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[2] = str(self.model)
+        return cmd
+
+
+def test_each_rank_of_an_external_lb_pod_reads_its_own_servers_page(_agg_pair, real_env, real_scratch):
+    """vLLM 0.32's rank r in external-lb manages its own engine only (``core_client.py``:
+    ``engine_ranks_managed = [r]``): its page carries ``engine="r"`` and that engine's own blocks, not
+    the pod's sum, so rank 0's page (a pod's one ``metrics_url``) says nothing of rank 1. With
+    ``metrics_urls`` each ``<pod>#<r>`` reads its own. Idle pages only: on this CPU build the pair's
+    first forward pass dies (the CPU communicator has no ``all_gatherv`` for the MoE layers' dispatch)."""
+    _agg_pair.stop()  # two engines at a time on two cores
+    model = real_scratch / "tiny-moe"
+    if not (model / "config.json").exists():
+        subprocess.run([str(real_env.python), "-c", MAKE_MOE, str(real_env.model), str(model)], check=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, timeout=300,
+                       capture_output=True)
+    rpc = rv.listen_port()
+    ranks = [_ExternalRank(real_env, f"ext-{r}", real_scratch, core=r, num_gpu_blocks=100 + 50 * r, max_model_len=1024,
+                           data_parallel_size=2, model=model,
+                           extra_args=["--data-parallel-rank", str(r), "--data-parallel-address", "127.0.0.1",
+                                       "--data-parallel-rpc-port", str(rpc)]) for r in range(2)]
+    with rv.running(ranks):
+        pages = [http().get(e.url + "/metrics").text for e in ranks]
+        for r, page in enumerate(pages):
+            infos = [line for line in page.splitlines() if line.startswith("vllm:cache_config_info{")]
+            assert len(infos) == 1 and f'engine="{r}"' in infos[0], infos
+            assert f'num_gpu_blocks="{100 + 50 * r}"' in infos[0]  # its own, not the pair's 250
+        assert not parse_vllm_metrics(pages[0], "1").seen  # rank 0's page: nothing of rank 1
+
+        async def scrape() -> dict[str, tuple]:
+            pod = PodConfig(id="dec", url=ranks[0].url, role="decode", data_parallel_size=2,
+                            metrics_urls=[e.url for e in ranks])
+            reg = PodRegistry(data_parallel_ranks(pod), timeout_s=10)
+            await reg.start()
+            try:
+                return {k: (p.num_gpu_blocks, p.block_size, p.waiting, p.running) for k, p in reg.pods.items()}
+            finally:
+                await reg.stop()
+
+        assert asyncio.run(scrape()) == {"dec#0": (100, 32, 0, 0), "dec#1": (150, 32, 0, 0)}
 
 
 @pytest.fixture(scope="module")
