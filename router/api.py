@@ -49,6 +49,10 @@ from router.service import Services
 __all__ = ["POD_HEADER", "create_app"]
 
 
+# the pass-through routes whose vLLM request takes a cache_salt (its pooling requests, which may read
+# the prefix cache): a key's own salt is forwarded on them as on the generation routes
+SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS if p not in ("/tokenize", "/detokenize"))
+
 _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
 
@@ -274,6 +278,8 @@ def create_app(services: Services) -> FastAPI:
         gate.check_prompt_debt(caller)
         raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s)
         body = _parse(raw)
+        if caller.salt is not None:  # the key's own cache salt, derived: in body now, in the bytes sent at sanitize
+            caller.salt.apply(body)
         kind = kind or ("chat" if "messages" in body else "completion")
         if caller.models is not None:  # a key limited to some models and adapters: before any charge
             gate.check_model(caller, router().resolve_model(body))
@@ -312,7 +318,9 @@ def create_app(services: Services) -> FastAPI:
             prompt = await prompt_ids(r, kind, body, raw)
             plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
             gate.settle(caller, charged, plan.request.prompt_tokens)
-            raw = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+            sent = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+            # a key with a cache salt: body holds the derived salt (admitted_body), the bytes not yet
+            raw = orjson.dumps(body) if caller.salt is not None and sent is raw else sent
         except APIError as exc:
             metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
             extra = {"x-request-id": rid}
@@ -352,6 +360,9 @@ def create_app(services: Services) -> FastAPI:
             r = router()
             model = passthrough_model(r, body)
             gate.check_model(caller, model)
+            if caller.salt is not None and path in SALTED_PASSTHROUGH:  # vLLM's pooling requests take one too
+                caller.salt.apply(body)
+                raw = orjson.dumps(body)
         except APIError as exc:
             metrics.requests.labels("", PASSTHROUGH_POLICY, str(exc.status)).inc()
             extra = {"x-request-id": rid}

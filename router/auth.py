@@ -9,9 +9,15 @@ over the booking bus: each tells the others what it charged each caller (``on_sp
 its own buckets with what they charged (``charge_foreign``), so a key's limits hold for the tier of
 routers as a whole, within the bus's delay, instead of once in each process (``router/bookbus.py``).
 
+A key with a ``cache_salt`` of its own (``TenantSalt``) has the ``cache_salt`` of each of its
+generation requests replaced by one derived from that secret (and from the client's own, if it sent
+one), so its prompts share vLLM's prefix cache only with keys of the same ``cache_salt``: no other
+tenant can tell by timing whether its prompts are cached (docs/reliability.md).
+
 Keys are looked up by their SHA-256 digest, so a guess costs one hash and one dict lookup whatever
 the number of keys, and no comparison leaks how much of a key was right. Only a key's *name*
-(``name:`` in the config, else ``key-<n>``) ever reaches logs, metrics or error messages.
+(``name:`` in the config, else ``key-<n>``) ever reaches logs, metrics or error messages; nor
+does a key's ``cache_salt``, nor the salt derived from it (only the pods see that).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Caller:
     limits: Limits
     grants: Grants = TRUSTED
     models: frozenset[str] | None = None  # what the key may use (None: every model and adapter)
+    salt: TenantSalt | None = field(default=None, repr=False)  # the key's cache_salt (None: the client's own)
     requests: TokenBucket | None = field(default=None, repr=False)
     prompt_tokens: TokenBucket | None = field(default=None, repr=False)
 
@@ -71,6 +78,58 @@ class Caller:
         self.limits = limits
         self.requests = _bucket(self.requests, limits.requests_per_s, limits.request_burst, now)
         self.prompt_tokens = _bucket(self.prompt_tokens, limits.prompt_tokens_per_s, limits.prompt_token_burst, now)
+
+
+# in every derived salt: a salt derived here never equals one derived for another purpose from the same secret
+SALT_DOMAIN = b"kvroute/api-key-cache-salt/v1"
+# vLLM's validate_cache_salt (vllm/entrypoints/generate/base/protocol.py), for a client's own salt
+_SALT_MAX_CHARS = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+class TenantSalt:
+    """A key's ``cache_salt`` setting, as the salt each of its requests is forwarded with: the hex
+    SHA-256 of ``SALT_DOMAIN``, the secret and the client's own salt if it sent one (64 characters, a
+    valid vLLM salt whatever the inputs). Keys of one secret share cached prefixes; keys of another
+    secret or of none never meet them, whatever salt their clients send (a client cannot send a
+    derived salt without the secret). A client's own salt on such a key still splits its key's cache
+    (a tenant's sub-isolation), within the key's and never across keys. The secret is held only as
+    a hash state; ``repr`` shows neither it nor a derived salt."""
+
+    __slots__ = ("_state", "plain")
+
+    def __init__(self, secret: str) -> None:
+        data = secret.encode("utf-8", "surrogatepass")
+        state = hashlib.sha256(SALT_DOMAIN)
+        state.update(len(data).to_bytes(4, "big"))  # length-prefixed: (secret, client) pairs never run together
+        state.update(data)
+        self._state = state
+        self.plain = self._derive(b"\x00")  # no client salt: the same for every request, computed once
+
+    def _derive(self, tail: bytes) -> str:
+        state = self._state.copy()
+        state.update(tail)
+        return state.hexdigest()
+
+    def derive(self, client: str | None) -> str:
+        """The salt to forward for a request whose client sent ``client`` (None: none)."""
+        if client is None:
+            return self.plain
+        return self._derive(b"\x01" + client.encode("utf-8", "surrogatepass"))
+
+    def apply(self, body: dict[str, Any]) -> None:
+        """Put the derived salt in ``body`` (the parsed request), the client's own checked first as
+        vLLM checks it (400 as vLLM answers; it would never see the client's value to refuse it)."""
+        client = body.get("cache_salt")
+        if client is not None and (not isinstance(client, str) or not client):
+            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+        if client is not None and (len(client) > _SALT_MAX_CHARS or not _SALT_FORBIDDEN.isdisjoint(client)):
+            raise APIError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+                                "'/', '\\\\', or NUL.", param="cache_salt")
+        body["cache_salt"] = self.derive(client)
+
+    def __repr__(self) -> str:
+        return "TenantSalt(<secret>)"
 
 
 def _bucket(old: TokenBucket | None, rate: float | None, burst: float | None, now: float) -> TokenBucket | None:
@@ -87,8 +146,9 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
-def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants, frozenset[str] | None]]:
-    """(digest, name, limits, grants, models) of every configured key; per-key limits override the fleet's."""
+def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants, frozenset[str] | None, str | None]]:
+    """(digest, name, limits, grants, models, cache salt) of every configured key; per-key limits
+    override the fleet's."""
     out = []
     for i, entry in enumerate(settings.api_keys):
         spec = entry if isinstance(entry, ApiKey) else ApiKey(key=entry)
@@ -107,7 +167,7 @@ def _keys(settings: RouterSettings) -> list[tuple[bytes, str, Limits, Grants, fr
         limits = Limits(*requests, *tokens)
         grants = Grants(admin=spec.admin, priority=spec.allow_priority, objective=spec.allow_objective)
         models = frozenset(spec.models) if spec.models is not None else None
-        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits, grants, models))
+        out.append((_digest(spec.key), spec.name or f"key-{i + 1}", limits, grants, models, spec.cache_salt))
     return out
 
 
@@ -134,11 +194,12 @@ class Gate:
         """Adopt the keys and limits of ``settings``; buckets of keys that stay keep their level."""
         now = self.clock()
         fresh: dict[bytes, Caller] = {}
-        for digest, name, limits, grants, models in _keys(settings):
+        for digest, name, limits, grants, models, salt in _keys(settings):
             caller = self.callers.get(digest) or Caller(name, limits)
             caller.name = name
             caller.grants = grants
             caller.models = models
+            caller.salt = TenantSalt(salt) if salt is not None else None
             caller.retune(limits, now)
             fresh[digest] = caller
         self.callers = fresh

@@ -114,6 +114,11 @@ class PodConfig(BaseModel):
         return [{"endpoint": e} if isinstance(e, str) else e for e in (v or [])]
 
 
+# an API key's cache_salt: long enough not to be guessed (the derivation is public: a guessed salt
+# would let a key without one send the derived value itself), short enough to be a setting
+MIN_CACHE_SALT, MAX_CACHE_SALT = 16, 1024
+
+
 class ApiKey(BaseModel):
     """One accepted API key, optionally named (the name, never the key, appears in logs and metrics)
     and with its own rate limits (else the fleet-wide ``rate_limit_*`` settings apply)."""
@@ -135,6 +140,10 @@ class ApiKey(BaseModel):
                                   "objective; other keys may only tighten it")
     models: list[str] | None = Field(None, description="the models and LoRA adapters this key may use and sees in "
                                      "/v1/models (another is answered as one that does not exist); none = all")
+    cache_salt: str | None = Field(None, repr=False, description="a secret (16 to 1024 characters, no spaces): "
+                                   "this key's prompts share vLLM's prefix cache only with keys of the same "
+                                   "cache_salt (the router forwards a cache_salt derived from it; "
+                                   "docs/reliability.md); none = the client's own cache_salt, if any")
 
     @field_validator("key")
     @classmethod
@@ -142,6 +151,15 @@ class ApiKey(BaseModel):
         # a client's bearer value is read without surrounding spaces: such a key could never match
         if not v.strip() or any(c.isspace() for c in v):
             raise ValueError("an API key must be non-empty and hold no spaces")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v: str | None) -> str | None:
+        # a secret: the message names the rule, never the value (pydantic's own would echo it)
+        if v is not None and (not MIN_CACHE_SALT <= len(v) <= MAX_CACHE_SALT or any(c.isspace() for c in v)):
+            raise ValueError(f"an API key's cache_salt must be {MIN_CACHE_SALT} to {MAX_CACHE_SALT} characters "
+                             "without spaces (a secret: e.g. `openssl rand -hex 16`)")
         return v
 
 
