@@ -455,6 +455,19 @@ class RouterSettings(BaseSettings):
                              "X-Forwarded-For's")
 
     @model_validator(mode="after")
+    def _dns_ports(self) -> RouterSettings:
+        # rank r of a dns-discovered pod is on each port + r (the engine port's only with external-lb)
+        last = self.discovery_data_parallel_size - 1
+        ports = {"discovery_http_port": 0, "discovery_engine_port": last if self.discovery_data_parallel_mode
+                 == "external-lb" else 0, "discovery_kv_events_port": last, "discovery_kv_events_replay_port": last}
+        for name, extra in ports.items():
+            port = getattr(self, name)
+            if port is not None and not 1 <= port <= 65535 - extra:
+                raise ValueError(f"{name} must be 1 to {65535 - extra}" + (
+                    f" (its {extra + 1} data-parallel ranks take it + 0..{extra})" if extra else ""))
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> RouterSettings:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile and ssl_keyfile go together")

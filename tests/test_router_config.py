@@ -1,5 +1,6 @@
 """The router's settings, its command line, and the pod-metrics parser."""
 
+import re
 import subprocess
 import sys
 
@@ -262,3 +263,22 @@ def test_the_prediction_log_writes_a_line_per_timed_request_and_stops_at_its_cap
                         "low_s": 0.1, "high_s": None, "observed_s": 0.3}
     plog.write(b, 1.0)                                     # closed: nothing more
     assert len(path.read_bytes().splitlines()) == len(lines)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("settings,message", [
+    ({"discovery_kv_events_port": 65535, "discovery_data_parallel_size": 2},
+     "discovery_kv_events_port must be 1 to 65534 (its 2 data-parallel ranks take it + 0..1)"),
+    ({"discovery_kv_events_replay_port": 0}, "discovery_kv_events_replay_port must be 1 to 65535"),
+    ({"discovery_engine_port": 70000}, "discovery_engine_port must be 1 to 65535"),
+    ({"discovery_engine_port": 65534, "discovery_data_parallel_size": 4, "discovery_data_parallel_mode": "external-lb"},
+     "discovery_engine_port must be 1 to 65532 (its 4 data-parallel ranks take it + 0..3)"),
+])
+def test_dns_discovery_ports_leave_room_for_every_rank(settings, message):
+    """A dns-discovered pod's rank r listens on each port + r: a port that leaves no room for the last
+    rank (or none at all) is refused at load, not turned into a URL with port 65536 at discovery."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_settings(RouterSettings, settings)
+    ok = {**settings, "discovery_kv_events_port": 5557, "discovery_kv_events_replay_port": 5558,
+          "discovery_engine_port": 8001}
+    assert build_settings(RouterSettings, ok).discovery_engine_port == 8001
