@@ -193,9 +193,9 @@ class Router:
         # told of each credit ``withdraw`` takes back (pod, keys): the booking bus, which hands it to
         # the other router processes' ``withdraw_foreign``
         self.on_withdraw: Callable[[str, list[int]], None] | None = None
-        # per pod, its credits going in a piece a loop turn (``_credit_in_pieces``) -> what to call
-        # once each is all in (``withdraw_foreign``)
-        self._in_pieces: dict[str, dict[Iterator[None], list[Callable[[], None]]]] = {}
+        # per pod, its credits going in a piece a loop turn (``_credit_in_pieces``), in their order: a
+        # foreign withdrawal puts them all in first (``withdraw_foreign``)
+        self._in_pieces: dict[str, dict[Iterator[None], None]] = {}
         if settings.prediction_log_path:
             path = settings.prediction_log_path + (f".{os.getpid()}" if settings.workers > 1 else "")
             self.prediction_log = PredictionLog(path, settings.prediction_log_max_bytes)
@@ -402,20 +402,22 @@ class Router:
         credit it had shared with this one (``credit_foreign``): take back the same credit here, never
         what the pod's events stored. A pod this process does not know is skipped. The credit may
         still be coming in a piece a loop turn (``speculate``: the withdrawal can arrive in the
-        receive pass that brought the credit): so it is withdrawn again as each credit of the pod
-        that is going in pieces now is all in."""
+        receive pass that brought the credit): so the pod's credits going in pieces now are put in
+        whole first, and the withdrawal follows them, once. Withdrawing again as each was all in
+        took a newer credit of the same keys with it (the bus keeps a credit, its withdrawal and a
+        new credit in their order), and cost a withdrawal per credit under way per withdrawal."""
         if pod_id not in self.registry.pods:
             return
-
-        def withdraw() -> None:
+        for steps in self._in_pieces.pop(pod_id, {}):
             try:
-                self.index.withdraw(pod_id, keys)
+                for _ in steps:  # the pieces still to come, now: the loop's pending step then finds it done
+                    pass
             except Exception:  # the index is advisory; never fail over it
-                log.exception("withdrawing another router's credit failed")
-
-        withdraw()
-        for then in self._in_pieces.get(pod_id, {}).values():
-            then.append(withdraw)
+                log.exception("crediting a route to the index failed")
+        try:
+            self.index.withdraw(pod_id, keys)
+        except Exception:
+            log.exception("withdrawing another router's credit failed")
 
     def _credit_now(self, pod_id: str, keys: list[int]) -> None:
         try:
@@ -440,7 +442,7 @@ class Router:
         else:  # no events: credited until the TTL, at most the pod's KV blocks once scraped
             steps = self.index.credit_steps(pod_id, keys, self._kv_blocks(pod_id), piece)
         if loop is not None:
-            self._in_pieces.setdefault(pod_id, {})[steps] = []
+            self._in_pieces.setdefault(pod_id, {})[steps] = None
         self._credit_step(loop, steps, pod_id)
 
     def _speculate_steps(self, pod_id: str, keys: list[int], piece: int) -> Iterator[None]:
@@ -464,15 +466,13 @@ class Router:
             loop.call_soon(self._credit_step, loop, steps, pod_id)
 
     def _credited(self, pod_id: str, steps: Iterator[None]) -> None:
-        """A credit that went in pieces is all in: call what waited for it (``withdraw_foreign``)."""
+        """A credit that went in pieces is all in (or was put in whole by ``withdraw_foreign``)."""
         under_way = self._in_pieces.get(pod_id)
         if under_way is None:
             return
-        then = under_way.pop(steps, None)
+        under_way.pop(steps, None)
         if not under_way:
             del self._in_pieces[pod_id]
-        for call in then or ():
-            call()
 
     def _kv_blocks(self, pod_id: str) -> int | None:
         """The pod's KV cache in the index's blocks (its ``num_gpu_blocks`` are of its own block size)."""

@@ -193,3 +193,44 @@ async def test_credits_and_withdrawals_of_one_flush_arrive_in_their_order_and_th
         assert a.stats.get("withdrawals", "dropped") == 1
         await until(lambda: len(got) == MAX_PENDING_CREDIT_KEYS // CREDIT_KEYS_PER_MESSAGE, 5, "the withdrawals")
         assert got[0] == ("w", "p1", list(range(CREDIT_KEYS_PER_MESSAGE)))
+
+
+# ---- review: a withdrawal between a credit and a new credit of the same keys; its cost ----------------
+@pytest.mark.parametrize("events", [True, False], ids=["events", "no events"])
+async def test_a_credit_made_after_a_foreign_withdrawal_stays_though_an_older_credit_was_still_in_pieces(events):
+    """A credit of a long prompt, its withdrawal and a new credit of the same keys, applied in that
+    order (one receive pass, as the origin made them): the receiver ends with the credit, as the
+    origin does. The withdrawal applied again once the older credit's last piece was in took the
+    newer credit's pieces with it (12 of 1,100 blocks were left)."""
+    cfg, (router,) = routers(events, 1)
+    pod = "pod-0"
+    prompt = list(range(1, 1 + (LONG_CREDIT_BLOCKS + 76) * router.block_size))
+    keys = router.keys_for(cfg.model, prompt)
+    router.credit_foreign(pod, keys)
+    router.withdraw_foreign(pod, keys)
+    router.credit_foreign(pod, keys)
+    await turns(4 * len(keys) // 64 + 10)
+    assert predicted(router, pod) == len(keys)
+    assert cached(router, cfg, prompt, pod) == len(keys) * router.block_size
+    assert router._in_pieces == {}
+
+
+async def test_foreign_withdrawals_cost_one_index_withdrawal_each_however_many_credits_are_in_pieces():
+    """Each foreign withdrawal is one ``PrefixIndex.withdraw``, whatever the number of the pod's credits
+    going in pieces when it comes: it was applied again after each of them (C credits and W
+    withdrawals: (C + 1) x W index withdrawals, 2,550 for 50 and 50, quadratic in what a peer, or a
+    forger on an unkeyed bus, sends)."""
+    cfg, (router,) = routers(False, 1)
+    pod = "pod-0"
+    calls = []
+    withdraw = router.index.withdraw
+    router.index.withdraw = lambda p, k: calls.append(p) or withdraw(p, k)
+    for c in range(20):
+        first = 1 + c * 1_000_000
+        prompt = list(range(first, first + (LONG_CREDIT_BLOCKS + 76) * router.block_size))
+        router.credit_foreign(pod, router.keys_for(cfg.model, prompt))
+    for w in range(20):
+        router.withdraw_foreign(pod, list(range(w * 1000, w * 1000 + 1000)))
+    await turns(200)
+    assert len(calls) == 20
+    assert router._in_pieces == {}
