@@ -347,16 +347,3 @@ class RedactQuery(logging.Filter):
         if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
             record.args = (*args[:2], args[2].split("?", 1)[0] + "?<redacted>", *args[3:])
         return True
-
-
-def log_config() -> dict[str, Any]:
-    """uvicorn's own logging config with ``RedactQuery`` on the access log (a dict, so worker
-    processes apply it too)."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config.setdefault("filters", {})["redact_query"] = {"()": "kvcommon.listener.RedactQuery"}
-    config["handlers"]["access"]["filters"] = ["redact_query"]
-    return config

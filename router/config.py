@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvcommon.logs import LogFormat, check_level
 from router.scheduling.pd import DECIDER_FUNCTIONS
 from router.scheduling.scorers import build_scoring
 
@@ -449,7 +450,10 @@ class RouterSettings(BaseSettings):
     booking_bus_hwm: int = Field(10_000, ge=1, description="ZeroMQ high-water mark of the bus sockets (messages)")
     booking_bus_max_bookings: int = Field(50_000, ge=1, description="largest number of bookings held for one other "
                                           "router (beyond: dropped and counted)")
-    log_level: str = Field("warning", description="log level")
+    log_level: str = Field("warning", description="log level: debug, info, warning or error (upper case "
+                           "accepted)")
+    log_format: LogFormat = Field("text", description="log lines: 'text' (time level logger: message) or 'json' "
+                                  "(one object per line: ts, level, logger, pid, msg, exc; docs/router.md)")
     access_log: bool = Field(False, description="log every request (costs throughput); behind a proxy in "
                              "FORWARDED_ALLOW_IPS (127.0.0.1 by default) the address logged is "
                              "X-Forwarded-For's")
@@ -495,6 +499,11 @@ class RouterSettings(BaseSettings):
             if not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"booking bus endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         return self
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: Any) -> str:
+        return check_level(value)  # "verbose" or 7: a clear error, not a traceback from logging at start
 
     @field_validator("slo_header", "priority_header")
     @classmethod

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import sys
@@ -43,8 +42,12 @@ def worker_app():
 
     bus = os.environ.get(_BUS_ENV, "").split()
     siblings = len(bus) == 2 and bus[0] == "siblings"
-    app = build_app(build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV])),
-                    bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 and not siblings else None,
+    settings = build_settings(RouterSettings, json.loads(os.environ[_SETTINGS_ENV]))
+    if settings.log_format == "json":  # uvicorn configured the loggers here; warnings and crashes as JSON too
+        from kvcommon.logs import json_hooks
+
+        json_hooks()
+    app = build_app(settings, bus_forwarder=(bus[0], bus[1]) if len(bus) == 2 and not siblings else None,
                     bus_siblings=bus[1] if siblings else None)
     app.state.freeze_gc = True  # router.api.freeze_startup_heap, once the worker has started
     return app
@@ -76,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"kvroute serve: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvcommon.logs import configure_logging
+
+    # the same mapping goes to uvicorn, which applies it again here and in each worker process (the
+    # root logger included, so the workers' own lines have the format and level too)
+    logging_config = configure_logging(settings.log_level, settings.log_format)
     import uvicorn
 
     try:
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         http = "httptools"
     except ImportError:
         http = "h11"
-    from kvcommon.listener import guarded_protocol, log_config
+    from kvcommon.listener import guarded_protocol
 
     if http == "httptools":  # header, body and idle bounds on every connection (kvcommon/listener.py)
         body_s = settings.body_timeout_s + 2.0 if settings.body_timeout_s else None  # the app's 408 comes first
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=settings.shutdown_timeout_s,
         ssl_certfile=settings.ssl_certfile,
-        ssl_keyfile=settings.ssl_keyfile, log_config=log_config())
+        ssl_keyfile=settings.ssl_keyfile, log_config=logging_config)
     if settings.workers > 1:
         os.environ[_SETTINGS_ENV] = settings.model_dump_json()
         forwarder, siblings = None, None

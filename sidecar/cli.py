@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from kvcommon.listener import guarded_protocol
+from kvcommon.logs import configure_logging
 from kvcommon.settings import load_settings
 from sidecar.config import SidecarSettings
 from sidecar.proxy import SidecarApp
@@ -21,7 +22,7 @@ DESCRIPTION = (
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(SidecarSettings, argv, prog="kvroute sidecar", description=DESCRIPTION)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging_config = configure_logging(settings.log_level, settings.log_format)
     try:
         app = SidecarApp(settings)
     except ValueError as exc:
@@ -36,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
                             # uvicorn hints int but takes any number of seconds (a call_later delay)
                             timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=30, ws="none",
-                            http=http)
+                            http=http, log_config=logging_config)
     server = uvicorn.Server(config)
     if settings.data_parallel_size == 1:
         server.run()
     else:  # one listener per data-parallel rank: --port + r (sidecar/dataparallel.py)
         try:
-            sockets = [uvicorn.Config(app, host=settings.host, port=port).bind_socket() for port in app.dp.ports]
+            # log_config=None: a Config applies its logging config, and uvicorn's default would undo ours
+            sockets = [uvicorn.Config(app, host=settings.host, port=port, log_config=None).bind_socket()
+                       for port in app.dp.ports]
         except SystemExit:  # uvicorn exits when a port is taken; it has logged which
             return 1
         server.run(sockets=sockets)

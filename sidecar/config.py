@@ -81,6 +81,9 @@ class SidecarSettings(BaseSettings):
     ssl_certfile: str | None = Field(None, description="TLS certificate for the listener (enables HTTPS)")
     ssl_keyfile: str | None = Field(None, description="TLS private key for the listener")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
+    log_format: Literal["text", "json"] = Field("text", description=(
+        "Log lines: text (time level logger: message) or json (one object per line: ts, level, logger, pid, "
+        "msg, exc)"))
 
     @field_validator("vllm_url", "prefill_allowlist_url")
     @classmethod

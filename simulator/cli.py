@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from kvcommon.logs import configure_logging
 from kvcommon.settings import load_settings
 from simulator.events import KVEventsConfigError
 from simulator.settings import SimSettings
@@ -21,7 +21,8 @@ DESCRIPTION = (
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(SimSettings, argv, prog="kvroute sim", description=DESCRIPTION)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the pods' uvicorn servers apply uvicorn's own config to its loggers (simulator/server.py)
+    configure_logging(settings.log_level, settings.log_format)
     try:
         from simulator.server import SimFleet
 

@@ -807,7 +807,8 @@ class SimFleet:
 
         logging.getLogger("uvicorn.error").addFilter(_DropFilter())
         config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level=self.settings.log_level,
-                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
+                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2,
+                                log_config=None)  # the CLI configured logging (kvcommon.logs): keep it
         server = uvicorn.Server(config)
         self.start()
         watcher = None

@@ -135,6 +135,8 @@ class SimSettings(BaseSettings):
                                                                 "as vLLM 0.32 does")
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="log lines: 'text' or 'json' (one object "
+                                                "per line: ts, level, logger, pid, msg, exc)")
 
     @field_validator("nixl_allowed_hosts", mode="before")
     @classmethod
