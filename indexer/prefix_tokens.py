@@ -79,6 +79,13 @@ process, so workers and replicas can hand each other what they tokenized: ``on_s
 with each text's newly stored chunks, and ``adopt`` takes another process's (the booking bus
 carries them, checked against this tokenizer's ``fingerprint``: ``router/bookbus.py``).
 
+**Salted texts chain apart.** A request with a ``cache_salt`` has its chain start from
+``salt_seed(salt)`` rather than 0 (``encode_cached(..., seed=)``: router/prompts.py), so its chunks,
+and the notes kept under its first chunk's key, are found only by texts of the same salt: another
+tenant cannot tell by the router's tokenizing time whether it sent the same text (a cold 8.8k-token
+chat prompt took 2.4 ms, the same with another tenant's chunks cached 0.57 ms: docs/reliability.md,
+"Tenants that never share a prefix cache"). Shared chunks carry their seeded keys as they are.
+
 **A chunk's tokens are bytes**: its token ids as native-order uint32 (``array("I").tobytes()``),
 here, between the router and its tokenize process, and on the booking bus (little-endian there).
 Not ``array`` objects, which the garbage collector tracks on Python 3.11: a cache of 4M tokens holds
@@ -210,10 +217,24 @@ def cut_problem(hf: Any) -> str | None:
 
 
 def chain_key(prev: int, chunk: str) -> int:
-    """The key of a prefix: its last chunk hashed with the key of the prefix before it as seed (0 for
-    the first). xxh3, not ``hash()``: Python's string hash differs per process, and workers and
-    replicas share their chunks by these keys (``PrefixTokenCache.share``)."""
+    """The key of a prefix: its last chunk hashed with the key of the prefix before it as seed (for
+    the first, the text's seed: 0, or a salted request's ``salt_seed``). xxh3, not ``hash()``:
+    Python's string hash differs per process, and workers and replicas share their chunks by these
+    keys (``PrefixTokenCache.share``)."""
     return xxhash.xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), prev)
+
+
+SALT_SEED_DOMAIN = b"kvroute/prefix-token-chain-seed/v1\x00"
+
+
+def salt_seed(salt: str) -> int:
+    """The seed a request's chunk-key chains start from when it carries ``cache_salt`` ``salt`` (never
+    0, the seed of unsalted texts): its chunks are found only by texts of the same salt, so no tenant
+    can tell by the router's tokenizing time what another tenant's prompts were (docs/reliability.md,
+    "Tenants that never share a prefix cache"). The salt of an API key with a ``cache_salt`` is
+    derived from its secret, so this seed cannot be guessed by another tenant either. 64 bits, like
+    the chain keys it starts."""
+    return xxhash.xxh3_64_intdigest(SALT_SEED_DOMAIN + salt.encode("utf-8", "surrogatepass")) or 1
 
 
 def chain_keys(text: str, ends: Sequence[int], start: int = 0, key: int = 0) -> list[int]:
@@ -530,17 +551,19 @@ class PrefixTokenCache:
         self._specials[True] = found
         return found
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        got = self.encode_cached(text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, seed: int = 0) -> list[int]:
+        got = self.encode_cached(text, add_special_tokens, None, seed)
         return got.tolist() if isinstance(got, CachedTokens) else got
 
     def encode_cached(self, text: str, add_special_tokens: bool = True,
-                      max_new_chars: int | None = None) -> CachedTokens | list[int]:
+                      max_new_chars: int | None = None, seed: int = 0) -> CachedTokens | list[int]:
         """The tokens of ``text``: ``CachedTokens`` when the cache took part (no list built until one is
         asked for), else the tokenizer's list. With ``max_new_chars``, raises ``NotCached`` instead when
         more than that many characters would be tokenized (past the cached prefix; the whole text when
         it is too short for the cache or the cache is off): the router then gives it to its tokenize
-        process rather than holding its event loop (router/api.py)."""
+        process rather than holding its event loop (router/api.py). ``seed``: where the text's chain of
+        chunk keys starts (0; a salted request's ``salt_seed``), so that only texts of the same seed
+        find its chunks."""
         if max_new_chars is not None and len(text) > max_new_chars and (self.disabled or len(text) < self.min_chars):
             raise NotCached
         if self.disabled or len(text) < self.min_chars:
@@ -558,7 +581,7 @@ class PrefixTokenCache:
                 raise NotCached
             return self._encode(text, add_special_tokens)
         lead, trail = around
-        tokens = self._assemble(text, add_special_tokens, lead, trail, max_new_chars)
+        tokens = self._assemble(text, add_special_tokens, lead, trail, max_new_chars, seed)
         if self._should_verify():
             self._submit_check(text, add_special_tokens, tokens)
         return tokens
@@ -612,19 +635,19 @@ class PrefixTokenCache:
                 and (self.verify_share is None or st.verify_seconds <= self.verify_share * st.tokenize_seconds))
 
     # ---- the body: cached chunks, then the rest ----------------------------------------------
-    def body(self, text: str) -> list[int]:
+    def body(self, text: str, seed: int = 0) -> list[int]:
         """The tokens of ``text`` without special tokens."""
-        return self._assemble(text, False, [], []).tolist()
+        return self._assemble(text, False, [], [], None, seed).tolist()
 
     def _assemble(self, text: str, special: bool, lead: list[int], trail: list[int],
-                  max_new_chars: int | None = None) -> CachedTokens:
-        first = self._first_key(text)
+                  max_new_chars: int | None = None, seed: int = 0) -> CachedTokens:
+        first = self._first_key(text, seed)
         if max_new_chars is not None and len(text) > max_new_chars and first is not None \
                 and first not in self._chunks:
             # a new conversation is told by its first chunk, before the whole text is cut and hashed
             # (~0.2 ms for a cold 32k-token prompt, on the event loop: router/api.py)
             raise NotCached
-        ends, keys, noted, note = self._cut_noted(text, first)
+        ends, keys, noted, note = self._cut_noted(text, first, seed)
         skip = head_tokens = 0
         head_touched = -1
         if noted is not None and self._vouches(noted, len(text) - noted.length):
@@ -696,17 +719,19 @@ class PrefixTokenCache:
         self.stats.vouched_missing += 1
         return array("I", self._pieces([text[ends[i - 1] if i else 0:ends[i]]])[0]).tobytes()
 
-    def _first_key(self, text: str) -> int | None:
-        """The key of ``text``'s first chunk, if that ends within ``4 * chunk_chars`` characters."""
+    def _first_key(self, text: str, seed: int = 0) -> int | None:
+        """The key of ``text``'s first chunk (its chain from ``seed``), if that ends within
+        ``4 * chunk_chars`` characters."""
         head = boundaries(text[:4 * self.chunk_chars], self.chunk_chars)
-        return chain_key(0, text[:head[0]]) if head else None
+        return chain_key(seed, text[:head[0]]) if head else None
 
-    def _cut(self, text: str, first: int | None) -> tuple[list[int], list[int]]:
+    def _cut(self, text: str, first: int | None, seed: int = 0) -> tuple[list[int], list[int]]:
         """``text``'s chunk ends and their chain keys (``_cut_noted``)."""
-        ends, keys, _, _ = self._cut_noted(text, first)
+        ends, keys, _, _ = self._cut_noted(text, first, seed)
         return ends, keys
 
-    def _cut_noted(self, text: str, first: int | None) -> tuple[list[int], list[int], _Note | None, _Note | None]:
+    def _cut_noted(self, text: str, first: int | None,
+                   seed: int = 0) -> tuple[list[int], list[int], _Note | None, _Note | None]:
         """``text``'s chunk ends and their chain keys, the note they were taken from (None: none) and
         the note made for this text (None: none). Where an earlier text noted under the same first
         chunk (an earlier turn of its conversation) is a prefix of this one through its last chunk
@@ -715,11 +740,12 @@ class PrefixTokenCache:
         on nothing before it. For an 8k-token chat follow-up, cutting and hashing the whole text
         took 42 of the 163 µs its tokens took from the cache, and 151 of 338 µs at 32k (throwaway
         harness, medians). The text then is noted, so its next turn finds it. ``first``: ``_first_key``
-        (None: the text is cut whole and not noted)."""
+        (None: the text is cut whole and not noted), from the same ``seed``: notes are kept under the
+        first chunk's key, so a salted text meets only notes of its own salt."""
         cc = self.chunk_chars
         if first is None:
             ends = boundaries(text, cc)
-            return ends, chain_keys(text, ends), None, None
+            return ends, chain_keys(text, ends, 0, seed), None, None
         with self._lock:
             notes = self._notes.get(first)
             seen = list(notes) if notes else []
@@ -734,7 +760,7 @@ class PrefixTokenCache:
                 break
         if found is None:
             ends = boundaries(text, cc)
-            keys = chain_keys(text, ends)
+            keys = chain_keys(text, ends, 0, seed)
             noted_ends, noted_keys = array("Q", ends), array("Q", keys)
         else:
             at = found.length

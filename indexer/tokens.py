@@ -1037,19 +1037,24 @@ class RemoteTokenizer:
         self._held = 0  # token ids in ``_cache``
         self.hits = self.misses = 0
 
-    async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._tokenize({"model": self.model, "prompt": prompt, "add_special_tokens": add_special_tokens})
+    async def encode(self, prompt: str, add_special_tokens: bool = True, salt: str | None = None) -> list[int]:
+        return await self._tokenize({"model": self.model, "prompt": prompt, "add_special_tokens": add_special_tokens},
+                                    salt)
 
     async def encode_chat(self, messages: Any, add_generation_prompt: bool = True, **fields: Any) -> list[int]:
         """``fields``: more of /tokenize's chat fields (tools, chat_template_kwargs, ...)."""
         return await self._tokenize({"model": self.model, "messages": messages,
                                      "add_generation_prompt": add_generation_prompt, **fields})
 
-    async def encode_chat_request(self, body: dict[str, Any]) -> list[int]:
+    async def encode_chat_request(self, body: dict[str, Any], salt: str | None = None) -> list[int]:
         """A chat-completions body's prompt ids (``tokenize_chat_body`` maps its fields)."""
-        return await self._tokenize(tokenize_chat_body(body, self.model))
+        return await self._tokenize(tokenize_chat_body(body, self.model), salt)
 
-    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+    async def _tokenize(self, body: dict[str, Any], salt: str | None = None) -> list[int]:
+        """``salt``: the request's ``cache_salt`` (not sent): its answer is cached under a digest keyed
+        by the salt, which no unsalted body's digest (unkeyed) nor another salt's meets, so only
+        requests of that salt are answered from it (docs/reliability.md, "Tenants that never share a
+        prefix cache")."""
         import hashlib
 
         import orjson
@@ -1058,7 +1063,11 @@ class RemoteTokenizer:
         # what is hashed. A strong digest, not xxh3: a client chooses the body, and a body made to
         # collide with another would be answered the other's tokens.
         sent = orjson.dumps(body)
-        key = hashlib.blake2b(sent, digest_size=16).digest()
+        if salt is None:
+            key = hashlib.blake2b(sent, digest_size=16).digest()
+        else:
+            mac = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+            key = hashlib.blake2b(sent, digest_size=16, key=mac).digest()
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)

@@ -16,6 +16,11 @@ request with image, audio, video or embeddings parts is rendered by vLLM with th
 tokens, and its blocks keyed with the media's hashes: the router cannot reproduce that, so it routes
 such a request on an estimate of its length (its text alone) with no block keys (``Unkeyed``): no
 prefix is looked up or credited, and the pod answers it (or, a text-only model, refuses it).
+
+A request with a ``cache_salt`` (an API key's derived salt, or a client's own) is tokenized through
+the prefix token cache with its chunk-key chains seeded by that salt (``salt_seed``): its chunks are
+found only by requests of the same salt, so another tenant cannot time the router's tokenizing to
+learn whether its text was seen (docs/reliability.md). A request without one costs a None check.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from indexer.keys import block_keys
-from indexer.prefix_tokens import CachedTokens, NotCached
+from indexer.prefix_tokens import CachedTokens, NotCached, salt_seed
 from indexer.tokens import (
     ChatRequest,
     ChatTemplateError,
@@ -116,36 +121,77 @@ def add_special_tokens(body: dict[str, Any]) -> bool:
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
-def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None) -> Sequence[int]:
+def request_seed(salt: Any) -> int:
+    """The prefix token cache's chain seed for a request whose ``cache_salt`` is ``salt``, not None
+    (``indexer.prefix_tokens.salt_seed``; 0 for a salt that is not a string, which ``cache_salt``
+    refuses with a 400 anyway)."""
+    return salt_seed(salt) if isinstance(salt, str) else 0
+
+
+def salted_encoder(tokenizer: Tokenizer, max_new_chars: int | None, seed: int) -> Callable[[str, bool], Sequence[int]]:
+    """``indexer.tokens.routing_encoder`` for a salted request: the prefix token cache's chains start
+    from ``seed`` (a tokenizer without the cache keeps nothing to find: its own encoder)."""
+    cache = getattr(tokenizer, "prefix_cache", None)
+    if cache is None:
+        return routing_encoder(tokenizer, max_new_chars)
+
+    def encode(text: str, add_special_tokens: bool) -> Sequence[int]:
+        return cache.encode_cached(text, add_special_tokens, max_new_chars, seed)
+
+    return encode
+
+
+def text_encoder(tokenizer: Tokenizer, body: Mapping[str, Any]) -> Callable[[str], list[int]]:
+    """``tokenizer.encode`` for the other prompts of a completion batch (``router.costs.batch_rest_tokens``),
+    seeded as the first prompt is when the request is salted: through the prefix token cache, they
+    would otherwise leave a salted tenant's text where any request finds it."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return tokenizer.encode
+    cache = getattr(tokenizer, "prefix_cache", None)
+    if cache is None:
+        return tokenizer.encode
+    seed = request_seed(salt)
+    return lambda text: cache.encode(text, True, seed)
+
+
+def completion_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None,
+                      seed: int = 0) -> Sequence[int]:
+    """``seed``: ``request_seed`` of the request's salt (0: none)."""
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
         if max_new_chars is not None and isinstance(body.get("prompt"), list):
             raise NotCached  # a batch of texts: the others are tokenized whole (router/costs.py)
-        return routing_encoder(tokenizer, max_new_chars)(prompt, add_special_tokens(body))
+        encode = routing_encoder(tokenizer, max_new_chars) if not seed else salted_encoder(tokenizer, max_new_chars,
+                                                                                          seed)
+        return encode(prompt, add_special_tokens(body))
     return prompt
 
 
 def chat_tokens(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None = None,
-                flags: ServeChatFlags | None = None) -> Sequence[int]:
+                flags: ServeChatFlags | None = None, seed: int = 0) -> Sequence[int]:
+    """``seed``: ``request_seed`` of the request's salt (0: none)."""
     chat_messages(body)
     try:
         text, special = chat_text(body, tokenizer, flags=flags)
     except MediaContent:
-        return media_chat_estimate(body, tokenizer, max_new_chars, flags)
+        return media_chat_estimate(body, tokenizer, max_new_chars, flags, seed)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
-    return routing_encoder(tokenizer, max_new_chars)(text, special)
+    encode = routing_encoder(tokenizer, max_new_chars) if not seed else salted_encoder(tokenizer, max_new_chars, seed)
+    return encode(text, special)
 
 
 def media_chat_estimate(body: dict[str, Any], tokenizer: Tokenizer, max_new_chars: int | None,
-                        flags: ServeChatFlags | None = None) -> Unkeyed:
+                        flags: ServeChatFlags | None = None, seed: int = 0) -> Unkeyed:
     """A chat request with media parts: its tokens without the media (an estimate of its length),
     unkeyed. A request the router would refuse without its media is still a 400."""
     try:
         text, special = chat_text({**body, "messages": without_media(body["messages"])}, tokenizer, flags=flags)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
-    return Unkeyed(routing_encoder(tokenizer, max_new_chars)(text, special))
+    encode = routing_encoder(tokenizer, max_new_chars) if not seed else salted_encoder(tokenizer, max_new_chars, seed)
+    return Unkeyed(encode(text, special))
 
 
 def truncation(body: dict[str, Any]) -> tuple[int, str | None] | None:
@@ -200,11 +246,14 @@ def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Tokenizer,
     ``max_new_chars``, ``NotCached`` is raised rather than tokenize more than that many characters
     past the cached prefix (or any batch of prompts). An ``Unkeyed`` answer only estimates the
     prompt's length (``chat_tokens``); ``truncate_prompt_tokens`` is applied (``truncate``).
-    ``flags``: the pods' chat-rendering serve flags (``serve_chat_flags``; None: unset)."""
+    ``flags``: the pods' chat-rendering serve flags (``serve_chat_flags``; None: unset). A request's
+    ``cache_salt`` seeds its chunks in the prefix token cache (``request_seed``)."""
+    salt = body.get("cache_salt")
+    seed = 0 if salt is None else request_seed(salt)
     if kind == "chat":
-        tokens = chat_tokens(body, tokenizer, max_new_chars, flags)
+        tokens = chat_tokens(body, tokenizer, max_new_chars, flags, seed)
     else:
-        tokens = completion_tokens(body, tokenizer, max_new_chars)
+        tokens = completion_tokens(body, tokenizer, max_new_chars, seed)
     if body.get("truncate_prompt_tokens") is not None:
         cut = truncation(body)
         if cut is not None:

@@ -20,6 +20,11 @@ its chat endpoint does, so the router's settings of those names are not sent (ch
 vLLM 0.32: tests/real_vllm/test_tokenize_parity.py); of its serve flags only
 ``--exclude-tools-when-tool-choice-none`` is left out there, so the router leaves the tools out of
 what it asks.
+
+A request with a ``cache_salt`` (an API key's derived salt, or a client's own) has the pod's answer
+cached under its salt too (``RemoteTokenizer._tokenize``): only requests of the same salt are answered from it
+without a round trip, so no tenant can tell by the latency whether another sent the same prompt
+(docs/reliability.md, "Tenants that never share a prefix cache"). The salt is not sent to the pod.
 """
 
 from __future__ import annotations
@@ -159,9 +164,11 @@ class RemotePrompts:
         if tok is None:
             self._on_failure("no_pod")
             return PromptIds(_estimate(ask), exact=False)
+        salt = body.get("cache_salt")  # a salted request's answer is cached apart (RemoteTokenizer)
         try:
-            return PromptIds(await asyncio.wait_for(self._tokens(tok, kind, body, ask, special, cut), self._timeout_s),
-                             exact=exact)
+            return PromptIds(await asyncio.wait_for(self._tokens(tok, kind, body, ask, special, cut,
+                                                                 salt if isinstance(salt, str) else None),
+                                                    self._timeout_s), exact=exact)
         except TimeoutError:
             self._on_failure("timeout")
         except Exception as exc:  # an error answer, a refused connection, a body without tokens
@@ -171,18 +178,19 @@ class RemotePrompts:
 
     @staticmethod
     async def _tokens(tok: RemoteTokenizer, kind: str, body: dict[str, Any], ask: Any, special: bool,
-                      cut: tuple[int, str | None] | None) -> list[int]:
+                      cut: tuple[int, str | None] | None, salt: str | None = None) -> list[int]:
         """The pod's tokens, cut as vLLM cuts them for ``truncate_prompt_tokens`` (its /tokenize does
         not truncate). Cut from the tokenizer's side with special tokens added, the text's own tokens
-        are asked for too (``router.prompts.truncate``)."""
+        are asked for too (``router.prompts.truncate``). ``salt``: the request's, its answers cached
+        under it."""
         if kind == "chat":
-            tokens = await tok.encode_chat_request(body)
+            tokens = await tok.encode_chat_request(body, salt)
         else:
-            tokens = await tok.encode(ask, add_special_tokens=special)
+            tokens = await tok.encode(ask, special, salt)
         if cut is None or len(tokens) <= cut[0]:
             return tokens
         plain = None
         if special and cut[1] is None:
-            plain = await (tok.encode_chat_request({**body, "add_special_tokens": False}) if kind == "chat"
-                           else tok.encode(ask, add_special_tokens=False))
+            plain = await (tok.encode_chat_request({**body, "add_special_tokens": False}, salt) if kind == "chat"
+                           else tok.encode(ask, False, salt))
         return list(truncate(tokens, *cut, plain))

@@ -33,7 +33,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.predlog import PredictionLog
-from router.prompts import prompt_block_keys, prompt_tokens, serve_chat_flags
+from router.prompts import prompt_block_keys, prompt_tokens, serve_chat_flags, text_encoder
 from router.scheduling import (
     AggregatedPlanner,
     Calibrator,
@@ -288,7 +288,9 @@ class Router:
         completion batch. Touches no routing state, so it may run in a tokenize thread (see
         ``prompt_and_keys``). ``max_new_chars``: ``router.prompts.prompt_tokens``'s bound."""
         tokens = prompt_tokens(kind, body, self.tokenizer, max_new_chars, self.chat_flags)  # type: ignore[arg-type]
-        rest = batch_rest_tokens(body, self.tokenizer.encode, self.chars_per_token) if kind == "completion" else 0  # type: ignore[arg-type]
+        # the other prompts of a batch: seeded by the request's salt as the first is (router/prompts.py)
+        rest = batch_rest_tokens(body, text_encoder(self.tokenizer, body),  # type: ignore[arg-type]
+                                 self.chars_per_token) if kind == "completion" else 0
         return tokens, rest
 
     def prompt_and_keys(self, kind: str, body: Mapping[str, Any],

@@ -82,7 +82,7 @@ from prometheus_client.registry import Collector
 from indexer.tokens import ServeChatFlags
 from router.costs import batch_rest_tokens
 from router.errors import APIError
-from router.prompts import Unkeyed, prompt_block_keys, prompt_tokens
+from router.prompts import Unkeyed, prompt_block_keys, prompt_tokens, text_encoder
 
 log = logging.getLogger("kvroute")
 
@@ -194,8 +194,14 @@ class _Child:
                  salt: str | None, chars_per_token: float) -> _Answer:
         try:
             body = orjson.loads(raw)
+            if salt is not None and isinstance(body, dict):
+                # the request's salt as the router has it: a key's derived salt is in the router's body,
+                # not in the client's bytes (router/api.py), and it seeds the prefix token cache's chunks
+                # here as there (router/prompts.py)
+                body["cache_salt"] = salt
             tokens = prompt_tokens(kind, body, self.tokenizer, None, self.chat_flags)
-            rest = batch_rest_tokens(body, self.tokenizer.encode, chars_per_token) if kind == "completion" else 0
+            rest = batch_rest_tokens(body, text_encoder(self.tokenizer, body), chars_per_token) \
+                if kind == "completion" else 0
         except APIError as exc:
             return _Answer(job_id, 0, 0, [], None, self.counts(), None, (exc.status, exc.message, exc.param, exc.code))
         keys = prompt_block_keys(tokens, block_size, seed, adapter, salt)

@@ -15,7 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.keys import block_keys
-from indexer.prefix_tokens import PROBE, CachedTokens, NotCached, PrefixTokenCache, boundaries, cut_problem
+from indexer.prefix_tokens import (
+    PROBE,
+    CachedTokens,
+    NotCached,
+    PrefixTokenCache,
+    boundaries,
+    cut_problem,
+    salt_seed,
+)
 from tests.helpers import ROOT
 
 WORDS = ("the quick brown fox jumps over lazy dog 42 1234567 hello, world! It's we're can't x3 "
@@ -902,3 +910,89 @@ def test_the_router_says_why_its_prefix_token_cache_is_off(tmp_path, caplog):
         services = Services(settings)
     assert services.prefix_tokens is not None and services.prefix_tokens.disabled
     assert "prefix token cache off" in caplog.text and "token 1 ('x y')" in caplog.text
+
+
+# ---- salted texts: chains seeded by the request's cache_salt (router/prompts.py) ----------------------
+SEEDS = (0, salt_seed("tenant-a"), salt_seed("tenant-b"))
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=words, follow_ups=st.lists(st.tuples(st.floats(0.3, 1.0), words, text_piece, st.sampled_from(SEEDS)),
+                                         min_size=1, max_size=5),
+       special=st.booleans(), seed=st.sampled_from(SEEDS))
+def test_seeded_texts_give_exactly_the_full_tokenization_and_its_keys_whatever_other_seeds_cached(
+        name, prefix, follow_ups, special, seed):
+    """Turns and branches of a conversation, each under one of three seeds (unsalted, two salts), in
+    one cache: every text's tokens and block keys are those of a full tokenization, and a text
+    reuses chunks only where an earlier text of its own seed covered them."""
+    hf = TOKENIZERS[name]
+    cache = PrefixTokenCache(hf, chunk_chars=24, min_chars=0, verify_every=0)
+    text = " ".join(prefix)
+    assert cache.encode(text, special, seed) == hf.encode(text, add_special_tokens=special).ids
+    seen = {seed: [text]}
+    for keep, more, noise, s in follow_ups:
+        text = text[:int(len(text) * keep)] + " " + " ".join(more) + noise
+        before = cache.stats.reused_tokens
+        got = cache.encode_cached(text, special, None, s)
+        full = hf.encode(text, add_special_tokens=special).ids
+        assert list(got) == full, name
+        if isinstance(got, CachedTokens):
+            extra_for = _extra_for(None, "salt")
+            want = block_keys(full, 16, 12345, extra_for(len(full) // 16, 0))
+            assert got.block_keys(16, 12345, (None, "salt"), extra_for) == want
+        ends = boundaries(text, 24)
+        mine = seen.setdefault(s, [])
+        if not any(e <= len(t) and text[:e] == t[:e] for t in mine for e in ends[:1]):
+            assert cache.stats.reused_tokens == before  # no text of this seed shares its first chunk
+        mine.append(text)
+    assert not cache.disabled
+
+
+def test_a_salted_texts_chunks_are_found_only_by_texts_of_its_salt():
+    """What tenant A's request stores is found by A's follow-up, not by tenant B's identical text nor
+    an unsalted one (each tokenized from nothing, and told new by its first chunk: ``NotCached``);
+    unsalted texts find each other's chunks as before. Chunks another process stored (the tokenize
+    process, the booking bus) are found by the same rule: the keys carry the seed."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=0)
+    a, b = salt_seed("tenant-a"), salt_seed("tenant-b")
+    assert 0 not in (a, b) and a != b and salt_seed("tenant-a") == a
+    text = " ".join(corpus(80, seed=4))
+    more = text + " " + " ".join(corpus(5, seed=5))
+
+    def reused(t: str, seed: int, into: PrefixTokenCache = cache) -> int:
+        before = into.stats.reused_tokens
+        assert list(into.encode_cached(t, False, None, seed)) == hf.encode(t, add_special_tokens=False).ids
+        return into.stats.reused_tokens - before
+
+    stored: list[tuple[int, bytes]] = []
+    cache.on_stored = stored.extend
+    assert reused(text, a) == 0
+    shared = stored[:]
+    assert reused(text, b) == 0 and cache.stats.hits == 0 and cache.stats.misses == 2
+    with pytest.raises(NotCached):  # a follow-up with little new text, but none of it this salt's
+        cache.encode_cached(more, False, 200, salt_seed("tenant-c"))
+    assert reused(more, 0) == 0
+    held = cache.held_tokens
+    assert reused(more, a) > 0 and reused(more, b) > 0 and reused(more + " again", 0) > 0
+    assert cache.stats.hits == 3
+    assert held >= 3 * len(hf.encode(text, add_special_tokens=False).ids) * 0.9  # three tenants, three copies
+    # another process's chunks of A's text: A's follow-up finds them, B's and an unsalted one do not
+    peer = PrefixTokenCache(hf, chunk_chars=64, min_chars=0, verify_every=0)
+    assert peer.adopt(shared) == len(shared) > 0
+    assert reused(more, b, peer) == 0 and reused(more, 0, peer) == 0 and reused(more, a, peer) > 0
+
+
+def test_salted_texts_keep_the_caches_bounds():
+    """The same text under many salts: distinct entries, as distinct texts would be, within the same
+    caps (tokens, keys, notes)."""
+    hf = TOKENIZERS["byte-level BPE (GPT-2)"]
+    cache = PrefixTokenCache(hf, chunk_chars=32, min_chars=0, verify_every=0, max_tokens=2000)
+    text = " ".join(corpus(40, seed=6))
+    for i in range(60):
+        got = cache.encode_cached(text, False, None, salt_seed(f"salt-{i}"))
+        assert isinstance(got, CachedTokens)
+        got.block_keys(16, 1, (None, f"salt-{i}"))
+        assert cache.held_tokens <= 2000 and cache._keys_held <= 500 and cache._notes_held <= 2000 // 16 + 40
+    assert cache.stats.reused_tokens == 0

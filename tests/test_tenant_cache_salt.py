@@ -226,3 +226,115 @@ async def test_a_tenants_follow_up_is_credited_its_own_turn_and_another_tenants_
         assert r.headers["x-kvroute-pod"] == pod
         hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert before == hit >= need, (before, hit)
+
+
+# ---------------------------------------------------------------------------------------------
+# the router's own caches keyed by prompt text: the prefix token cache and tokenizer: remote's answers
+# ---------------------------------------------------------------------------------------------
+
+
+def long_text(seed: int, lines: int = 80) -> str:
+    from tests.test_prefix_tokens import corpus
+
+    return " ".join(corpus(lines, seed=seed))
+
+
+@pytest.mark.e2e
+async def test_a_tenants_prompt_leaves_no_chunks_another_tenant_finds_in_the_routers_token_cache(tmp_path):
+    """Through the app (the key's salt derived and put in the body, then the prompt tokenized on the
+    event loop): a text tenant A sent is tokenized from nothing for tenant B and for a key with no
+    salt, while each finds its own earlier turns; the keys of one secret share theirs; unsalted
+    requests share theirs as before; a salted completion batch's other prompts are seeded too."""
+    from tests.test_prefix_tokens import TOKENIZERS
+
+    path = tmp_path / "tokenizer.json"
+    TOKENIZERS["byte-level BPE (GPT-2)"].save(str(path))
+    pod = PassPod("pod-0", free_port())
+    await pod.start()
+    try:
+        settings = build_settings(RouterSettings, {"pods": [{"id": "pod-0", "url": pod.url, "model": "m"}],
+                                                   "port": free_port(), "health_interval_s": 0.2,
+                                                   "scrape_interval_s": 0.1, "api_keys": keys(),
+                                                   "tokenizer": str(path), "tokenize_process": False,
+                                                   "tokenize_offload_bytes": 10_000_000})
+        async with running_router(settings) as (base, services), \
+                httpx.AsyncClient(base_url=base, timeout=10) as c:
+            stats = services.prefix_tokens.stats
+
+            async def reused(key: str, prompt, **extra) -> int:
+                before = stats.reused_tokens
+                r = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2, **extra},
+                                 headers=bearer(key))
+                assert r.status_code == 200, r.text
+                return stats.reused_tokens - before
+
+            text, more, other = long_text(1), " " + long_text(2, 4), long_text(3)
+            assert len(text) >= 4096
+            assert await reused("sk-a", text) == 0
+            assert await reused("sk-b", text) == 0   # A's chunks are not B's
+            assert await reused("sk-c", text) == 0   # nor a key's without a salt
+            # each finds its own: A (and A's other key, the same secret), B, and the unsalted key
+            assert await reused("sk-a", text + more) > 0
+            assert await reused("sk-a-ops", text + more + more) > 0
+            assert await reused("sk-b", text + more) > 0
+            assert await reused("sk-c", text + more) > 0
+            assert await reused("sk-admin", text + more + more) > 0  # unsalted requests share, as before
+            # a client's own salt on a key without one seeds its chunks too (router/prompts.py)
+            assert await reused("sk-c", text + more, cache_salt="conversation-7") == 0
+            assert await reused("sk-c", text + more + more, cache_salt="conversation-7") > 0
+            # a salted batch's other prompts: seeded like its first
+            assert await reused("sk-a", ["a short first prompt", other]) == 0
+            assert await reused("sk-c", other + more) == 0
+            assert await reused("sk-a", other + more) > 0
+    finally:
+        await pod.stop()
+
+
+@pytest.mark.e2e
+async def test_a_tenants_prompt_is_answered_from_the_remote_tokenizers_cache_only_for_its_own_salt():
+    """``tokenizer: remote``: an answer of a pod's /tokenize is reused only by requests of the same salt
+    (none: unsalted ones, as before), and the salt is never sent to the pod."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+
+    from router.remote_prompts import RemotePrompts
+    from tests.helpers import serve_routes
+
+    seen: list[dict] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        text = body.get("prompt") or "|".join(m["content"] for m in body["messages"])
+        ids = [1] * body.get("add_special_tokens", True) + [10 + b for b in text.encode()]
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 100_000})
+
+    a, b = derived(SALT_A), derived(SALT_B)
+    async with serve_routes(web.post("/tokenize", tokenize)) as port, httpx.AsyncClient() as client:
+        pod = SimpleNamespace(id="pod-0", config=SimpleNamespace(id="pod-0", url=f"http://127.0.0.1:{port}",
+                                                                 model="m", lora_adapters=[]))
+        remote = RemotePrompts(SimpleNamespace(healthy=lambda: [pod], pods={"pod-0": pod}), lambda: None, 5.0, 64,
+                               lambda reason: None)
+        remote._poster = client  # type: ignore[assignment]
+
+        async def asked(kind: str, salt: str | None, **body) -> int:
+            """How many /tokenize calls the request made."""
+            before = len(seen)
+            got = await remote.prompt_ids(kind, {**body, **({"cache_salt": salt} if salt else {})}, "m")
+            assert got.exact and got.tokens
+            return len(seen) - before
+
+        text = "Tenant A's private context. " * 20
+        msgs = [{"role": "user", "content": text}]
+        for kind, body in (("completion", {"prompt": text}), ("chat", {"messages": msgs}),
+                           ("completion", {"prompt": text, "truncate_prompt_tokens": 50})):
+            assert await asked(kind, a, **body) >= 1
+            assert await asked(kind, b, **body) >= 1      # not answered from A's
+            assert await asked(kind, None, **body) >= 1   # nor is an unsalted request
+            assert await asked(kind, a, **body) == 0      # each from its own
+            assert await asked(kind, b, **body) == 0
+            assert await asked(kind, None, **body) == 0
+        assert all("cache_salt" not in s and a not in str(s) and b not in str(s) for s in seen)
+        tok = next(iter(remote._by_pod.values()))
+        assert tok._held == sum(map(len, tok._cache.values()))  # one cache, one bound

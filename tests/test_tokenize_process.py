@@ -467,3 +467,41 @@ async def test_the_child_renders_with_the_pods_chat_template_and_content_format(
         assert proc.jobs["done"] == 2
     finally:
         proc.stop()
+
+
+def test_the_child_seeds_a_salted_jobs_chunks_by_the_salt_it_is_sent_as_the_router_does(tokenizer_file):
+    """The child parses the client's bytes, where a key's derived salt is not (router/api.py): it seeds
+    the job's chunks by the salt the job carries. Its chunks, adopted by the router's cache (as they
+    come back with each answer, or over the booking bus), are found there by the same salt's follow-up
+    and by no other's; another salt's job in the child finds none of them either."""
+    child = tokenize_proc._Child(tokenizer_file, 1_000_000, share=True)
+    here = HFTokenizer(tokenizer_file)
+    cache = here.cache_prefixes(max_tokens=1_000_000)
+    history = conversation(3)
+    follow = history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+    a, b = "a" * 64, "b" * 64  # derived salts, as the router passes them
+    raw = orjson.dumps({"model": "m", "messages": history, "cache_salt": "the-clients-own"})
+    seed = key_seed("m")
+
+    def reused() -> int:
+        counts = child.counts()
+        assert counts is not None
+        return counts[0]
+
+    first = child.tokenize(1, "chat", raw, 16, seed, None, a, 4.0)
+    assert first.stored and reused() == 0
+    assert child.tokenize(2, "chat", raw, 16, seed, None, b, 4.0).stored and reused() == 0  # B: none of A's
+    unsalted = orjson.dumps({"model": "m", "messages": history})
+    assert child.tokenize(3, "chat", unsalted, 16, seed, None, None, 4.0).stored and reused() == 0
+    assert child.tokenize(4, "chat", unsalted, 16, seed, None, None, 4.0).stored is None and reused() > 0
+    # the router's cache, given the child's chunks of A's job, finds them for A's follow-up only
+    cache.adopt(first.stored)
+    for salt, found in ((b, False), ("the-clients-own", False), (None, False), (a, True)):
+        body = {"model": "m", "messages": follow, **({"cache_salt": salt} if salt else {})}
+        before = cache.stats.reused_tokens
+        tokens = prompt_tokens("chat", body, here)
+        assert (cache.stats.reused_tokens > before) is found, salt
+        # and the child keys A's job as the router keys the same request
+        if salt == a:
+            got = child.tokenize(5, "chat", orjson.dumps({**body, "cache_salt": "x"}), 16, seed, None, a, 4.0)
+            assert got.keys == prompt_block_keys(tokens, 16, seed, None, a)
