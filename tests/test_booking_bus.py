@@ -211,19 +211,20 @@ def test_tokens_messages_reach_the_cache_only_when_well_formed_and_of_the_same_t
     assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 1
 
 
-def test_credits_messages_reach_the_router_only_when_well_formed_and_of_the_same_key_space():
+@pytest.mark.parametrize("kind,name,hook", [("c", "credits", "on_credits"), ("w", "withdrawals", "on_withdrawals")])
+def test_credits_and_withdrawals_reach_the_router_only_when_well_formed_and_of_the_same_key_space(kind, name, hook):
     bus = BookingBus(Ledger(), origin="me")
     got: list = []
     keys = [7, (1 << 60) - 1, 0]
     body = ["16:abc", [["pod-a", 3], ["pod-b", 1]], array("Q", [*keys, 9]).tobytes()]  # little-endian here
-    bus.handle(encode("c", "other", 1, body))
-    assert bus.stats.get("credits", "dropped") == 1  # nobody takes them: not sharing
+    bus.handle(encode(kind, "other", 1, body))
+    assert bus.stats.get(name, "dropped") == 1  # nobody takes them: not sharing
     bus.key_space = "16:abc"
-    bus.on_credits = lambda pod, k: got.append((pod, k))
-    bus.handle(encode("c", "other", 2, body))
-    assert got == [("pod-a", keys), ("pod-b", [9])] and bus.stats.get("credits", "received") == 1
-    bus.handle(encode("c", "other", 3, ["64:abc", *body[1:]]))  # another block size (or Python's hash)
-    assert len(got) == 2 and bus.stats.get("credits", "dropped") == 2
+    setattr(bus, hook, lambda pod, k: got.append((pod, k)))
+    bus.handle(encode(kind, "other", 2, body))
+    assert got == [("pod-a", keys), ("pod-b", [9])] and bus.stats.get(name, "received") == 1
+    bus.handle(encode(kind, "other", 3, ["64:abc", *body[1:]]))  # another block size (or Python's hash)
+    assert len(got) == 2 and bus.stats.get(name, "dropped") == 2
     n = CREDIT_KEYS_PER_MESSAGE
     k8 = b"\0" * 8
     bad = [["16:abc", body[1]], ["16:abc", [], b""], ["", *body[1:]], ["x" * 65, *body[1:]],
@@ -231,10 +232,11 @@ def test_credits_messages_reach_the_router_only_when_well_formed_and_of_the_same
            ["16:abc", [["p", 1]], b"\0" * 12], ["16:abc", [["p", 0]], b""], ["16:abc", [["p", True]], k8],
            ["16:abc", [["p", 1, 1]], k8], ["16:abc", [["p", 2]], k8], ["16:abc", [["p", 1]], k8 * 2],
            ["16:abc", [["p", 1]], [1]], ["16:abc", [["p", n + 1]], k8 * (n + 1)],
-           ["16:abc", [["p", 1]] * (n + 1), k8 * (n + 1)]]
+           ["16:abc", [["p", 1]] * (n + 1), k8 * (n + 1)], "x", None]
     for i, b in enumerate(bad):
-        bus.handle(encode("c", "other", 4 + i, b))
+        bus.handle(encode(kind, "other", 4 + i, b))
     assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 2
+    assert bus.stats.get(name, "received") == 1
 
 
 def test_limits_messages_charge_the_callers_buckets_only_when_well_formed():

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from array import array
 
 import pytest
 
 from indexer.events import BlockStored
 from indexer.keys import key_space
-from router.bookbus import CREDIT_KEYS_PER_MESSAGE, MAX_PENDING_CREDIT_KEYS, BookingBus, BusCollector, encode
-from router.booking import Ledger
+from router.bookbus import CREDIT_KEYS_PER_MESSAGE, MAX_PENDING_CREDIT_KEYS, BookingBus, BusCollector
 from router.config import PodConfig
 from router.lifecycle import Lifecycle
 from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_BLOCKS
@@ -57,33 +55,6 @@ async def turns(n: int) -> None:
 
 
 # ---- unit: the "w" message ------------------------------------------------------------------------
-def test_withdrawals_messages_reach_the_router_only_when_well_formed_and_of_the_same_key_space():
-    bus = BookingBus(Ledger(), origin="me")
-    got: list = []
-    keys = [7, (1 << 60) - 1, 0]
-    body = ["16:abc", [["pod-a", 3], ["pod-b", 1]], array("Q", [*keys, 9]).tobytes()]  # little-endian here
-    bus.handle(encode("w", "other", 1, body))
-    assert bus.stats.get("withdrawals", "dropped") == 1  # nobody takes them: not sharing
-    bus.key_space = "16:abc"
-    bus.on_withdrawals = lambda pod, k: got.append((pod, k))
-    bus.handle(encode("w", "other", 2, body))
-    assert got == [("pod-a", keys), ("pod-b", [9])] and bus.stats.get("withdrawals", "received") == 1
-    bus.handle(encode("w", "other", 3, ["64:abc", *body[1:]]))  # another block size (or Python's hash)
-    assert len(got) == 2 and bus.stats.get("withdrawals", "dropped") == 2
-    n = CREDIT_KEYS_PER_MESSAGE
-    k8 = b"\0" * 8
-    bad = [["16:abc", body[1]], ["16:abc", [], b""], ["", *body[1:]], ["x" * 65, *body[1:]],
-           ["16:abc", [[1, 1]], k8], ["16:abc", [["", 1]], k8], ["16:abc", [["p" * 257, 1]], k8],
-           ["16:abc", [["p", 1]], b"\0" * 12], ["16:abc", [["p", 0]], b""], ["16:abc", [["p", True]], k8],
-           ["16:abc", [["p", 1, 1]], k8], ["16:abc", [["p", 2]], k8], ["16:abc", [["p", 1]], k8 * 2],
-           ["16:abc", [["p", 1]], [1]], ["16:abc", [["p", n + 1]], k8 * (n + 1)],
-           ["16:abc", [["p", 1]] * (n + 1), k8 * (n + 1)], "x", None]
-    for i, b in enumerate(bad):
-        bus.handle(encode("w", "other", 4 + i, b))
-    assert bus.stats.get("bad", "dropped") == len(bad) and len(got) == 2
-    assert bus.stats.get("withdrawals", "received") == 1
-
-
 # ---- unit: the receiving router ----------------------------------------------------------------------
 @pytest.mark.parametrize("events", [True, False], ids=["events", "no events"])
 async def test_a_foreign_withdrawal_is_not_undone_by_the_pieces_of_its_credit_still_to_come(events):

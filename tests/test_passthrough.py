@@ -9,7 +9,6 @@ and the model the body named, so a test sees where a request went and what arriv
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import struct
@@ -46,19 +45,9 @@ class PassPod(Pod):
 
     async def other(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw,
-                          "path": request.path, "query": request.query_string})
-        waited = 0.0
-        while waited < self.first_delay:  # a queue, watching for the router closing the connection
-            if request.transport is None or request.transport.is_closing():
-                self.cancelled += 1
-                return web.Response(status=499)
-            await asyncio.sleep(0.02)
-            waited += 0.02
-        if self.fail_times > 0:
-            self.fail_times -= 1
-            return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
-                                     status=self.fail_status)
+        instead = await self.received(request, raw, query=request.query_string)
+        if instead is not None:
+            return instead
         body = orjson.loads(raw)
         if body.get("bad"):  # a refusal of the pod's own, relayed as it is
             return web.json_response({"error": {"message": "pod says no", "type": "BadRequestError", "code": 400}},

@@ -84,11 +84,11 @@ class Pod:
                 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
         return web.Response(text=text)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        body = orjson.loads(raw)
+    async def received(self, request: web.Request, raw: bytes, **extra: object) -> web.Response | None:
+        """Record the request, wait ``first_delay`` (a queue, watching for the router closing the
+        connection) and fail it ``fail_times``: the answer to give instead of the route's own, or None."""
         self.seen.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "raw": raw,
-                          "path": request.path})
+                          "path": request.path, **extra})
         waited = 0.0
         while waited < self.first_delay:
             if request.transport is None or request.transport.is_closing():
@@ -100,6 +100,14 @@ class Pod:
             self.fail_times -= 1
             return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
                                      status=self.fail_status)
+        return None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = orjson.loads(raw)
+        instead = await self.received(request, raw)
+        if instead is not None:
+            return instead
         if self.trickle and not body.get("stream"):
             payload = orjson.dumps({"id": "cmpl-1", "object": "text_completion", "choices": []})
             resp = web.StreamResponse(headers={"content-type": "application/json"})

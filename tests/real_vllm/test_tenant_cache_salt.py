@@ -3,20 +3,12 @@ engine's prefix cache, and the router credits each tenant exactly what the engin
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
-import yaml
 
 from realvllm.engines import BLOCK_SIZE, MODEL_NAME, router_pod
-from simulator.testing import spawn, stop_process, wait_ready
-from tests.helpers import free_port
-from tests.real_vllm.conftest import START_TIMEOUT_S, engine_metric, wait_for
+from tests.real_vllm.conftest import engine_metric, running_router, wait_for
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -29,27 +21,6 @@ def hits(url: str) -> float:
     return engine_metric(url, "vllm:prefix_cache_hits_total")
 
 
-@contextlib.contextmanager
-def keyed_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) -> Iterator[str]:
-    """``kvroute serve`` with API keys in front of one pod (its /ready answers 200 once that pod is
-    healthy: with keys it does not count them)."""
-    port = free_port()
-    cfg = tmp_path / f"router-{port}.yaml"
-    cfg.write_text(yaml.safe_dump({"port": port, "pods": pods, "scrape_interval_s": 0.2, "health_interval_s": 0.5,
-                                   "log_level": "info", **settings}))
-    base = f"http://127.0.0.1:{port}"
-    log = tmp_path / f"router-{port}.log"
-    proc = spawn([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)], log)
-    try:
-        wait_ready(base + "/ready", proc, START_TIMEOUT_S, log=log)
-        yield base
-    finally:
-        stop_process(proc)
-        secrets = [k["cache_salt"] for k in settings.get("api_keys", ()) if "cache_salt" in k]
-        logged = log.read_text(errors="replace")
-        assert not any(s in logged for s in secrets), "a cache_salt secret in the router's log"
-
-
 def test_two_tenants_never_share_an_engines_prefix_cache(agg_engines, real_env, tmp_path):
     engine = agg_engines[0]
     salt_a, salt_b = os.urandom(16).hex(), os.urandom(16).hex()   # fresh: nothing of an earlier run is cached
@@ -58,8 +29,8 @@ def test_two_tenants_never_share_an_engines_prefix_cache(agg_engines, real_env, 
             {"key": "sk-b", "name": "tenant-b", "cache_salt": salt_b},
             {"key": "sk-b-ops", "name": "tenant-b-ops", "cache_salt": salt_b, "admin": True}]
     # every prompt through the tokenize process (its keys take the derived salt as the loop's do)
-    with keyed_router(tmp_path, [router_pod(engine)], tokenizer=str(real_env.tokenizer), speculative_ttl_s=0.05,
-                      api_keys=keys, tokenize_offload_bytes=1, tokenize_inline_chars=0) as base, \
+    with running_router(tmp_path, [router_pod(engine)], tokenizer=str(real_env.tokenizer), speculative_ttl_s=0.05,
+                        api_keys=keys, tokenize_offload_bytes=1, tokenize_inline_chars=0) as base, \
             httpx.Client(base_url=base, timeout=120) as c:
 
         def send(key: str, body: dict) -> tuple[httpx.Response, float]:
@@ -91,3 +62,5 @@ def test_two_tenants_never_share_an_engines_prefix_cache(agg_engines, real_env, 
         assert cold == 0
         assert seen["b"] == (0, 0)
         assert seen["a"][0] == seen["a"][1] >= need
+    logged = "".join(p.read_text(errors="replace") for p in tmp_path.glob("router-*.log"))
+    assert logged and salt_a not in logged and salt_b not in logged, "a cache_salt secret in the router's log"
