@@ -10,7 +10,6 @@ and the model the body named, so a test sees where a request went and what arriv
 from __future__ import annotations
 
 import base64
-import contextlib
 import struct
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from kvcommon.settings import build_settings
 from router.config import RouterSettings
 from router.passthrough import PATHS
 from tests.helpers import free_port, until
-from tests.test_router_api import Pod, completion, running_router
+from tests.test_router_api import Pod, completion, running_router, started
 
 pytestmark = pytest.mark.e2e
 
@@ -64,17 +63,10 @@ class PassPod(Pod):
                                  status=200, headers={"x-pod-name": self.name})
 
 
-@contextlib.asynccontextmanager
-async def pass_pods(*specs: tuple[str, str, tuple[str, ...]], **kw):
+def pass_pods(*specs: tuple[str, str, tuple[str, ...]], **kw):
     """Pods (name, model, adapters), started on free ports."""
-    pods = [PassPod(name, free_port(), model=model, adapters=adapters, **kw) for name, model, adapters in specs]
-    for p in pods:
-        await p.start()
-    try:
-        yield pods
-    finally:
-        for p in pods:
-            await p.stop()
+    return started([PassPod(name, free_port(), model=model, adapters=adapters, **kw)
+                    for name, model, adapters in specs])
 
 
 def settings_for(pods: list[PassPod], **kw) -> RouterSettings:

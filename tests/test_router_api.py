@@ -147,8 +147,8 @@ class Pod:
 
 
 @contextlib.asynccontextmanager
-async def pods_running(n: int, **kw):
-    pods = [Pod(f"pod-{i}", free_port(), **kw) for i in range(n)]
+async def started(pods: list):
+    """``pods`` started, and stopped on the way out."""
     for p in pods:
         await p.start()
     try:
@@ -156,6 +156,10 @@ async def pods_running(n: int, **kw):
     finally:
         for p in pods:
             await p.stop()
+
+
+def pods_running(n: int, **kw):
+    return started([Pod(f"pod-{i}", free_port(), **kw) for i in range(n)])
 
 
 def settings_for(pods, **kw) -> RouterSettings:
