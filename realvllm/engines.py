@@ -131,6 +131,7 @@ class Engine:
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: /reset_prefix_cache and the other dev endpoints
+    responses_store: bool = False  # VLLM_ENABLE_RESPONSES_API_STORE: /v1/responses keeps what it answers
     data_parallel_size: int = 1  # engines behind the one API port; rank r publishes on the event ports + r
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
@@ -195,6 +196,8 @@ class Engine:
         })
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.responses_store:
+            env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         if self.nixl:  # vLLM's AMX attention dies after a NIXL transfer: realvllm/no_amx/sitecustomize.py

@@ -43,6 +43,9 @@ from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import POLICY as PASSTHROUGH_POLICY
 from router.passthrough import Passthrough, passthrough_model
 from router.prompts import LoopLoad, usable_cpus
+from router.responses import PATH as RESPONSES_PATH
+from router.responses import Turn, stored_query
+from router.responses import pod_of as response_pod
 from router.routing import Router, cache_salt
 from router.service import Services
 
@@ -315,12 +318,24 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            prompt = await prompt_ids(r, kind, body, raw)
-            plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
-            gate.settle(caller, charged, plan.request.prompt_tokens)
-            sent = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
-            # a key with a cache salt: body holds the derived salt (admitted_body), the bytes not yet
-            raw = orjson.dumps(body) if caller.salt is not None and sent is raw else sent
+            if kind == "responses":  # planned as the chat request it renders as (router/responses.py)
+                # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``Turn.sent``)
+                sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+                turn = Turn(body, caller.name, lambda: services.registry.pods)
+                view, kind = turn.view, "chat"
+                prompt = await prompt_ids(r, kind, view, orjson.dumps(view)) if turn.keyed else \
+                    {"tokens": turn.estimate(r.chars_per_token), "exact": False}
+                plan = r.plan(kind, view, headers, grants=caller.grants, only=turn.pods, **prompt)
+                gate.settle(caller, charged, plan.request.prompt_tokens)
+                sent: bytes | Callable[[str], bytes] = turn.sent
+                body = view
+            else:
+                prompt = await prompt_ids(r, kind, body, raw)
+                plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)
+                gate.settle(caller, charged, plan.request.prompt_tokens)
+                sent = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
+                # a key with a cache salt: body holds the derived salt (admitted_body), the bytes not yet
+                sent = orjson.dumps(body) if caller.salt is not None and sent is raw else sent
         except APIError as exc:
             metrics.requests.labels("", lifecycle.policy, str(exc.status)).inc()
             extra = {"x-request-id": rid}
@@ -331,7 +346,7 @@ def create_app(services: Services) -> FastAPI:
             scope = request.scope
             fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
             figures = caller.grants.admin or caller.grants.objective  # see Lifecycle.reject
-            return await lifecycle.serve(r, plan, path, raw, fwd, request, body, rid, figures)
+            return await lifecycle.serve(r, plan, path, sent, fwd, request, body, rid, figures)
         finally:
             load.active -= 1
 
@@ -343,7 +358,12 @@ def create_app(services: Services) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "chat", "/v1/chat/completions")
 
-    app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    @app.post(RESPONSES_PATH, openapi_extra=openapi_body("responses"))
+    async def responses_create(request: Request) -> Response:
+        return await proxy(request, "responses", RESPONSES_PATH)
+
+    app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions,
+                       RESPONSES_PATH: responses_create}
 
     # ---- vLLM's other routes (router/passthrough.py) ----------------------------------------------
     async def pass_through(request: Request, path: str) -> Response:
@@ -377,6 +397,41 @@ def create_app(services: Services) -> FastAPI:
         async def handler(request: Request) -> Response:
             return await pass_through(request, path)
         return handler
+
+    # ---- a stored response (router/responses.py): on the pod its id names, for its own API key ----------
+    async def stored_response(request: Request, response_id: str, action: str) -> Response:
+        """``GET /v1/responses/{id}`` (``action`` "") or ``POST /v1/responses/{id}/cancel``
+        ("/cancel"), sent to the pod that stores the response, as a pass-through request. The path
+        sent is built from the id the router checked and the query values vLLM reads (``stream``,
+        ``starting_after``), each checked: nothing else of the client's target reaches the pod."""
+        headers = header_map(request.scope["headers"])
+        rid = _request_id(headers)
+        try:
+            caller = gate.admit(headers)
+            router()
+            pod_id = response_pod(response_id, caller.name, services.registry.pods)
+            path = f"{RESPONSES_PATH}/{response_id}{action}"
+            if not action:
+                path += stored_query(request.query_params)
+            pod = services.registry.pods[pod_id]
+            if not (pod.healthy and pod.ready):
+                raise APIError(503, f"pod {pod_id}, which stores response {response_id}, is not ready")
+        except APIError as exc:
+            metrics.requests.labels("", PASSTHROUGH_POLICY, str(exc.status)).inc()
+            return from_exc(exc, {"x-request-id": rid})
+        scope = request.scope
+        fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
+        fwd.pop("content-type", None)
+        return await passthrough.serve(router(), path, pod.config.model, b"", fwd, request, rid, pods=[pod],
+                                       method="GET" if not action else "POST")
+
+    @app.get(RESPONSES_PATH + "/{response_id}", include_in_schema=False)
+    async def responses_retrieve(request: Request, response_id: str) -> Response:
+        return await stored_response(request, response_id, "")
+
+    @app.post(RESPONSES_PATH + "/{response_id}/cancel", include_in_schema=False)
+    async def responses_cancel(request: Request, response_id: str) -> Response:
+        return await stored_response(request, response_id, "/cancel")
 
     for path in PASSTHROUGH_PATHS:
         handler = passthrough_route(path)

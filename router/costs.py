@@ -59,7 +59,10 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: flo
     ``chars_per_token`` characters a token. Shapes the router will refuse count 0 (they get a 400)."""
     chars = 0
     ids = 0
-    if kind == "chat":
+    if kind == "responses":  # router/responses.py: instructions, input (a text or items) and tools
+        for field in ("instructions", "input", "tools"):
+            chars += _nested_chars(body.get(field))
+    elif kind == "chat":
         messages = body.get("messages")
         if isinstance(messages, list):
             for m in messages:

@@ -138,31 +138,53 @@ class Opened:
     resp: UpstreamResponse
     first_chunk: bytes
     streaming: bool
-    # a stream whose first chunk held only SSE comment lines: the first-byte callback, still owed at
-    # the first event (``relay`` calls it), and whether that chunk ended inside a comment line
+    # a stream whose first chunk held no token: the first-byte callback, still owed at the first
+    # token's event (``relay`` calls it), where that chunk ended (``first_event_begins``'s state)
+    # and the events that come before the first token (``Dispatcher.open``'s ``preamble``)
     first_token: Callable[[], None] | None = None
-    in_comment: bool = False
+    skipping: int = 0
+    preamble: tuple[bytes, ...] = ()
 
 
-def first_event_begins(data: bytes, in_comment: bool = False) -> tuple[bool, bool]:
-    """(whether an SSE event's first line begins in ``data``, whether ``data`` ends inside a comment
-    line), ``in_comment`` telling whether it begins inside one. Comment lines (``:`` first) and blank
+# first_event_begins's states: between lines, inside a comment line, inside an event of the
+# preamble, and inside one whose last byte was a newline (a blank line ends it)
+_LINE, _COMMENT, _PREAMBLE, _PREAMBLE_NL = 0, 1, 2, 3
+
+
+def first_event_begins(data: bytes, skipping: int = _LINE, preamble: tuple[bytes, ...] = ()) -> tuple[bool, int]:
+    """(whether the first token's SSE event begins in ``data``, where ``data`` ends: a state to pass
+    with the next chunk), ``skipping`` telling where it begins. Comment lines (``:`` first) and blank
     lines are no event: vLLM's ``--sse-keep-alive-interval`` sends ``: keep-alive`` while a request
-    waits or prefills, long before its first token."""
+    waits or prefills, long before its first token. Nor is an event whose first line begins with one
+    of ``preamble``: the Responses API's ``response.created`` and ``response.in_progress``, sent as
+    the request is taken (router/responses.py). Such an event ends at a blank line, as vLLM ends
+    each (``\n\n``)."""
     i, n = 0, len(data)
     while i < n:
-        if in_comment:
+        if skipping == _COMMENT:
             ends = [j for j in (data.find(b"\n", i), data.find(b"\r", i)) if j >= 0]
             if not ends:
-                return False, True
-            in_comment, i = False, min(ends) + 1
+                return False, _COMMENT
+            skipping, i = _LINE, min(ends) + 1
+        elif skipping == _PREAMBLE_NL:
+            if data[i] == 10:
+                skipping, i = _LINE, i + 1
+            else:
+                skipping = _PREAMBLE
+        elif skipping == _PREAMBLE:
+            j = data.find(b"\n\n", i)
+            if j < 0:
+                return False, _PREAMBLE_NL if data[-1] == 10 else _PREAMBLE
+            skipping, i = _LINE, j + 2
         elif data[i] in (10, 13):
             i += 1
         elif data[i] == 58:  # ":"
-            in_comment = True
+            skipping = _COMMENT
+        elif preamble and data.startswith(preamble, i):
+            skipping = _PREAMBLE
         else:
-            return True, False
-    return False, in_comment
+            return True, _LINE
+    return False, skipping
 
 
 class Dispatcher:
@@ -182,15 +204,18 @@ class Dispatcher:
             self.client = None
 
     async def open(self, url: str, body: bytes, headers: dict[str, str],
-                   on_first_byte: Callable[[], None] | None = None) -> Opened:
-        """POST and wait for the status (and, for SSE, the first chunk).
+                   on_first_byte: Callable[[], None] | None = None, preamble: tuple[bytes, ...] = (),
+                   method: str = "POST") -> Opened:
+        """POST (or ``method``) and wait for the status (and, for SSE, the first chunk).
+        ``on_first_byte`` is called at the first token: a stream's first event that is not one of
+        ``preamble`` (``first_event_begins``).
 
         Raises ``UpstreamError`` for anything retryable: connect failures, resets before the first
         byte, 5xx. The caller owns the returned response and must close or release it.
         """
         assert self.client is not None, "dispatcher not started"
         try:
-            resp = await self.client.post(url, body, headers)
+            resp = await self.client.post(url, body, headers, method)
         except PoolBusy as exc:
             raise UpstreamError(f"busy: {exc}", pod_down=False) from exc
         except PodIOError as exc:
@@ -213,10 +238,10 @@ class Dispatcher:
                     raise UpstreamError(f"read: {exc}") from exc
                 if not first:
                     raise UpstreamError("empty stream")
-                if first[:1] == b":":  # a comment: the stream has begun, its first token has not
-                    found, in_comment = first_event_begins(first)
+                if first[:1] == b":" or (preamble and first.startswith(preamble)):  # begun, and no token yet
+                    found, skipping = first_event_begins(first, _LINE, preamble)
                     if not found:
-                        return Opened(resp, first, True, on_first_byte, in_comment)
+                        return Opened(resp, first, True, on_first_byte, skipping, preamble)
                 if on_first_byte:
                     on_first_byte()
             return Opened(resp=resp, first_chunk=first, streaming=streaming)
@@ -254,7 +279,7 @@ def _seen(opened: Opened, data: bytes) -> None:
     """Calls ``opened.first_token`` once, when the first event begins in ``data``."""
     call = opened.first_token
     if call is not None:
-        found, opened.in_comment = first_event_begins(data, opened.in_comment)
+        found, opened.skipping = first_event_begins(data, opened.skipping, opened.preamble)
         if found:
             opened.first_token = None
             call()

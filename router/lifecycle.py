@@ -40,6 +40,8 @@ from router.dispatch import Dispatcher, Opened, UpstreamError, relay, response_h
 from router.errors import error_body, error_response
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry
+from router.responses import PATH as RESPONSES_PATH
+from router.responses import STREAM_PREAMBLE
 from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_PIECE, Plan, Router
 from router.scheduling.decide import Route
 from router.upstream import PodIOError
@@ -85,11 +87,13 @@ class Lifecycle:
                                                                           outcome.status)
             child.inc()
 
-    async def serve(self, router: Router, plan: Plan, path: str, raw: bytes, headers: dict[str, str],
-                    request: Request, body: Mapping[str, Any], rid: str, figures: bool = True) -> Response:
-        """Carry out ``plan``: send ``raw`` to ``path`` on the chosen pod (``headers`` already
-        filtered for upstream) and answer the client (a rejection with its figures or without:
-        ``reject``)."""
+    async def serve(self, router: Router, plan: Plan, path: str, raw: bytes | Callable[[str], bytes],
+                    headers: dict[str, str], request: Request, body: Mapping[str, Any], rid: str,
+                    figures: bool = True) -> Response:
+        """Carry out ``plan``: send ``raw`` (the same bytes to every pod tried, or ``raw(pod_id)``'s:
+        a Responses request carries an id made for its pod) to ``path`` on the chosen pod
+        (``headers`` already filtered for upstream) and answer the client (a rejection with its
+        figures or without: ``reject``)."""
         if not plan.decision.verdict.admitted:
             return self.reject(router, plan, rid, figures)
         failure: tuple[str, UpstreamError] | None = None
@@ -103,8 +107,10 @@ class Lifecycle:
             route = plan.decision.routes[cand.pod_id]
             booking = router.book(plan, cand)
             try:
-                opened = await self._open(router, booking, plan.url(cand.pod_id, path), raw,
-                                          {**headers, **prefill_header(route, plan.pods)}, request)
+                opened = await self._open(router, booking, plan.url(cand.pod_id, path),
+                                          raw if isinstance(raw, bytes) else raw(cand.pod_id),
+                                          {**headers, **prefill_header(route, plan.pods)}, request,
+                                          STREAM_PREAMBLE if path == RESPONSES_PATH else ())
             except UpstreamError as failed:
                 self._unserved(router, plan, route, booking)
                 self._end(router, booking, Outcome(cand.pod_id, ""))
@@ -169,11 +175,12 @@ class Lifecycle:
         return pod is not None and pod.healthy and pod.ready
 
     async def _open(self, router: Router, booking: Booking, url: str, raw: bytes, headers: dict[str, str],
-                    request: Request) -> Opened | None:
+                    request: Request, preamble: tuple[bytes, ...] = ()) -> Opened | None:
         """Send the request; None if the client went away before the pod answered (cancelling the
-        open closes that connection, so the pod aborts the request too)."""
+        open closes that connection, so the pod aborts the request too). ``preamble``: a stream's
+        events that come before its first token (``Dispatcher.open``)."""
         return await unless_disconnected(request.scope, request.receive, self.dispatcher.open(
-            url, raw, headers, on_first_byte=lambda: router.first_token(booking)))
+            url, raw, headers, on_first_byte=lambda: router.first_token(booking), preamble=preamble))
 
     def reject(self, router: Router, plan: Plan, rid: str, figures: bool = True) -> Response:
         """The 429 (or 503) for a request the decision did not admit. ``figures``: the best predicted

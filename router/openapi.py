@@ -46,6 +46,17 @@ CHAT_BODY = {
                     "type": {"type": "string"}, "text": {"type": "string"}}}}]}}}}},
 }
 
+RESPONSES_BODY = {
+    "type": "object", "required": ["model", "input"], "additionalProperties": True,
+    "properties": {
+        "model": _COMMON["model"], "stream": _COMMON["stream"], "temperature": _COMMON["temperature"],
+        "top_p": _COMMON["top_p"], "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "instructions": {"type": ["string", "null"]},
+        "previous_response_id": {"type": ["string", "null"],
+                                 "description": "a response this router answered to the same API key"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]}},
+}
+
 _ANSWERS = {
     "200": "the pod's answer (JSON, or an SSE stream with `stream: true`)",
     "400": "malformed body or header", "401": "missing or wrong API key", "404": "unknown model",
@@ -55,8 +66,9 @@ _ANSWERS = {
 
 
 def openapi_body(kind: str) -> dict[str, Any]:
-    """``openapi_extra`` for a route taking a completion (``completion``) or chat (``chat``) body."""
-    schema = CHAT_BODY if kind == "chat" else COMPLETION_BODY
+    """``openapi_extra`` for a route taking a completion (``completion``), chat (``chat``) or
+    Responses (``responses``) body."""
+    schema = {"chat": CHAT_BODY, "responses": RESPONSES_BODY}.get(kind, COMPLETION_BODY)
     responses: dict[str, Any] = {}
     for code, text in _ANSWERS.items():
         media = ({"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}} if code == "200"

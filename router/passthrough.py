@@ -30,7 +30,7 @@ from router.config import RouterSettings
 from router.disagg import RANK_HEADER
 from router.dispatch import Dispatcher, Opened, UpstreamError, response_headers
 from router.errors import APIError, error_response
-from router.lifecycle import POD_HEADER, WholeAnswer, failed_answer, ours, retry_cause
+from router.lifecycle import POD_HEADER, RelayResponse, WholeAnswer, failed_answer, ours, retry_cause
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.routing import Router
@@ -97,10 +97,14 @@ class Passthrough:
         return pods
 
     async def serve(self, router: Router, path: str, model: str, raw: bytes, headers: dict[str, str],
-                    request: Request, rid: str) -> Response:
+                    request: Request, rid: str, pods: list[PodState] | None = None,
+                    method: str = "POST") -> Response:
         """Send ``raw`` to ``path`` on the best pod for ``model`` (``headers`` already filtered for
-        upstream), the next one after a failure before the answer, and relay the answer."""
-        pods = self.ranked(router, model)
+        upstream), the next one after a failure before the answer, and relay the answer. ``pods``:
+        the pods to try, in order, instead (a stored response's one pod: router/responses.py), and
+        ``method`` the request's (a GET's ``raw`` is empty)."""
+        if pods is None:
+            pods = self.ranked(router, model)
         if not pods:
             self.count("", 503)
             return error_response(503, f"no healthy pod serves model `{model}`", headers={"x-request-id": rid})
@@ -117,7 +121,8 @@ class Passthrough:
             try:
                 try:
                     opened = await unless_disconnected(request.scope, request.receive,
-                                                       self.dispatcher.open(pod.config.url + path, raw, sent))
+                                                       self.dispatcher.open(pod.config.url + path, raw, sent,
+                                                                            method=method))
                 except UpstreamError as failed:
                     if failed.pod_down:
                         self.registry.mark(pod.id, False)
@@ -145,8 +150,15 @@ class Passthrough:
 
     async def _respond(self, pod_id: str, opened: Opened, request: Request, rid: str) -> Response:
         """The pod's answer, read whole (watched for the client leaving, as the generation path reads
-        a non-streaming answer) and relayed with its status and headers."""
+        a non-streaming answer) and relayed with its status and headers; a stream (a stored
+        response's events) relayed as the generation path relays one."""
         resp = opened.resp
+        if opened.streaming:
+            status = resp.status
+            headers = response_headers(resp) + ours(pod_id, rid) + [(b"cache-control", b"no-cache"),
+                                                                     (b"x-accel-buffering", b"no")]
+            return RelayResponse(opened, headers, lambda how: self.count(
+                pod_id, 502 if how == "upstream-error" else 499 if how == "disconnect" else status))
         try:
             payload = await (resp.read() if resp.complete else
                              unless_disconnected(request.scope, request.receive, resp.read()))

@@ -302,7 +302,8 @@ class Router:
 
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
              tokens: Sequence[int] | None = None, exact: bool = True, grants: Any = None,
-             rest: int | None = None, keys: list[int] | None = None) -> Plan:
+             rest: int | None = None, keys: list[int] | None = None,
+             only: Callable[[PodState], bool] | None = None) -> Plan:
         """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
 
         ``tokens`` given: the prompt was tokenized already (by ``prompt`` in a tokenize thread, with
@@ -311,7 +312,8 @@ class Router:
         objective headers count (None: they do).
 
         A batch of prompts is routed by its first prompt (its prefix is looked up) and counted as all
-        of them (``prompt_tokens``: the other prompts' tokens, assumed uncached)."""
+        of them (``prompt_tokens``: the other prompts' tokens, assumed uncached). ``only``: the pods
+        of the model the request may go to (None: all)."""
         started = time.perf_counter()
         model = self.resolve_model(body)
         objective = self.objective_s(headers, may_loosen=grants is None or grants.objective)
@@ -325,6 +327,8 @@ class Router:
         exempt = (grants is None or grants.priority) and \
             _priority_exempt(headers.get(self.settings.priority_header), self._exempt)
         serving = self.registry.serving(*self.target(model))
+        if only is not None:  # the pods this request may go to (a Responses request: router/responses.py)
+            serving = [p for p in serving if only(p)]
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         lookup = keys
         # a request for prompt logprobs reads no cached KV on vLLM (skip_reading_prefix_cache): no

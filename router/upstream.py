@@ -69,10 +69,10 @@ def split_url(url: str) -> tuple[tuple[str, str, int], str, str]:
     return (parts.scheme, host, port), f"{shown}:{port}", target
 
 
-def request_head(target: str, host: str, headers: Mapping[str, str], length: int) -> bytes:
+def request_head(target: str, host: str, headers: Mapping[str, str], length: int, method: str = "POST") -> bytes:
     """The request line and headers. Names and values must already be free of CR, LF and NUL
     (``router.dispatch.upstream_headers`` drops a client header that is not)."""
-    lines = [f"POST {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
+    lines = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
     lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")
@@ -568,13 +568,14 @@ class UpstreamClient:
         self._wake_one()
 
     # ---- requests --------------------------------------------------------------------------
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        """Send the request and wait for the answer's status and headers.
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], method: str = "POST") -> UpstreamResponse:
+        """Send the request (a POST, or ``method`` with ``body``: a GET's is empty) and wait for the
+        answer's status and headers.
 
         Raises ``PodIOError`` (cannot connect, closed, malformed, read timeout) or ``PoolBusy``.
         """
         key, host, target = split_url(url)
-        data = [request_head(target, host, headers, len(body)), body]
+        data = [request_head(target, host, headers, len(body), method), body]
         deadline = asyncio.get_running_loop().time() + self.connect_timeout_s
         for attempt in (0, 1):
             conn = await self._acquire(key, deadline)
