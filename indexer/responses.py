@@ -131,7 +131,11 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             if item.get("encrypted_content"):
                 raise ChatTemplateError("Encrypted content is not supported.", param="input")
-            text = _first_text(item.get("content")) or _first_text(item.get("summary")) or ""
+            content, summary = item.get("content"), item.get("summary")
+            if isinstance(content, list) and content:   # its content, even an empty text, before the summary
+                text = _first_text(content) or ""
+            else:
+                text = _first_text(summary) or ""
             if prev is not None and prev.get("reasoning") is None:
                 prev["reasoning"] = text
                 continue

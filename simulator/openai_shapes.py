@@ -11,6 +11,8 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from indexer.tokens import ChatTemplateError, Tokenizer, chat_request_ids, completion_add_special_tokens
 
 # vLLM's error type names, passed to kvcommon's one error builder (kvcommon/errors.py) by the server
@@ -153,18 +155,23 @@ def chat_ids_of(body: dict, tokenizer: Tokenizer, api: str = "chat") -> list[int
     return ids
 
 
-def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, max_model_len: int,
-                     default_max_tokens: int, max_prompt_tokens: int,
-                     adapters: Container[str] = ()) -> GenRequest:
-    """Check a request in vLLM 0.32's order: its pydantic model first (errors typed "Bad Request"),
-    then the model name (404), the output budget against ``max_model_len``, the prompt's length, and
-    the sampling parameters (``max_tokens`` clamped to what fits, as ``get_max_tokens`` does)."""
+def check_object(body: Any) -> None:
+    """A body that is not a JSON object: what vLLM's pydantic request model says of it."""
     if not isinstance(body, dict):
         raise ShapeError(validation_message({
             "type": "model_attributes_type", "loc": "body",
             "msg": "Input should be a valid dictionary or object to extract fields from",
             "input": f"<{type(body).__name__} of {len(body)} items>" if isinstance(body, list) else str(body)}),
             param="body", err_type=VALIDATION_TYPE)
+
+
+def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, max_model_len: int,
+                     default_max_tokens: int, max_prompt_tokens: int,
+                     adapters: Container[str] = ()) -> GenRequest:
+    """Check a request in vLLM 0.32's order: its pydantic model first (errors typed "Bad Request"),
+    then the model name (404), the output budget against ``max_model_len``, the prompt's length, and
+    the sampling parameters (``max_tokens`` clamped to what fits, as ``get_max_tokens`` does)."""
+    check_object(body)
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise invalid("model", "'model' must be a string")
@@ -381,3 +388,105 @@ def models_body(model: str, max_model_len: int, created: int, adapters: Mapping[
                                 "organization": "*", "group": None, "is_blocking": False}]}
     return {"object": "list", "data": [card(model, model, None)] +
             [card(name, path, model) for name, path in (adapters or {}).items()]}
+
+
+# --- the Responses API (vLLM 0.32: vllm/entrypoints/openai/responses/protocol.py) ------------------
+# ``ResponsesResponse.from_request``: what a response echoes of its request, with the request's
+# defaults (``ResponsesRequest``) where it sent nothing; the sampling fields are those of its
+# SamplingParams (the model's defaults here: temperature and top_p 1.0, no penalties)
+_RESPONSE_ECHO: tuple[tuple[str, Any], ...] = (
+                  ("instructions", None), ("metadata", None), ("parallel_tool_calls", True), ("tools", []),
+                  ("background", False), ("max_tool_calls", None), ("previous_response_id", None),
+                  ("prompt", None), ("reasoning", None), ("service_tier", "auto"), ("text", None),
+                  ("truncation", "disabled"), ("user", None))
+
+
+def response_request_fields(body: dict) -> dict:
+    """The fields of a response that come from its request ``body`` (sent or defaulted), computed once
+    per request: ``tool_choice`` is "none" without tools when "auto" or "none" was asked
+    (``ResponsesRequest.check_tool_usage``), the sampling numbers as floats."""
+    out = {key: (default if body.get(key) is None else body[key]) for key, default in _RESPONSE_ECHO}
+    if not out["tools"]:
+        out["tools"] = []
+    choice = body.get("tool_choice", "auto")
+    out["tool_choice"] = "none" if not out["tools"] and choice in ("auto", "none") else choice
+
+    def number(key: str, default: float) -> float:
+        v = body.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+    out.update(temperature=number("temperature", 1.0), top_p=number("top_p", 1.0),
+               presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0))
+    return out
+
+
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int) -> dict:
+    """``ResponseUsage`` as vLLM 0.32 fills it for a one-turn (plain text) response: the per-turn
+    lists empty, no reasoning or tool tokens. Always there, whatever --enable-prompt-tokens-details."""
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens,
+                                     "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                                      "tool_output_tokens_per_turn": []},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def output_text_part(text: str, logprobs: list | None = None) -> dict:
+    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+
+def output_message(item_id: str, text: str | None, status: str = "completed") -> dict:
+    """The assistant message output item; ``text`` None: the item as a stream first adds it, no content."""
+    return {"id": item_id, "content": [] if text is None else [output_text_part(text)], "role": "assistant",
+            "status": status, "type": "message", "phase": None}
+
+
+def response_object(rid: str, model: str, created_at: int, fields: dict, *, status: str, output: list,
+                    use: dict | None, max_output_tokens: int | None) -> dict:
+    """``ResponsesResponse.model_dump()`` in vLLM 0.32's field order (``fields``: from
+    ``response_request_fields``); status "incomplete" (a length finish) carries its reason."""
+    f = fields
+    return {"id": rid, "created_at": created_at,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": f["instructions"], "metadata": f["metadata"], "model": model, "object": "response",
+            "output": output, "parallel_tool_calls": f["parallel_tool_calls"], "temperature": f["temperature"],
+            "tool_choice": f["tool_choice"], "tools": f["tools"], "top_p": f["top_p"], "background": f["background"],
+            "max_output_tokens": max_output_tokens, "max_tool_calls": f["max_tool_calls"],
+            "previous_response_id": f["previous_response_id"], "prompt": f["prompt"], "reasoning": f["reasoning"],
+            "service_tier": f["service_tier"], "status": status, "text": f["text"], "top_logprobs": None,
+            "truncation": f["truncation"], "usage": use, "user": f["user"],
+            "presence_penalty": f["presence_penalty"], "frequency_penalty": f["frequency_penalty"],
+            "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None, "output_messages": None}
+
+
+def response_event(event: dict) -> bytes:
+    """One server-sent event of a Responses stream: ``event: <type>`` then its JSON (no ``[DONE]`` ends
+    the stream)."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+# a Responses stream's events, each with vLLM 0.32's exact field set (one output message, one text part)
+def response_state_event(kind: str, response: dict, seq: int) -> dict:
+    """``response.created`` / ``response.in_progress`` / ``response.completed``."""
+    return {"response": response, "sequence_number": seq, "type": kind}
+
+
+def output_item_event(kind: str, item: dict, seq: int) -> dict:
+    """``response.output_item.added`` / ``.done``."""
+    return {"item": item, "output_index": 0, "sequence_number": seq, "type": kind}
+
+
+def content_part_event(kind: str, item_id: str, part: dict, seq: int) -> dict:
+    """``response.content_part.added`` (text "", logprobs []) / ``.done`` (the text, logprobs null)."""
+    return {"content_index": 0, "item_id": item_id, "output_index": 0, "part": part, "sequence_number": seq,
+            "type": kind}
+
+
+def text_delta_event(item_id: str, delta: str, seq: int) -> dict:
+    return {"content_index": 0, "delta": delta, "item_id": item_id, "logprobs": [], "output_index": 0,
+            "sequence_number": seq, "type": "response.output_text.delta"}
+
+
+def text_done_event(item_id: str, text: str, seq: int) -> dict:
+    return {"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": 0, "sequence_number": seq,
+            "text": text, "type": "response.output_text.done"}

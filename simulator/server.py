@@ -5,8 +5,9 @@ by hand, hash the prompt's blocks, wait for tokens, write bytes. One process can
 (``--count``): one uvicorn server listens on every pod's socket and ``MultiPodApp`` picks the pod by
 the local port of the connection.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``GET /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``, ``GET /v1/models``,
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
 ``GET /metrics``; simulator-only: ``GET|POST /sim/faults``, ``GET /sim/state``,
 ``POST /sim/nixl/read``, ``POST /sim/nixl/release``.
 """
@@ -18,7 +19,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Container, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -27,7 +30,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from indexer.tokens import Tokenizer, load_tokenizer
+from indexer.responses import Unrenderable
+from indexer.responses import chat_body as responses_chat_body
+from indexer.tokens import ChatTemplateError, Tokenizer, load_tokenizer
 from kvcommon import asgi
 from kvcommon.asgi import header
 from kvcommon.errors import APIError, ClientDisconnected, error_body
@@ -46,12 +51,25 @@ from simulator.openai_shapes import (
     chat_body,
     chat_chunk,
     chat_role_chunk,
+    check_object,
     completion_body,
     completion_chunk,
+    content_part_event,
     fingerprint,
+    invalid,
     models_body,
+    output_item_event,
+    output_message,
+    output_text_part,
     parse_generation,
+    response_event,
+    response_object,
+    response_request_fields,
+    response_state_event,
+    response_usage,
     running_usage,
+    text_delta_event,
+    text_done_event,
     usage,
     usage_chunk,
     validation_message,
@@ -76,6 +94,52 @@ class _DropFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         return not isinstance(exc, SimulatedDrop)
+
+
+# vLLM's type for the Responses API's own errors (``create_error_response(err_type=...)`` in
+# vllm/entrypoints/openai/responses/serving.py), not the status's name
+RESPONSES_ERROR_TYPE = "invalid_request_error"
+
+
+def response_not_found(response_id: str) -> ShapeError:
+    """vLLM 0.32's ``_make_not_found_error``: an id its store does not hold (or no store at all)."""
+    return ShapeError(f"Response with id '{response_id}' not found.", status=404, param="response_id",
+                      err_type=RESPONSES_ERROR_TYPE)
+
+
+@dataclass
+class StoredResponse:
+    """A finished response as vLLM's two stores keep it: the response object (``response_store``) and
+    the chat messages its prompt was rendered from (``msg_store``), with its output text."""
+
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]
+    text: str
+
+
+class ResponseStore:
+    """vLLM's Responses store (``VLLM_ENABLE_RESPONSES_API_STORE=1``), in memory, by response id; unlike
+    vLLM's it is bounded: past ``max_entries`` the oldest stored is dropped. One per HTTP server: a
+    data-parallel pod's engines share it, as they share vLLM's API server."""
+
+    def __init__(self, enabled: bool, max_entries: int):
+        self.enabled = enabled
+        self.max_entries = max_entries
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._items.get(response_id) if self.enabled else None
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        if not self.enabled:
+            return
+        self._items.pop(response_id, None)   # a reused request_id replaces it, as vLLM's dict does
+        self._items[response_id] = entry
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
 
 
 class Pod:
@@ -124,6 +188,7 @@ class Pod:
         self.max_prompt_tokens = s.num_gpu_blocks * s.block_size
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
+        self.responses = ResponseStore(s.responses_store, s.responses_store_size)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -282,12 +347,34 @@ async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> Non
 def build_app(pod: Pod):
     """The ASGI app of one pod."""
     routes: dict[tuple[str, str], Callable] = {}
+    # paths with one parameter ("/v1/responses/{response_id}/cancel"): (method, prefix, name, suffix, fn)
+    param_routes: list[tuple[str, str, str, str, Callable]] = []
 
     def route(method: str, path: str):
         def deco(fn):
-            routes[(method, path)] = fn
+            if "{" in path:
+                prefix, _, rest = path.partition("{")
+                name, _, suffix = rest.partition("}")
+                param_routes.append((method, prefix, name, suffix, fn))
+            else:
+                routes[(method, path)] = fn
             return fn
         return deco
+
+    def match_param_route(method: str, path: str) -> tuple[Callable | None, dict[str, str] | None]:
+        """The handler and path parameters of a parameterized route matching ``path`` (the parameter one
+        non-empty segment, as Starlette's ``{name}``); handler None with parameters: only another method."""
+        found = None
+        for m, prefix, name, suffix, fn in param_routes:
+            if not (path.startswith(prefix) and path.endswith(suffix)) or len(path) <= len(prefix) + len(suffix):
+                continue
+            value = path[len(prefix):len(path) - len(suffix)]
+            if "/" in value:
+                continue
+            if m == method:
+                return fn, {name: value}
+            found = {name: value}
+        return None, found
 
     @route("POST", "/v1/completions")
     async def completions(scope, receive, send):
@@ -296,6 +383,33 @@ def build_app(pod: Pod):
     @route("POST", "/v1/chat/completions")
     async def chat(scope, receive, send):
         await generate(pod, "chat", scope, receive, send)
+
+    @route("POST", "/v1/responses")
+    async def responses_create(scope, receive, send):
+        await generate(pod, "responses", scope, receive, send)
+
+    @route("GET", "/v1/responses/{response_id}")
+    async def responses_retrieve(scope, receive, send):
+        rid = scope["path_params"]["response_id"]
+        entry = pod.responses.get(rid)
+        if entry is None:
+            raise response_not_found(rid)
+        if _query_flag(scope, "stream"):
+            # vLLM streams only a background response's events (it keeps none for another one); the
+            # simulator runs no background responses
+            raise ShapeError("the simulator does not stream stored responses (vLLM streams only background "
+                             "responses, which the simulator does not run)", param="stream",
+                             err_type=RESPONSES_ERROR_TYPE)
+        await respond_json(send, 200, entry.response)
+
+    @route("POST", "/v1/responses/{response_id}/cancel")
+    async def responses_cancel(scope, receive, send):
+        await read_body(scope, receive)
+        rid = scope["path_params"]["response_id"]
+        if pod.responses.get(rid) is None:
+            raise response_not_found(rid)
+        # every stored response is finished (no background ones here): vLLM's answer for those
+        raise ShapeError("Cannot cancel a synchronous response.", param="response_id", err_type=RESPONSES_ERROR_TYPE)
 
     @route("GET", "/v1/models")
     async def models(scope, receive, send):
@@ -404,6 +518,13 @@ def build_app(pod: Pod):
         if scope["type"] != "http":
             return
         handler = routes.get((scope["method"], scope["path"]))
+        if handler is None and param_routes:
+            handler, params = match_param_route(scope["method"], scope["path"])
+            if handler is not None:
+                scope = {**scope, "path_params": params}
+            elif params is not None:
+                await respond_json(send, 405, {"detail": "Method Not Allowed"})
+                return
         if handler is None:
             if scope["path"] in known_paths:
                 await respond_json(send, 405, {"detail": "Method Not Allowed"})
@@ -467,7 +588,7 @@ class DataParallelApp:
     start); it never looks at the cache. /metrics has every engine's samples under its ``engine``
     label; /reset_prefix_cache resets every engine; everything else is rank 0's."""
 
-    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions"})
+    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
     def __init__(self, pods: list[Pod]):
         self.pods = pods
@@ -523,7 +644,74 @@ class DataParallelApp:
 
 
 # --- generation ----------------------------------------------------------------------------------
+@dataclass
+class ResponsesCall:
+    """What a Responses request (``POST /v1/responses``) adds to the chat generation it is."""
+
+    response_id: str            # the body's request_id, else resp_<16 hex> (vLLM's ResponsesRequest)
+    fields: dict[str, Any]      # the response's fields taken from the request (response_request_fields)
+    messages: list[dict[str, Any]]   # the chat messages its prompt is rendered from
+    store: bool                 # kept for GET and previous_response_id
+    max_output_tokens: int | None = None   # the budget vLLM's SamplingParams reports (set once rendered)
+
+
+def _query_flag(scope: dict, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (true/1/yes/on)."""
+    from urllib.parse import parse_qs
+
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name) or [""]
+    return values[-1].lower() in ("true", "1", "yes", "on")
+
+
+def prepare_responses(pod: Pod, body: Any) -> tuple[dict[str, Any], ResponsesCall]:
+    """A Responses request as the chat body that renders its prompt (``indexer.responses.chat_body``),
+    in vLLM 0.32's order of checks: background mode (400), ``previous_response_id`` (404 unless the
+    store holds it), then the rendering (400). With a previous response, the messages are vLLM's
+    ``construct_input_messages``: the new instructions as the system message first, the stored
+    conversation without its system messages, the previous output as an assistant message, then the
+    new input. Items the shared renderer cannot render (``Unrenderable``: custom tool calls, namespaced
+    tools) are refused with a 400, where vLLM renders them."""
+    check_object(body)
+    rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise invalid("request_id", "'request_id' must be a string")
+    store = body.get("store", True) is True and pod.responses.enabled   # vLLM ignores store=True without its store
+    if body.get("background"):
+        if body.get("store", True) and not pod.responses.enabled:
+            raise ShapeError("This vLLM engine does not support `store=True` and therefore does not support the "
+                             "background mode. To enable these features, set the environment variable "
+                             "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+                             param="background", err_type=RESPONSES_ERROR_TYPE)
+        raise ShapeError("background responses are not supported by the simulator", param="background",
+                         err_type=RESPONSES_ERROR_TYPE)
+    prev_id = body.get("previous_response_id")
+    prev = None
+    if prev_id is not None:
+        if not isinstance(prev_id, str):
+            raise invalid("previous_response_id", "'previous_response_id' must be a string")
+        prev = pod.responses.get(prev_id)
+        if prev is None:
+            raise response_not_found(prev_id)
+    try:
+        chat = responses_chat_body(body)
+    except ChatTemplateError as exc:
+        raise ShapeError(str(exc), param=exc.param) from exc
+    except Unrenderable as exc:
+        raise ShapeError(f"Unsupported input item: {exc} (the simulator does not render it)",
+                         param="input") from exc
+    if prev is not None:
+        first = 1 if body.get("instructions") else 0   # chat_body's system message of the instructions
+        new = chat["messages"]
+        chat["messages"] = (new[:first] + [m for m in prev.messages if m.get("role") != "system"]
+                            + [{"role": "assistant", "content": prev.text}] + new[first:])
+    call = ResponsesCall(rid or f"resp_{uuid.uuid4().hex[:16]}", response_request_fields(body), chat["messages"],
+                         store)
+    return chat, call
+
+
 async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Send) -> None:
+    """A generation request, ``kind`` "completion", "chat" or "responses" (a chat generation whose
+    chat body ``prepare_responses`` makes, answered in the Responses shapes)."""
     s = pod.settings
     loop = asyncio.get_running_loop()
     base_id = header(scope, b"x-request-id")
@@ -537,26 +725,34 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         pod.metrics.faults.labels("delay").inc()
         await asyncio.sleep(faults.delay_s)
     body = parse_json_request(scope, raw)
-    gen = parse_generation(body, kind, pod.tokenizer, model=pod.model, adapters=pod.loras,
-                           max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
+    call = None
+    if kind == "responses":
+        body, call = prepare_responses(pod, body)
+    gen = parse_generation(body, "chat" if call is not None else kind, pod.tokenizer, model=pod.model,
+                           adapters=pod.loras, max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
                            max_prompt_tokens=pod.max_prompt_tokens)
     if s.data_parallel_size == 1:  # a data-parallel pod's rank was checked by DataParallelApp
         check_rank_header(scope, 1)
-    base_id = base_id or gen.body_request_id or uuid.uuid4().hex
+    base_id = base_id or (call.response_id if call is not None else gen.body_request_id) or uuid.uuid4().hex
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
     if faults.status is not None:
         pod.metrics.faults.labels("status").inc()
         await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
         return
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    response_id = f"{prefix}-{base_id}"
+    if call is not None:
+        response_id = call.response_id   # vLLM's: the body's request_id, never the header's
+        asked = body.get("max_tokens")    # max_output_tokens; SamplingParams: clamped to what fits
+        room = s.max_model_len - len(gen.prompt_ids)
+        call.max_output_tokens = room if asked is None else min(asked, room)
+    else:
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base_id}"
     internal_id = f"{response_id}-{next(pod._ids):x}"
     req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
                      pod.hasher, arrival, salt=gen.cache_salt,
                      lora=(pod.loras[gen.lora][0], gen.lora, pod.loras[gen.lora][1]) if gen.lora else None)
 
     # prompt logprobs: vLLM reads no cached KV and takes no connector's (skip_reading_prefix_cache)
-    req.reads_cache = not wants_prompt_logprobs(body, "/v1/chat/completions" if kind == "chat" else "/v1/completions")
+    req.reads_cache = not wants_prompt_logprobs(body, scope["path"])
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))
     eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
@@ -574,7 +770,9 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     pod.engine.submit(req)
     watcher = loop.create_task(watch_disconnect(receive, lambda: pod.engine.abort(req)))
     try:
-        if gen.stream:
+        if call is not None:
+            await (_responses_stream if gen.stream else _responses_whole)(pod, gen, req, call, faults, send, echo)
+        elif gen.stream:
             await _stream(pod, gen, req, response_id, faults, send, echo)
         else:
             await _whole(pod, gen, req, response_id, faults, send, echo, producer)
@@ -622,11 +820,14 @@ def _reported_cached(req: SimRequest, kv: dict | None) -> int:
     return req.cached_tokens
 
 
+def _cache_writes(req: SimRequest, block_size: int) -> int:
+    """The prompt tokens a request wrote to the prefix cache (chat's ``created_cache_tokens``, a
+    response's ``cache_write_tokens``): PrefillStats.finalize, the tokens of its full blocks less its hits."""
+    return max(0, min(req.n_prompt // block_size * block_size, req.n_prompt) - req.cached_tokens)
+
+
 def _usage_of(req: SimRequest, gen: GenRequest, details: bool, block_size: int) -> dict:
-    created = None
-    if gen.kind == "chat":
-        # PrefillStats.finalize: prompt tokens in this request's full cached blocks, less its hits
-        created = max(0, min(req.n_prompt // block_size * block_size, req.n_prompt) - req.cached_tokens)
+    created = _cache_writes(req, block_size) if gen.kind == "chat" else None
     return usage(req.n_prompt, req.num_output, _reported_cached(req, gen.kv_transfer_params), details, created)
 
 
@@ -642,8 +843,8 @@ def _timing_headers(req: SimRequest) -> list[tuple[bytes, bytes]]:
     return out
 
 
-async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
-                 send: Send, echo: list, producer: bool = False) -> None:
+async def _collect(pod: Pod, req: SimRequest) -> str | None:
+    """The whole output text once the request finishes; None if it was aborted."""
     parts = []
     queue = req.queue
     while True:
@@ -651,21 +852,12 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
         if item is FINISH:
             break
         parts.append(pod.text_of(item))
-    if req.finish_reason == "abort":
-        return
-    kv_params = None
-    if producer:
-        lease = pod.leases.leases.get(req.request_id)
-        if lease is not None:
-            kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
-                                        host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
-                                        cached_tokens=req.cached_tokens)
-    build = chat_body if gen.kind == "chat" else completion_body
-    use = _usage_of(req, gen, pod.settings.enable_prompt_tokens_details, pod.settings.block_size)
-    ids = gen.return_token_ids
-    body = orjson.dumps(build(response_id, gen.lora or pod.model, "".join(parts), req.finish_reason, use, kv_params,
-                              fingerprint=pod.fingerprint, prompt_ids=req.prompt if ids else None,
-                              token_ids=req.all_tokens[req.n_prompt:] if ids else None))
+    return None if req.finish_reason == "abort" else "".join(parts)
+
+
+async def _send_whole(pod: Pod, req: SimRequest, body: bytes, faults: RequestFaults, send: Send,
+                      echo: list) -> None:
+    """A whole JSON answer with the echo and timing headers; the drop fault cuts it halfway."""
     headers = JSON_HEADERS + echo + _timing_headers(req)
     if faults.drop_after_chunks is not None:
         pod.metrics.faults.labels("drop").inc()
@@ -677,23 +869,53 @@ async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, f
     await respond(send, 200, body, headers)
 
 
+class _Emitter:
+    """The body chunks of a stream, counted: the drop fault cuts the connection before the chunk past
+    its count."""
+
+    def __init__(self, pod: Pod, send: Send, drop: int | None):
+        self.pod, self.send, self.drop = pod, send, drop
+        self.sent = 0
+
+    async def __call__(self, data: bytes, more: bool = True) -> None:
+        if self.drop is not None and self.sent >= self.drop:
+            self.pod.metrics.faults.labels("drop").inc()
+            raise SimulatedDrop("simulated connection drop")
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        self.sent += 1
+
+
+async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
+                 send: Send, echo: list, producer: bool = False) -> None:
+    text = await _collect(pod, req)
+    if text is None:
+        return
+    kv_params = None
+    if producer:
+        lease = pod.leases.leases.get(req.request_id)
+        if lease is not None:
+            kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
+                                        host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
+                                        cached_tokens=req.cached_tokens)
+    build = chat_body if gen.kind == "chat" else completion_body
+    use = _usage_of(req, gen, pod.settings.enable_prompt_tokens_details, pod.settings.block_size)
+    ids = gen.return_token_ids
+    body = orjson.dumps(build(response_id, gen.lora or pod.model, text, req.finish_reason, use, kv_params,
+                              fingerprint=pod.fingerprint, prompt_ids=req.prompt if ids else None,
+                              token_ids=req.all_tokens[req.n_prompt:] if ids else None))
+    await _send_whole(pod, req, body, faults, send, echo)
+
+
 async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
                   send: Send, echo: list) -> None:
     created = int(time.time())
     model = gen.lora or pod.model   # vLLM answers with the name the request used (an adapter's)
     chat = gen.kind == "chat"
-    drop = faults.drop_after_chunks
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
-    sent = 0
+    emitter = _Emitter(pod, send, faults.drop_after_chunks)
 
     async def emit(obj: dict) -> None:
-        nonlocal sent
-        if drop is not None and sent >= drop:
-            pod.metrics.faults.labels("drop").inc()
-            raise SimulatedDrop("simulated connection drop")
-        await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(obj) + b"\n\n",
-                    "more_body": True})
-        sent += 1
+        await emitter(b"data: " + orjson.dumps(obj) + b"\n\n")
 
     ids = gen.return_token_ids
     first = True
@@ -729,10 +951,73 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
         await emit(usage_chunk(response_id, model, created, gen.kind,
                                _usage_of(req, gen, pod.settings.enable_prompt_tokens_details,
                                          pod.settings.block_size), pod.fingerprint))
-    if drop is not None and sent >= drop:
-        pod.metrics.faults.labels("drop").inc()
-        raise SimulatedDrop("simulated connection drop")
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    await emitter(b"data: [DONE]\n\n", more=False)
+
+
+def _finished_response(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall, created: int,
+                       item_id: str, text: str) -> dict:
+    """The finished response object (stored when asked): status "incomplete" on a length finish."""
+    use = response_usage(req.n_prompt, req.num_output, _reported_cached(req, gen.kv_transfer_params),
+                         _cache_writes(req, pod.settings.block_size))
+    response = response_object(call.response_id, gen.lora or pod.model, created, call.fields,
+                               status="incomplete" if req.finish_reason == "length" else "completed",
+                               output=[output_message(item_id, text)], use=use,
+                               max_output_tokens=call.max_output_tokens)
+    if call.store:
+        pod.responses.put(call.response_id, StoredResponse(response, call.messages, text))
+    return response
+
+
+async def _responses_whole(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall, faults: RequestFaults,
+                           send: Send, echo: list) -> None:
+    created = int(time.time())
+    text = await _collect(pod, req)
+    if text is None:
+        return
+    response = _finished_response(pod, gen, req, call, created, f"msg_{uuid.uuid4().hex[:16]}", text)
+    await _send_whole(pod, req, orjson.dumps(response), faults, send, echo)
+
+
+async def _responses_stream(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall,
+                            faults: RequestFaults, send: Send, echo: list) -> None:
+    """vLLM 0.32's Responses stream of one text message: ``response.created`` and
+    ``response.in_progress`` at once (before any token), the item and its part added with the first
+    token, one ``response.output_text.delta`` per token, then the text, part and item done and
+    ``response.completed`` with the whole response (a length finish's status "incomplete" included).
+    Each event is ``event: <type>`` + its JSON, numbered from 0; no ``[DONE]``."""
+    created = int(time.time())
+    item_id = f"msg_{uuid.uuid4().hex[:16]}"
+    seq = itertools.count()
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+    emit = _Emitter(pod, send, faults.drop_after_chunks)
+    pending = response_object(call.response_id, gen.lora or pod.model, created, call.fields, status="in_progress",
+                              output=[], use=None, max_output_tokens=call.max_output_tokens)
+    for kind in ("response.created", "response.in_progress"):
+        await emit(response_event(response_state_event(kind, pending, next(seq))))
+    parts: list[str] = []
+    queue = req.queue
+    while True:
+        item = await queue.get()
+        if item is FINISH:
+            break
+        if not parts:
+            await emit(response_event(output_item_event("response.output_item.added",
+                                                        output_message(item_id, None, "in_progress"), next(seq))))
+            await emit(response_event(content_part_event("response.content_part.added", item_id,
+                                                         output_text_part("", []), next(seq))))
+        delta = pod.text_of(item)
+        parts.append(delta)
+        await emit(response_event(text_delta_event(item_id, delta, next(seq))))
+    if req.finish_reason == "abort":
+        return
+    text = "".join(parts)
+    response = _finished_response(pod, gen, req, call, created, item_id, text)
+    await emit(response_event(text_done_event(item_id, text, next(seq))))
+    await emit(response_event(content_part_event("response.content_part.done", item_id, output_text_part(text),
+                                                 next(seq))))
+    await emit(response_event(output_item_event("response.output_item.done", output_message(item_id, text),
+                                                 next(seq))))
+    await emit(response_event(response_state_event("response.completed", response, next(seq))), more=False)
 
 
 # --- building and running pods ------------------------------------------------------------------
@@ -786,6 +1071,8 @@ class SimFleet:
             cfg = base_events.for_pod(i, name, settings.model, ranks) if base_events is not None else None
             engines = [Pod(settings, i, port, self.tokenizer, self.zmq_ctx, self.zmq_actx, self.http,
                            cfg.for_rank(r) if cfg is not None else None, rank=r) for r in range(ranks)]
+            for e in engines[1:]:
+                e.responses = engines[0].responses   # one API server, one store
             self.pods.extend(engines)
             apps[port] = build_app(engines[0]) if ranks == 1 else DataParallelApp(engines)
         self.app = MultiPodApp(apps)

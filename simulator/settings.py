@@ -35,6 +35,12 @@ class SimSettings(BaseSettings):
     default_max_tokens: int = Field(16, ge=1, description="where the simulated model stops ('stop') when a "
                                     "chat request sets no max_tokens, or a completion sets max_tokens null (a "
                                     "completion without the field gets vLLM's default of 16, 'length')")
+    responses_store: bool = Field(False, description=(
+        "as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: /v1/responses keeps each response asked to be stored "
+        "(store: true, the default) in memory, for GET /v1/responses/{id} and previous_response_id; off, as "
+        "vLLM's default, store is ignored and every id is unknown (404)"))
+    responses_store_size: int = Field(10000, ge=1, description=(
+        "most responses the store keeps (the oldest is dropped first); vLLM's store has no bound"))
 
     # --- KV cache ---------------------------------------------------------------------------------
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")

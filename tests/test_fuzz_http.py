@@ -43,7 +43,8 @@ def check(r: httpx.Response, took_s: float) -> None:
         assert err["code"] == r.status_code and isinstance(err["type"], str)
         assert "Traceback" not in err["message"]
     elif r.headers.get("content-type", "").startswith("text/event-stream"):
-        assert r.text.rstrip().endswith("data: [DONE]")
+        # a Responses stream ends with its response.completed event, the others with [DONE]
+        assert r.text.rstrip().endswith("data: [DONE]") or "event: response.completed" in r.text[-4000:]
     else:
         orjson.loads(r.content)
 
@@ -78,6 +79,19 @@ _common = {"model": st.one_of(st.just("sim-model"), st.text(max_size=12), _json)
            "temperature": _json_scalar}
 _completion = st.fixed_dictionaries({}, optional={**_common, "prompt": _prompt})
 _chat = st.fixed_dictionaries({}, optional={**_common, "messages": st.one_of(st.lists(_message, max_size=3), _json)})
+_item = st.one_of(_message, st.fixed_dictionaries({"type": st.sampled_from(
+    ["function_call", "function_call_output", "reasoning", "message", "custom_tool_call", "nope"])},
+    optional={"call_id": _json, "name": _json, "arguments": _json, "output": _json, "role": _json,
+              "content": _json, "summary": _json, "status": _json}), _json)
+_responses = st.fixed_dictionaries({}, optional={
+    "model": _common["model"], "stream": _common["stream"], "temperature": _json_scalar,
+    "input": st.one_of(st.text(max_size=100), st.lists(_item, max_size=4), _json),
+    "instructions": st.one_of(st.text(max_size=40), _json), "max_output_tokens": _common["max_tokens"],
+    "previous_response_id": st.one_of(st.text(max_size=60), _json), "request_id": _json,
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "namespace", "x"])},
+                                                      optional={"name": _json, "parameters": _json}), max_size=2),
+                       _json),
+    "reasoning": _json, "tool_choice": _json, "background": _json, "store": _json})
 _header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30).map(str.strip)
 
 
@@ -106,7 +120,16 @@ def test_generated_chat_bodies(live, body):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                      HealthCheck.too_slow])
-@given(raw=st.binary(max_size=300), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/debug/route"]),
+@given(body=_responses)
+def test_generated_responses_bodies(live, body):
+    _, client = live
+    post(client, "/v1/responses", content=json.dumps(body))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+@given(raw=st.binary(max_size=300), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                                          "/debug/route"]),
        ctype=st.one_of(st.none(), _header_text), rid=st.one_of(st.none(), _header_text))
 def test_generated_raw_bytes_and_headers(live, raw, path, ctype, rid):
     _, client = live
@@ -217,3 +240,19 @@ def test_unknown_model_non_utf8_and_lone_surrogates(live):
                                                      b'"content": "\\udfff x"}]}')
     assert r.status_code == 400
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("rid", ["resp_x", "%00", "..%2F..%2Fmetrics", "a" * 5000, "%E2%82%AC", "resp_" + "f" * 48,
+                                 "resp_" + "f" * 47 + "%0A"])
+@pytest.mark.parametrize("how", ["GET", "cancel"])
+def test_stored_response_routes_answer_any_id_with_an_openai_error(live, rid, how):
+    """An id the router did not make for this caller, whatever its bytes, is vLLM's 404 (or the
+    framework's for a path that does not match), never a 5xx; a Responses turn works meanwhile."""
+    _, client = live
+    t0 = time.monotonic()
+    r = (client.get(f"/v1/responses/{rid}?stream=true") if how == "GET"
+         else client.post(f"/v1/responses/{rid}/cancel"))
+    check(r, time.monotonic() - t0)
+    assert r.status_code == 404
+    ok = client.post("/v1/responses", json={"model": "sim-model", "input": "hi", "max_output_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")

@@ -125,7 +125,8 @@ def _agg_pair() -> Iterator[_AggPair]:
 @pytest.fixture(scope="module")
 def agg_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> list[rv.Engine]:
     """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
-    (``/reset_prefix_cache``), the Responses API's store on; the same two for every test, unless the NIXL pair ran in between."""
+    (``/reset_prefix_cache``), the Responses API's store on; the same two for every test, unless the
+    NIXL pair ran in between."""
     return _agg_pair.get(real_env, real_scratch)
 
 
