@@ -485,6 +485,8 @@ class TokenizeProcess:
             self.jobs["bad-request"] += 1
             raise APIError(status, message, param=param, code=code)
         self.jobs["done"] += 1
+        if unkeyed:  # as the loop's estimate is (router.prompts.Unkeyed): the decision hashes a keyless prompt's ids
+            return Unkeyed([0] * answer.count), answer.rest, []
         return (answer.tokens if answer.tokens is not None else PromptLength(answer.count)), answer.rest, answer.keys
 
     def adopt(self, chunks: list[tuple[int, bytes]]) -> None:

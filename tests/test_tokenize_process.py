@@ -442,6 +442,29 @@ async def test_the_child_truncates_and_leaves_media_requests_unkeyed_as_the_rout
         proc.stop()
 
 
+async def test_a_media_request_the_child_tokenized_is_routed_not_a_500(tokenizer_file):
+    """A chat request with an image and a long new text, over ``tokenize_offload_bytes``: too new for
+    the loop's prefix token cache, so the child tokenizes it, and answers a length with no keys. The
+    decision took that length for token ids (a TypeError, a 500, with the default settings); it is
+    now the loop's own estimate of a media request, and the request reaches the pod."""
+    import httpx
+
+    from tests.test_router_api import pods_running, running_router, settings_for
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 40_000}}
+    question = " ".join(corpus(300, seed=17))
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": question}, image]}]}
+    async with pods_running(1) as pods:
+        async with running_router(settings_for(pods, tokenizer=str(tokenizer_file))) as (base, services):
+            await until_ready(services.tokenize_process)
+            assert len(question) > services.settings.tokenize_inline_chars
+            async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+                r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert services.tokenize_process.jobs["done"] == 1 and len(pods[0].seen) == 1
+
+
 async def test_the_child_renders_with_the_pods_chat_template_and_content_format(tokenizer_file):
     """The ``chat_template`` and ``chat_template_content_format`` settings reach the real child (its
     command line: the template's text, with newlines, quotes and a leading "-") and it answers the ids
