@@ -6,6 +6,7 @@ must be a success or a well-formed OpenAI-style error: never a 500, a hang or a 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -23,13 +24,28 @@ BODY_LIMIT = 64 * 1024
 BODY_TIMEOUT_S = 1.5
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
+@pytest.fixture(scope="module", params=["byte", "hf-child"])
+def live(tmp_path_factory, request):
+    """A router in front of one simulated pod: with the byte tokenizer, and with a Hugging Face
+    tokenizer whose every prompt goes to the tokenize process (its own parsing, rendering and
+    answers: a path the byte tokenizer never takes)."""
     tmp = tmp_path_factory.mktemp("fuzz")
-    with Sims(1, ["--timing", "seed", "--decode-s-per-token", "0.0005", "--max-model-len", "2048"],
-              events=False) as sims:
-        with router(tmp, sims.pods(), max_body_bytes=BODY_LIMIT, body_timeout_s=BODY_TIMEOUT_S) as r:
+    sim_args = ["--timing", "seed", "--decode-s-per-token", "0.0005", "--max-model-len", "2048"]
+    extra: dict = {}
+    if request.param == "hf-child":
+        from tests.test_prefix_tokens import TOKENIZERS
+
+        TOKENIZERS["byte-level BPE (GPT-2)"].save(str(tmp / "tokenizer.json"))
+        sim_args += ["--tokenizer", str(tmp / "tokenizer.json")]
+        extra = {"tokenizer": str(tmp / "tokenizer.json"), "tokenize_offload_bytes": 1, "tokenize_inline_chars": 0}
+    with Sims(1, sim_args, events=False) as sims:
+        with router(tmp, sims.pods(), max_body_bytes=BODY_LIMIT, body_timeout_s=BODY_TIMEOUT_S, **extra) as r:
             with httpx.Client(base_url=r.base, timeout=15) as client:
+                if extra:  # until the tokenize process is up: before, its prompts go to the threads
+                    deadline = time.monotonic() + 60
+                    while not re.search(r"^kvroute_tokenize_process_up 1", client.get("/metrics").text, re.M):
+                        assert time.monotonic() < deadline, "the tokenize process never came up"
+                        time.sleep(0.1)
                 yield r, client
             assert r.proc.poll() is None, "the router died"
 
@@ -67,12 +83,16 @@ _json = st.recursive(_json_scalar, lambda inner: st.one_of(st.lists(inner, max_s
 _prompt = st.one_of(st.text(max_size=200), st.lists(st.integers(-(2**40), 2**40), max_size=50),
                     st.lists(st.lists(st.integers(0, 300), max_size=20), max_size=3),
                     st.lists(st.text(max_size=30), max_size=3), _json)
+# a media part: the router estimates such a prompt's length and keys none of it
+_media = st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "video_url"]),
+                                "image_url": st.fixed_dictionaries({"url": st.just("data:image/png;base64,AAAA")})})
 _message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]),
                                                     _json)},
                                  optional={"content": st.one_of(st.text(max_size=100), _json,
-                                                                st.lists(st.fixed_dictionaries(
+                                                                st.lists(st.one_of(st.fixed_dictionaries(
                                                                     {"type": st.just("text"),
-                                                                     "text": st.text(max_size=50)}), max_size=2))})
+                                                                     "text": st.text(max_size=50)}), _media),
+                                                                    max_size=2))})
 _common = {"model": st.one_of(st.just("sim-model"), st.text(max_size=12), _json),
            "max_tokens": st.one_of(st.integers(-5, 40), st.just(10**9), _json),
            "stream": st.one_of(st.booleans(), _json),
@@ -180,6 +200,21 @@ def test_schemathesis_against_the_router_openapi_schema(live):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_the_tokenize_process_takes_the_hf_routers_prompts(live):
+    """The ``hf-child`` router's prompts go to the tokenize process (else its fuzzing proves nothing
+    about that path), and none fails there; the byte router has none."""
+    r, client = live
+    post(client, "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hello there"}]})
+    text = client.get("/metrics").text
+    jobs = {o: float(v) for o, v in re.findall(r'^kvroute_tokenize_process_jobs_total\{outcome="([^"]+)"\} (\S+)$',
+                                               text, re.M)}
+    if "tokenizer" in r.settings:
+        assert jobs.get("done", 0) >= 1 and jobs.get("failed", 0) == 0, jobs
+    else:
+        assert jobs == {}
+
+
 def test_oversized_bodies_are_refused_with_413_declared_or_streamed(live):
     _, client = live
     big = orjson.dumps({"model": "sim-model", "prompt": "x" * (BODY_LIMIT + 10)})
@@ -256,3 +291,16 @@ def test_stored_response_routes_answer_any_id_with_an_openai_error(live, rid, ho
     assert r.status_code == 404
     ok = client.post("/v1/responses", json={"model": "sim-model", "input": "hi", "max_output_tokens": 2})
     assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")
+
+
+def test_media_parts_are_routed_by_an_estimate(live):
+    """A chat request with image parts: the router keys none of it and routes it on an estimate of
+    its length (the simulated pod then refuses the image with vLLM's 400 for a text-only model); on
+    the ``hf-child`` router through the tokenize process, whose keyless answer was once a 500."""
+    _, client = live
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 2000}}
+    for text in ("short", "a longer question about the weather " * 20):
+        r = client.post("/v1/chat/completions", json={"model": "sim-model", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": text}, image]}]})
+        check(r, 0.0)
+        assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
