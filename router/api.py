@@ -38,6 +38,9 @@ from router.dispatch import upstream_headers
 from router.errors import APIError, error_response, from_exc
 from router.explain import explain
 from router.lifecycle import POD_HEADER, Lifecycle
+from router.messages import PATH as MESSAGES_PATH
+from router.messages import MessagesTurn
+from router.messages import Rendering as MessagesRendering
 from router.openapi import openapi_body
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import POLICY as PASSTHROUGH_POLICY
@@ -54,7 +57,12 @@ __all__ = ["POD_HEADER", "create_app"]
 
 # the pass-through routes whose vLLM request takes a cache_salt (its pooling requests, which may read
 # the prefix cache): a key's own salt is forwarded on them as on the generation routes
-SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS if p not in ("/tokenize", "/detokenize"))
+SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS
+                                if p not in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"))
+
+# the routes whose requests are planned as the chat requests they render as (router/responses.py,
+# router/messages.py)
+RENDERED_AS_CHAT = frozenset({"responses", "messages"})
 
 _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
@@ -135,6 +143,7 @@ def create_app(services: Services) -> FastAPI:
     gate = Gate(settings, on_limited=lambda kind: metrics.rejections.labels("rate-limit").inc())
     lifecycle = Lifecycle(settings, services.registry, services.dispatcher, metrics)
     passthrough = Passthrough(settings, services.registry, services.dispatcher, metrics)
+    rendering = MessagesRendering()  # the pods' template probes for /v1/messages, made once (router/messages.py)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -318,10 +327,12 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
-            if kind == "responses":  # planned as the chat request it renders as (router/responses.py)
-                # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``Turn.sent``)
-                sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics)
-                turn = Turn(body, caller.name, lambda: services.registry.pods)
+            if kind in RENDERED_AS_CHAT:  # planned as the chat request each renders as
+                # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``sent``)
+                changed = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics) is not raw
+                turn: Turn | MessagesTurn = (
+                    Turn(body, caller.name, lambda: services.registry.pods) if kind == "responses" else
+                    MessagesTurn(body, rendering.probe(r), raw, changed or caller.salt is not None))
                 view, kind = turn.view, "chat"
                 prompt = await prompt_ids(r, kind, view, orjson.dumps(view)) if turn.keyed else \
                     {"tokens": turn.estimate(r.chars_per_token), "exact": False}
@@ -362,8 +373,12 @@ def create_app(services: Services) -> FastAPI:
     async def responses_create(request: Request) -> Response:
         return await proxy(request, "responses", RESPONSES_PATH)
 
+    @app.post(MESSAGES_PATH, include_in_schema=False)  # Anthropic's schema, not OpenAI's: not described here
+    async def messages_create(request: Request) -> Response:
+        return await proxy(request, "messages", MESSAGES_PATH)
+
     app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions,
-                       RESPONSES_PATH: responses_create}
+                       RESPONSES_PATH: responses_create, MESSAGES_PATH: messages_create}
 
     # ---- vLLM's other routes (router/passthrough.py) ----------------------------------------------
     async def pass_through(request: Request, path: str) -> Response:

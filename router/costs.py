@@ -62,6 +62,9 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: flo
     if kind == "responses":  # router/responses.py: instructions, input (a text or items) and tools
         for field in ("instructions", "input", "tools"):
             chars += _nested_chars(body.get(field))
+    elif kind == "messages":  # router/messages.py: system, messages (their blocks) and tools
+        for field in ("system", "messages", "tools"):
+            chars += _nested_chars(body.get(field))
     elif kind == "chat":
         messages = body.get("messages")
         if isinstance(messages, list):

@@ -38,15 +38,19 @@ from router.config import RouterSettings
 from router.disagg import prefill_header
 from router.dispatch import Dispatcher, Opened, UpstreamError, relay, response_headers
 from router.errors import error_body, error_response
+from router.messages import PATH as MESSAGES_PATH
+from router.messages import STREAM_PREAMBLE as MESSAGES_PREAMBLE
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry
 from router.responses import PATH as RESPONSES_PATH
-from router.responses import STREAM_PREAMBLE
+from router.responses import STREAM_PREAMBLE as RESPONSES_PREAMBLE
 from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_PIECE, Plan, Router
 from router.scheduling.decide import Route
 from router.upstream import PodIOError
 
 POD_HEADER = "x-kvroute-pod"
+# a stream's events before its first token, by route (router/dispatch.py ``first_event_begins``)
+PREAMBLES = {RESPONSES_PATH: RESPONSES_PREAMBLE, MESSAGES_PATH: MESSAGES_PREAMBLE}
 POD_HEADER_BYTES = POD_HEADER.encode()
 log = logging.getLogger(__name__)
 
@@ -110,7 +114,7 @@ class Lifecycle:
                 opened = await self._open(router, booking, plan.url(cand.pod_id, path),
                                           raw if isinstance(raw, bytes) else raw(cand.pod_id),
                                           {**headers, **prefill_header(route, plan.pods)}, request,
-                                          STREAM_PREAMBLE if path == RESPONSES_PATH else ())
+                                          PREAMBLES.get(path, ()))
             except UpstreamError as failed:
                 self._unserved(router, plan, route, booking)
                 self._end(router, booking, Outcome(cand.pod_id, ""))

@@ -2,8 +2,9 @@
 vLLM routes").
 
 ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
-``/v1/score``, ``/rerank``, ``/v1/rerank`` and ``/v2/rerank`` (``PATHS``: each one a route of vLLM
-0.32's server whose body names its model in ``model``, which vLLM lets a client leave out) go
+``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` and ``/v1/messages/count_tokens``
+(``PATHS``: each one a route of vLLM 0.32's server whose body names its model in ``model``, which
+vLLM lets a client leave out, but for count_tokens, which requires it) go
 through the same front door as the generation routes in ``router/api.py`` (API key, the key's
 models, its request bucket, body size and JSON) and then here: no tokenizing, no prefix lookup, no
 TTFT prediction and no booking. The pod is the least loaded healthy, ready pod that serves the
@@ -38,10 +39,11 @@ from router.upstream import PodIOError
 
 log = logging.getLogger(__name__)
 
-# vLLM 0.32's routes passed through (vllm/entrypoints/serve/tokenize/api_router.py and
-# vllm/entrypoints/pooling/*/api_router.py); every body names its model in ``model`` (optional there)
+# vLLM 0.32's routes passed through (vllm/entrypoints/serve/tokenize/api_router.py,
+# vllm/entrypoints/pooling/*/api_router.py and vllm/entrypoints/anthropic/api_router.py); every body
+# names its model in ``model`` (optional there but for count_tokens)
 PATHS = ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
-         "/rerank", "/v1/rerank", "/v2/rerank")
+         "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages/count_tokens")
 # kvroute_requests_total's ``policy`` label on these routes' answers: one fixed value, never the path
 POLICY = "passthrough"
 

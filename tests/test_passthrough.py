@@ -82,7 +82,8 @@ def body_for(path: str, model: str | None) -> dict:
               "/v1/embeddings": {"input": "hello"}, "/pooling": {"input": "hello"},
               "/classify": {"input": "hello"}, "/score": {"queries": "q", "documents": ["a"]},
               "/v1/score": {"queries": "q", "documents": ["a"]}, "/rerank": {"query": "q", "documents": ["a"]},
-              "/v1/rerank": {"query": "q", "documents": ["a"]}, "/v2/rerank": {"query": "q", "documents": ["a"]}}
+              "/v1/rerank": {"query": "q", "documents": ["a"]}, "/v2/rerank": {"query": "q", "documents": ["a"]},
+              "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hello"}]}}
     body = dict(shapes[path])
     if model is not None:
         body["model"] = model
