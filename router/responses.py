@@ -114,8 +114,12 @@ class Turn:
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
         except Unrenderable:  # routed by its length alone (``estimate``)
-            self.view = {k: body[k] for k in ("model", "cache_salt", "stream", "max_output_tokens") if k in body}
+            self.view = {k: body[k] for k in ("model", "cache_salt", "stream") if k in body}
+            if body.get("max_output_tokens") is not None:
+                self.view["max_tokens"] = body["max_output_tokens"]
             self.keyed = False
+        if body.get("background"):  # answered at once while the pod generates: its answer times no token
+            self.view.pop("max_tokens", None)
 
     def estimate(self, chars_per_token: float) -> Unkeyed:
         """What the decision takes for the prompt of a turn it cannot key: its length in tokens at
