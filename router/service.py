@@ -66,7 +66,8 @@ class Services:
             self.tokenize_process = TokenizeProcess(settings.tokenizer, settings.tokenize_cache_tokens,
                                                     settings.tokenize_process_timeout_s,
                                                     tiktoken=settings.tokenize_tiktoken,
-                                                    chat_flags=serve_chat_flags(settings))
+                                                    chat_flags=serve_chat_flags(settings),
+                                                    log_format=settings.log_format)
         if self.prefix_tokens is not None and (self.tokenize_process is not None or self.bus is not None):
             share_tokens(self.bus if settings.tokenize_cache_share else None, self.prefix_tokens,
                          self.tokenize_process)

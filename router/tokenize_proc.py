@@ -234,6 +234,7 @@ def child_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Serve
     ap.add_argument("--exclude-tools-when-tool-choice-none", action="store_true")
     ap.add_argument("--chat-template", default=None, help="the template's text (as the router read its setting)")
     ap.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text", help="the router's log_format")
     args = ap.parse_args(argv)
     flags = None
     if args.default_chat_template_kwargs is not None or args.exclude_tools_when_tool_choice_none \
@@ -247,6 +248,10 @@ def child_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Serve
 def child_main(argv: list[str] | None = None) -> int:
     """``python -m router.tokenize_proc --fd N --tokenizer SPEC``: serve jobs on socket ``N`` until it closes."""
     args, flags = child_args(argv)
+    if args.log_format == "json":  # its warnings and a crash's traceback as the router's JSON lines
+        from kvcommon.logs import configure_logging
+
+        configure_logging("warning", "json")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core for its batches (router/serve.py)
     sock = socket.socket(fileno=args.fd)
     child = _Child(args.tokenizer, args.cache_tokens, args.share, not args.no_tiktoken, flags)
@@ -287,8 +292,10 @@ class TokenizeProcess:
     def __init__(self, spec: str, cache_tokens: int, timeout_s: float, share: bool = False,
                  on_stored: Callable[[list[tuple[int, bytes]]], None] | None = None,
                  restart_after_s: float = RESTART_AFTER_S, tiktoken: bool = True,
-                 start_timeout_s: float = START_TIMEOUT_S, chat_flags: ServeChatFlags | None = None):
+                 start_timeout_s: float = START_TIMEOUT_S, chat_flags: ServeChatFlags | None = None,
+                 log_format: str = "text"):
         self.spec = spec
+        self.log_format = log_format  # the router's: the child logs (and crashes) in the same format
         self.chat_flags = chat_flags  # the pods' chat-rendering serve flags (router.prompts.serve_chat_flags)
         self.tiktoken = tiktoken
         self.cache_tokens = cache_tokens
@@ -346,7 +353,8 @@ class TokenizeProcess:
         """The child's command line, its end of the socket pair being ``fd``."""
         return [sys.executable, "-m", "router.tokenize_proc", "--fd", str(fd), "--tokenizer", self.spec,
                 "--cache-tokens", str(self.cache_tokens), *(["--share"] if self.share else []),
-                *([] if self.tiktoken else ["--no-tiktoken"]), *self._flag_args()]
+                *([] if self.tiktoken else ["--no-tiktoken"]), *self._flag_args(),
+                *(["--log-format", "json"] if self.log_format == "json" else [])]
 
     def _flag_args(self) -> list[str]:
         flags = self.chat_flags

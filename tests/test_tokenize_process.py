@@ -5,6 +5,7 @@ dead, too slow, silent at its start, answering garbage), with the child started 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -268,6 +269,25 @@ def test_the_child_exits_when_the_router_goes(tokenizer_file):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_childs_crash_is_logged_in_the_routers_format(tmp_path, log_format):
+    """A child that cannot load its tokenizer dies with an uncaught exception: with ``log_format:
+    json`` its traceback is one JSON line on the router's stderr (it printed as bare text before)."""
+    ours, theirs = socket.socketpair()
+    proc = TokenizeProcess(str(tmp_path / "missing.json"), 0, 5.0, log_format=log_format)
+    child = subprocess.run(proc._command(theirs.fileno()), pass_fds=[theirs.fileno()], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    theirs.close()
+    ours.close()
+    lines = [line for line in child.stderr.splitlines() if line.strip()]
+    assert child.returncode != 0 and lines
+    if log_format == "json":
+        records = [json.loads(line) for line in lines]
+        assert records[-1]["level"] == "CRITICAL" and "missing.json" in records[-1]["exc"], records
+    else:
+        assert lines[0].startswith("Traceback") and "missing.json" in child.stderr
 
 
 def test_a_ctrl_c_to_the_routers_process_group_stops_it_without_a_trace(tokenizer_file):
