@@ -356,6 +356,9 @@ class RouterSettings(BaseSettings):
     kv_event_curve_secret_key: str | None = Field(None, description="CURVE: the router's secret key (Z85)")
     event_silence_s: float = Field(30.0, ge=0, description="drop a pod's index entries when its KV events stop this "
                                    "long while it keeps serving requests (0 = never)")
+    kv_events_check_interval_s: float = Field(60.0, ge=0, description="compare each pod's KV-event publishers (vLLM's "
+                                              "GET /kv_event_sources) with its kv_events this often, and say when "
+                                              "they disagree (kvroute_pod_kv_events_mismatch; 0 = never)")
     discovery: DiscoveryMode = Field("static", description="where the fleet comes from: 'static' (the pods list), "
                                      "'dns' (a headless Service re-resolved) or 'kubernetes' (list and watch pods)")
     discovery_label_selector: str = Field("kvroute.io/pool=default", description="kubernetes: label selector of the "

@@ -19,6 +19,7 @@ from router.config import RouterSettings, data_parallel_ranks
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
 from router.discovery.fleet import DiscoveryCollector
 from router.dispatch import Dispatcher
+from router.event_sources import EventSourceCheck
 from router.metrics import FleetCollector, IndexCollector, RouterMetrics
 from router.pods import PodRegistry
 from router.prompts import TokenizePool, serve_chat_flags
@@ -183,6 +184,12 @@ class Services:
         self.index = self.build_index(block_size)
         await self.start_subscriber()
         self.watchdog = start_watchdog(self)  # silent KV-event publishers (router/watchdog.py)
+        # publishers the router does not hear (router/event_sources.py)
+        self.event_sources: EventSourceCheck | None = None
+        if self.settings.kv_events_check_interval_s:
+            self.event_sources = EventSourceCheck(self.registry, self.settings.kv_events_check_interval_s,
+                                                  self.metrics.registry)
+            self.event_sources.start()
         self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
                              ledger=self.ledger, block_size=block_size, subscriber=self.subscriber)
         if self.bus is not None:
@@ -254,6 +261,9 @@ class Services:
         watchdog = getattr(self, "watchdog", None)
         if watchdog is not None:
             await watchdog.stop()
+        sources = getattr(self, "event_sources", None)
+        if sources is not None:
+            await sources.stop()
         router = getattr(self, "router", None)
         if router is not None and router.prediction_log is not None:
             router.prediction_log.close()
