@@ -133,7 +133,7 @@ def chat_body(body: dict[str, Any], *, merge_inline_system: bool = False,
     if effort is not None and effort not in EFFORTS:
         raise ChatTemplateError(f"output_config.effort must be one of {', '.join(EFFORTS)}",
                                 param="output_config.effort")
-    stop = body.get("stop_sequences")
+    stop = None if count_tokens else body.get("stop_sequences")   # a count request has none (and ignores one)
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ChatTemplateError("'stop_sequences' must be a list of strings", param="stop_sequences")
     kwargs = body.get("chat_template_kwargs")

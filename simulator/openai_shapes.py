@@ -47,12 +47,16 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class ShapeError(ValueError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None,
+                 value: Any = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.err_type = err_type  # None: ERROR_TYPES[status]
+        # the rejected value of a VLLMValidationError, which its str appends ("(parameter=..., value=...)"):
+        # the Anthropic API's errors show it (simulator/anthropic_shapes.py), the OpenAI ones here do not
+        self.value = value
 
 
 def invalid(key: str, message: str) -> ShapeError:
@@ -229,7 +233,7 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         raise ShapeError(f"The model `{name}` does not exist. Valid aliases: {model}.", status=404, param="model")
     if max_tokens is not None and max_tokens > max_model_len:
         raise ShapeError(f"{budget_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-                         f"Please request fewer output tokens.", param=budget_param)
+                         f"Please request fewer output tokens.", param=budget_param, value=max_tokens)
     text_prompt = kind == "chat" or not isinstance(body.get("prompt"), list) or (
         len(body["prompt"]) == 1 and isinstance(body["prompt"][0], str))
     ids = prompt_ids_of(body, tokenizer) if kind == "completion" else chat_ids_of(body, tokenizer)
@@ -239,7 +243,8 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
         said = f"at least {max_model_len + 1}" if text_prompt else str(n_prompt)
         raise ShapeError(f"This model's maximum context length is {max_model_len} tokens. However, your "
                          f"prompt contains {said} input tokens, which exceeds this limit even without any "
-                         f"output tokens. Please reduce the length of the input prompt.", param="input_tokens")
+                         f"output tokens. Please reduce the length of the input prompt.", param="input_tokens",
+                         value=max_model_len + 1 if text_prompt else n_prompt)
     room = max_model_len - n_prompt
     # get_max_tokens: what is asked, clamped to what fits (finishing 'length' there); nothing asked:
     # up to max_model_len, and the simulated model stops ('stop') after default_max_tokens

@@ -6,7 +6,8 @@ by hand, hash the prompt's blocks, wait for tokens, write bytes. One process can
 the local port of the connection.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
-``GET /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``, ``GET /v1/models``,
+``GET /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``, ``POST /v1/messages``,
+``POST /v1/messages/count_tokens`` (Anthropic's Messages API), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
 ``GET /metrics``; simulator-only: ``GET|POST /sim/faults``, ``GET /sim/state``,
 ``POST /sim/nixl/read``, ``POST /sim/nixl/release``.
@@ -15,6 +16,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/resp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,6 +32,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from indexer.messages import disabled_thinking_effort, merges_inline_system
 from indexer.responses import Unrenderable
 from indexer.responses import chat_body as responses_chat_body
 from indexer.tokens import ChatTemplateError, Tokenizer, load_tokenizer
@@ -37,6 +40,7 @@ from kvcommon import asgi
 from kvcommon.asgi import header
 from kvcommon.errors import APIError, ClientDisconnected, error_body
 from kvcommon.transfer import wants_prompt_logprobs
+from simulator import anthropic_shapes as anthropic
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
 from simulator.events import KVEventsConfig
 from simulator.faults import FaultError, Faults, RequestFaults
@@ -50,6 +54,7 @@ from simulator.openai_shapes import (
     ShapeError,
     chat_body,
     chat_chunk,
+    chat_ids_of,
     chat_role_chunk,
     check_object,
     completion_body,
@@ -190,6 +195,14 @@ class Pod:
         self._token_text: dict[int, str] = {}
         self.responses = ResponseStore(s.responses_store, s.responses_store_size)
 
+    @property
+    def merge_inline_system(self) -> bool:
+        return anthropic_template_choices(self.tokenizer)[0]
+
+    @property
+    def disabled_thinking_effort(self) -> str:
+        return anthropic_template_choices(self.tokenizer)[1]
+
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.engine.start()
@@ -243,6 +256,25 @@ class Pod:
                 "faults": self.faults.as_dict()}
 
 
+_TEMPLATE_CHOICES: dict[int, tuple[Tokenizer, tuple[bool, str]]] = {}
+
+
+def anthropic_template_choices(tokenizer: Tokenizer) -> tuple[bool, str]:
+    """What vLLM 0.32's Messages API decides once from the pod's chat template: whether inline system
+    messages are merged into the leading one, and the ``reasoning_effort`` of a disabled ``thinking``
+    (``indexer.messages``' probes of the template, made once per tokenizer, on the first Messages
+    request); vLLM's defaults (False, "none") for a tokenizer whose template cannot be resolved."""
+    hit = _TEMPLATE_CHOICES.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    if getattr(tokenizer, "resolve_template", None) is None:
+        choices = (False, "none")
+    else:
+        choices = (merges_inline_system(tokenizer), disabled_thinking_effort(tokenizer))
+    _TEMPLATE_CHOICES[id(tokenizer)] = (tokenizer, choices)
+    return choices
+
+
 # --- ASGI plumbing -------------------------------------------------------------------------------
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -273,6 +305,12 @@ async def respond_error(send: Send, status: int, message: str, param: str | None
                         extra: Sequence[tuple[bytes, bytes]] = (), err_type: str | None = None) -> None:
     body = error_body(status, message, param, err_type=err_type or ERROR_TYPES.get(status, "Error"))
     await respond(send, status, body, JSON_HEADERS + list(extra))
+
+
+async def respond_messages_error(send: Send, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = (),
+                                 err_type: str | None = None) -> None:
+    """An error of the Messages API after its request validation: Anthropic-shaped."""
+    await respond(send, status, anthropic.error_body(status, message, err_type), JSON_HEADERS + list(extra))
 
 
 def parse_json(raw: bytes) -> Any:
@@ -411,6 +449,15 @@ def build_app(pod: Pod):
         # every stored response is finished (no background ones here): vLLM's answer for those
         raise ShapeError("Cannot cancel a synchronous response.", param="response_id", err_type=RESPONSES_ERROR_TYPE)
 
+    @route("POST", "/v1/messages")
+    async def messages_create(scope, receive, send):
+        await generate(pod, "messages", scope, receive, send)
+
+    @route("POST", "/v1/messages/count_tokens")
+    async def messages_count_tokens(scope, receive, send):
+        chat = prepare_messages(pod, parse_json_request(scope, await read_body(scope, receive)), count_tokens=True)
+        await respond_json(send, 200, anthropic.count_body(len(messages_prompt_ids(pod, chat))))
+
     @route("GET", "/v1/models")
     async def models(scope, receive, send):
         await respond_json(send, 200, models_body(pod.model, pod.settings.max_model_len, pod.created,
@@ -423,6 +470,10 @@ def build_app(pod: Pod):
     @route("GET", "/version")
     async def version(scope, receive, send):
         await respond_json(send, 200, {"version": VLLM_VERSION})
+
+    @route("GET", "/kv_event_sources")
+    async def kv_event_sources(scope, receive, send):
+        await respond_json(send, 200, event_sources([pod]))
 
     @route("GET", "/metrics")
     async def metrics(scope, receive, send):
@@ -438,7 +489,6 @@ def build_app(pod: Pod):
     async def tokenize(scope, receive, send):
         body = await read_tokenizer_request(scope, receive, pod.model, pod.loras)
         if "messages" in body:
-            from simulator.openai_shapes import chat_ids_of
             ids = chat_ids_of(body, pod.tokenizer, api="tokenize")
         else:
             prompt = body.get("prompt")
@@ -533,6 +583,8 @@ def build_app(pod: Pod):
             return
         try:
             await handler(scope, receive, send)
+        except anthropic.MessagesError as exc:
+            await respond_messages_error(send, exc.status, exc.message, err_type=exc.err_type)
         except ShapeError as exc:
             await respond_error(send, exc.status, exc.message, exc.param, err_type=exc.err_type)
         except (SimulatedDrop, ConnectionResetError):
@@ -588,7 +640,7 @@ class DataParallelApp:
     start); it never looks at the cache. /metrics has every engine's samples under its ``engine``
     label; /reset_prefix_cache resets every engine; everything else is rank 0's."""
 
-    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
     def __init__(self, pods: list[Pod]):
         self.pods = pods
@@ -620,6 +672,9 @@ class DataParallelApp:
             body = merge_expositions([p.render_metrics() for p in self.pods])
             await respond(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
             return
+        if path == "/kv_event_sources" and method == "GET":
+            await respond_json(send, 200, event_sources(self.pods))
+            return
         if path == "/reset_prefix_cache" and method == "POST":
             await read_body(scope, receive)
             for p in self.pods:
@@ -632,7 +687,10 @@ class DataParallelApp:
         try:
             rank = check_rank_header(scope, len(self.pods))
         except ShapeError as exc:
-            await respond_error(send, 400, exc.message)
+            if path == "/v1/messages":
+                await respond_messages_error(send, 400, exc.message)
+            else:
+                await respond_error(send, 400, exc.message)
             return
         if rank is None:
             rank = self.pick()
@@ -709,9 +767,46 @@ def prepare_responses(pod: Pod, body: Any) -> tuple[dict[str, Any], ResponsesCal
     return chat, call
 
 
+def messages_prompt_ids(pod: Pod, chat: dict[str, Any]) -> list[int]:
+    """The prompt of a count_tokens request's chat body, checked as vLLM's ``render_chat_request``
+    checks it: the model (404), the rendering, the prompt's length; errors Anthropic-shaped."""
+    name = chat.get("model")
+    if name not in (None, "", pod.model) and name not in pod.loras:
+        raise anthropic.MessagesError(f"The model `{name}` does not exist. Valid aliases: {pod.model}.", status=404,
+                                      param="model")
+    try:
+        ids = chat_ids_of(chat, pod.tokenizer)
+    except ShapeError as exc:
+        raise anthropic.MessagesError.of(exc) from exc
+    limit = pod.settings.max_model_len
+    if len(ids) > limit:   # a text prompt, tokenized with truncation to max_model_len + 1: "at least" that
+        raise anthropic.MessagesError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains at least "
+            f"{limit + 1} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+            f"length of the input prompt. (parameter=input_tokens, value={limit + 1})", param="input_tokens")
+    return ids
+
+
+def prepare_messages(pod: Pod, body: Any, count_tokens: bool = False) -> dict[str, Any]:
+    """A Messages (or count_tokens) request as the chat body vLLM 0.32 runs for it
+    (``anthropic_shapes.to_chat``, with the pod's template choices). vLLM converts before its chat
+    layer checks the model, but an empty conversation is the renderer's error, after that check: an
+    unknown model is then a 404."""
+    try:
+        return anthropic.to_chat(body, merge_inline_system=pod.merge_inline_system,
+                                 disabled_thinking_effort=pod.disabled_thinking_effort, count_tokens=count_tokens)
+    except anthropic.MessagesError as exc:
+        name = body.get("model") if isinstance(body, dict) else None
+        if exc.message.startswith(anthropic.EMPTY_CONVERSATION) and name != pod.model and name not in pod.loras:
+            raise anthropic.MessagesError(f"The model `{name}` does not exist. Valid aliases: {pod.model}.",
+                                          status=404, param="model") from exc
+        raise
+
+
 async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Send) -> None:
-    """A generation request, ``kind`` "completion", "chat" or "responses" (a chat generation whose
-    chat body ``prepare_responses`` makes, answered in the Responses shapes)."""
+    """A generation request, ``kind`` "completion", "chat", "responses" or "messages" (chat
+    generations whose chat body ``prepare_responses`` / ``prepare_messages`` makes, answered in the
+    Responses / Anthropic Messages shapes)."""
     s = pod.settings
     loop = asyncio.get_running_loop()
     base_id = header(scope, b"x-request-id")
@@ -726,18 +821,32 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         await asyncio.sleep(faults.delay_s)
     body = parse_json_request(scope, raw)
     call = None
+    messages = kind == "messages"
     if kind == "responses":
         body, call = prepare_responses(pod, body)
-    gen = parse_generation(body, "chat" if call is not None else kind, pod.tokenizer, model=pod.model,
-                           adapters=pod.loras, max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
-                           max_prompt_tokens=pod.max_prompt_tokens)
-    if s.data_parallel_size == 1:  # a data-parallel pod's rank was checked by DataParallelApp
-        check_rank_header(scope, 1)
+    elif messages:
+        body = prepare_messages(pod, body)
+    try:
+        gen = parse_generation(body, "completion" if kind == "completion" else "chat", pod.tokenizer,
+                               model=pod.model, adapters=pod.loras, max_model_len=s.max_model_len,
+                               default_max_tokens=s.default_max_tokens, max_prompt_tokens=pod.max_prompt_tokens)
+        if s.data_parallel_size == 1:  # a data-parallel pod's rank was checked by DataParallelApp
+            check_rank_header(scope, 1)
+    except ShapeError as exc:
+        if messages:   # the chat layer's errors, past the Messages request's validation
+            raise anthropic.MessagesError.of(exc) from exc
+        raise
+    if messages:   # vLLM's random_uuid: 16 hex digits
+        base_id = base_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
     base_id = base_id or (call.response_id if call is not None else gen.body_request_id) or uuid.uuid4().hex
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
     if faults.status is not None:
         pod.metrics.faults.labels("status").inc()
-        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+        message = f"simulated fault: status {faults.status}"
+        if messages:
+            await respond_messages_error(send, faults.status, message, extra=echo)
+        else:
+            await respond_error(send, faults.status, message, extra=echo)
         return
     if call is not None:
         response_id = call.response_id   # vLLM's: the body's request_id, never the header's
@@ -745,7 +854,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         room = s.max_model_len - len(gen.prompt_ids)
         call.max_output_tokens = room if asked is None else min(asked, room)
     else:
-        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base_id}"
+        response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base_id}"
     internal_id = f"{response_id}-{next(pod._ids):x}"
     req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
                      pod.hasher, arrival, salt=gen.cache_salt,
@@ -772,6 +881,9 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     try:
         if call is not None:
             await (_responses_stream if gen.stream else _responses_whole)(pod, gen, req, call, faults, send, echo)
+        elif messages:
+            await (_messages_stream if gen.stream else _messages_whole)(pod, gen, req, response_id, faults, send,
+                                                                        echo, producer)
         elif gen.stream:
             await _stream(pod, gen, req, response_id, faults, send, echo)
         else:
@@ -885,18 +997,22 @@ class _Emitter:
         self.sent += 1
 
 
+def _producer_params(pod: Pod, req: SimRequest) -> dict | None:
+    """The ``kv_transfer_params`` a prefill leg answers: its leased blocks, for the decoder to read."""
+    lease = pod.leases.leases.get(req.request_id)
+    if lease is None:
+        return None
+    return producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
+                           host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
+                           cached_tokens=req.cached_tokens)
+
+
 async def _whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
                  send: Send, echo: list, producer: bool = False) -> None:
     text = await _collect(pod, req)
     if text is None:
         return
-    kv_params = None
-    if producer:
-        lease = pod.leases.leases.get(req.request_id)
-        if lease is not None:
-            kv_params = producer_params(block_ids=lease.block_ids, engine_id=pod.engine_id, request_id=req.request_id,
-                                        host=pod.settings.advertised_host, port=pod.port, num_tokens=req.n_prompt,
-                                        cached_tokens=req.cached_tokens)
+    kv_params = _producer_params(pod, req) if producer else None
     build = chat_body if gen.kind == "chat" else completion_body
     use = _usage_of(req, gen, pod.settings.enable_prompt_tokens_details, pod.settings.block_size)
     ids = gen.return_token_ids
@@ -1020,7 +1136,66 @@ async def _responses_stream(pod: Pod, gen: GenRequest, req: SimRequest, call: Re
     await emit(response_event(response_state_event("response.completed", response, next(seq))), more=False)
 
 
+def _messages_usage(pod: Pod, gen: GenRequest, req: SimRequest) -> dict:
+    s = pod.settings
+    return anthropic.usage(req.n_prompt, req.num_output, _reported_cached(req, gen.kv_transfer_params),
+                           _cache_writes(req, s.block_size), s.enable_prompt_tokens_details)
+
+
+async def _messages_whole(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
+                          send: Send, echo: list, producer: bool) -> None:
+    text = await _collect(pod, req)
+    if text is None:
+        return
+    body = anthropic.message_body(response_id, gen.lora or pod.model, text, req.finish_reason,
+                                  _messages_usage(pod, gen, req), _producer_params(pod, req) if producer else None)
+    await _send_whole(pod, req, orjson.dumps(body), faults, send, echo)
+
+
+async def _messages_stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, faults: RequestFaults,
+                           send: Send, echo: list, producer: bool) -> None:
+    """vLLM 0.32's Messages stream of one text block: the headers at once, ``message_start`` with the
+    first token (vLLM makes it from the chat stream's role chunk, sent with the first output), the
+    block started with the first token that has text, one ``content_block_delta`` per token with text,
+    then ``content_block_stop``, ``message_delta`` (stop reason, usage) and ``message_stop``. Each
+    event is ``event: <type>`` + its JSON; no ``[DONE]``, no pings."""
+    del producer   # vLLM's stream carries no kv_transfer_params
+    model = gen.lora or pod.model
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+    emit = _Emitter(pod, send, faults.drop_after_chunks)
+    started = block = False
+    queue = req.queue
+    while True:
+        item = await queue.get()
+        if item is FINISH:
+            break
+        if not started:
+            await emit(anthropic.event(anthropic.message_start(response_id, model, req.n_prompt)))
+            started = True
+        text = pod.text_of(item)
+        if not text:   # vLLM skips a delta with no text
+            continue
+        if not block:
+            await emit(anthropic.event(anthropic.content_block_start()))
+            block = True
+        await emit(anthropic.event(anthropic.text_delta(text)))
+    if req.finish_reason == "abort":
+        return
+    if not started:
+        await emit(anthropic.event(anthropic.message_start(response_id, model, req.n_prompt)))
+    if block:
+        await emit(anthropic.event(anthropic.content_block_stop()))
+    await emit(anthropic.event(anthropic.message_delta(req.finish_reason, _messages_usage(pod, gen, req))))
+    await emit(anthropic.event(anthropic.MESSAGE_STOP), more=False)
+
+
 # --- building and running pods ------------------------------------------------------------------
+def event_sources(engines: list[Pod]) -> dict[str, Any]:
+    """vLLM 0.32's ``GET /kv_event_sources``: each engine's KV-events config by its data-parallel rank
+    (every field of vLLM's ``KVEventsConfig``, the endpoints as bound); {} when it publishes none."""
+    return {str(e.rank): dataclasses.asdict(e.events_config) for e in engines if e.events_config is not None}
+
+
 def events_config_for(settings: SimSettings) -> KVEventsConfig | None:
     if settings.kv_events_port is not None:
         return KVEventsConfig.shortcut(settings.kv_events_port, settings.data_parallel_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -105,3 +106,33 @@ async def test_the_router_says_which_pods_publish_where_it_does_not_listen(caplo
                 break
             await asyncio.sleep(0.05)
         assert gauge(services, "pod-1") == 0.0
+
+
+@pytest.mark.e2e
+def test_simulated_pods_answer_kv_event_sources_as_vllm_and_the_router_agrees(tmp_path):
+    """The simulated pod's ``/kv_event_sources`` is vLLM's shape; a router subscribed as the harness
+    subscribes (each pod's events and replay ports, no topic) finds every pod agreeing, and one
+    subscribed to the neighbour's ports finds both disagreeing."""
+    import re
+
+    import httpx
+
+    from tests.faults.harness import Sims, router
+
+    with Sims(2) as sims:
+        pods = sims.pods()
+        answer = httpx.get(pods[1]["url"] + "/kv_event_sources", timeout=5).json()
+        port = pods[1]["kv_events"][0]["endpoint"].rsplit(":", 1)[1]
+        assert list(answer) == ["0"] and answer["0"]["endpoint"] == f"tcp://*:{port}", answer
+        assert answer["0"]["enable_kv_cache_events"] is True and answer["0"]["topic"].endswith("@sim-model")
+        crossed = [{**pods[0], "kv_events": pods[1]["kv_events"]}, {**pods[1], "kv_events": pods[0]["kv_events"]}]
+        for fleet, expected in ((pods, {"0.0"}), (crossed, {"1.0"})):
+            with router(tmp_path, fleet, kv_events_check_interval_s=0.2) as r:
+                deadline = time.monotonic() + 10
+                while True:
+                    text = httpx.get(r.base + "/metrics", timeout=5).text
+                    found = re.findall(r'^kvroute_pod_kv_events_mismatch\{pod="[^"]+"\} (\S+)$', text, re.M)
+                    if len(found) == 2 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+                assert len(found) == 2 and set(found) == expected, text[-2000:]
