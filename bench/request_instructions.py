@@ -24,7 +24,7 @@ With ``--stream N`` each completion is streamed as N events (the static backend'
 that each reaches the router in a read of its own, as a pod's tokens do), in runs of
 ``STREAM_SMALL`` and ``STREAM_LARGE`` requests, and the count is per streamed answer.
 
-The router's background loops (pod health checks and metrics scrapes) run once an hour here
+The router's background loops (pod health checks, metrics scrapes and the KV-event sources check) run once an hour here
 instead of every 0.25-1 s, so that only requests are counted; ``PYTHONHASHSEED=0``. About three
 minutes (two runs, each mostly start-up under callgrind). The last line printed is the headline.
 Compare two trees by running this file from each (``git worktree add`` the other, copy this file
@@ -87,7 +87,8 @@ def instructions(upstream: str, requests: int, workdir: Path, body: dict, distin
     pods = json.dumps([{"id": "pod-0", "url": upstream, "model": "sim-model"}])
     proc = spawn(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}",
                   sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--pods", pods,
-                  "--log-level", "error", "--health-interval-s", "3600", "--scrape-interval-s", "3600"],
+                  "--log-level", "error", "--health-interval-s", "3600", "--scrape-interval-s", "3600",
+                  "--kv-events-check-interval-s", "3600"],
                  workdir / f"router-{requests}.out", env={"PYTHONHASHSEED": "0"})
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", proc, 600.0)
