@@ -7,6 +7,7 @@ wait until they answer, and stop them at the end; nothing leaves loopback.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,17 @@ def kvroute_process(args: list[str], ready_url: str | None = None, timeout: floa
         yield proc
     finally:
         stop_process(proc)
+
+
+def sse_events(raw: str) -> list[tuple[str, dict]]:
+    """``(event name, data)`` of each event of a stream whose every event is an ``event:`` line and a
+    ``data:`` line (the Responses API's, the Messages API's)."""
+    out = []
+    for block in raw.split("\n\n"):
+        if not block:
+            continue
+        name_line, data_line = block.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
+        out.append((name_line[len("event: "):], json.loads(data_line[len("data: "):])))
+    return out
+

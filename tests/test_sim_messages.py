@@ -15,7 +15,7 @@ import pytest
 from indexer.messages import chat_body
 from indexer.tokens import chat_request_ids, load_tokenizer
 from simulator.testing import consecutive_free_ports
-from tests.helpers import kvroute_process
+from tests.helpers import kvroute_process, sse_events
 
 MAX_MODEL_LEN = 4096
 BLOCK = 16
@@ -44,17 +44,6 @@ def render(body: dict, count_tokens: bool = False) -> list[int]:
 def prompt_len(body: dict) -> int:
     return len(render(body))
 
-
-def sse_events(raw: str) -> list[tuple[str, dict]]:
-    """``(event name, data)`` of each event; every event is ``event:`` + ``data:``."""
-    out = []
-    for block in raw.split("\n\n"):
-        if not block:
-            continue
-        name_line, data_line = block.split("\n")
-        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
-        out.append((name_line[len("event: "):], json.loads(data_line[len("data: "):])))
-    return out
 
 
 def validation(loc: str, error: str) -> dict:

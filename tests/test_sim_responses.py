@@ -16,7 +16,7 @@ import pytest
 from indexer.responses import chat_body
 from indexer.tokens import chat_request_ids, load_tokenizer
 from simulator.testing import consecutive_free_ports
-from tests.helpers import kvroute_process
+from tests.helpers import kvroute_process, sse_events
 
 MAX_MODEL_LEN = 4096
 BLOCK = 16
@@ -59,17 +59,6 @@ def prompt_len(body: dict) -> int:
     """The prompt tokens vLLM renders for the Responses body (the byte tokenizer: no BOS to add)."""
     return len(chat_request_ids(chat_body(body), load_tokenizer("byte")))
 
-
-def sse_events(raw: str) -> list[tuple[str, dict]]:
-    """``(event name, data)`` of each event of a Responses stream; every event is ``event:`` + ``data:``."""
-    out = []
-    for block in raw.split("\n\n"):
-        if not block:
-            continue
-        name_line, data_line = block.split("\n")
-        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
-        out.append((name_line[len("event: "):], json.loads(data_line[len("data: "):])))
-    return out
 
 
 @pytest.fixture(scope="module")
