@@ -32,6 +32,8 @@ from starlette.types import Receive, Scope, Send
 from indexer.prefix_tokens import NotCached
 from kvcommon.asgi import read_body
 from router.auth import Caller, Gate, install_reload
+from router.chat_batch import PATH as CHAT_BATCH_PATH
+from router.chat_batch import BatchTurn
 from router.costs import estimate_prompt_tokens
 from router.disagg import prefill_targets, sanitize_body
 from router.dispatch import upstream_headers
@@ -61,8 +63,8 @@ SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS
                                 if p not in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"))
 
 # the routes whose requests are planned as the chat requests they render as (router/responses.py,
-# router/messages.py)
-RENDERED_AS_CHAT = frozenset({"responses", "messages"})
+# router/messages.py; a batch by its first conversation, router/chat_batch.py)
+RENDERED_AS_CHAT = frozenset({"responses", "messages", "chat_batch"})
 
 _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
@@ -330,13 +332,17 @@ def create_app(services: Services) -> FastAPI:
             if kind in RENDERED_AS_CHAT:  # planned as the chat request each renders as
                 # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``sent``)
                 changed = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics) is not raw
-                turn: Turn | MessagesTurn = (
+                changed = changed or caller.salt is not None
+                turn: Turn | MessagesTurn | BatchTurn = (
                     Turn(body, caller.name, lambda: services.registry.pods) if kind == "responses" else
-                    MessagesTurn(body, rendering.probe(r), raw, changed or caller.salt is not None))
+                    MessagesTurn(body, rendering.probe(r), raw, changed) if kind == "messages" else
+                    BatchTurn(body, raw, changed, r.chars_per_token))
                 view, kind = turn.view, "chat"
-                prompt = await prompt_ids(r, kind, view, orjson.dumps(view)) if turn.keyed else \
-                    {"tokens": turn.estimate(r.chars_per_token), "exact": False}
-                plan = r.plan(kind, view, headers, grants=caller.grants, only=turn.pods, **prompt)
+                keyed = isinstance(turn, BatchTurn) or turn.keyed  # a batch's first conversation always is
+                prompt = await prompt_ids(r, kind, view, orjson.dumps(view)) if keyed else \
+                    {"tokens": turn.estimate(r.chars_per_token), "exact": False}  # type: ignore[union-attr]
+                plan = r.plan(kind, view, headers, grants=caller.grants, only=turn.pods,
+                              more=turn.rest, **prompt)
                 gate.settle(caller, charged, plan.request.prompt_tokens)
                 sent: bytes | Callable[[str], bytes] = turn.sent
                 body = view
@@ -377,8 +383,12 @@ def create_app(services: Services) -> FastAPI:
     async def messages_create(request: Request) -> Response:
         return await proxy(request, "messages", MESSAGES_PATH)
 
+    @app.post(CHAT_BATCH_PATH, openapi_extra=openapi_body("chat_batch"))
+    async def chat_batch(request: Request) -> Response:
+        return await proxy(request, "chat_batch", CHAT_BATCH_PATH)
+
     app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions,
-                       RESPONSES_PATH: responses_create, MESSAGES_PATH: messages_create}
+                       RESPONSES_PATH: responses_create, MESSAGES_PATH: messages_create, CHAT_BATCH_PATH: chat_batch}
 
     # ---- vLLM's other routes (router/passthrough.py) ----------------------------------------------
     async def pass_through(request: Request, path: str) -> Response:

@@ -54,6 +54,21 @@ def _nested_chars(value: Any, depth: int = 6) -> int:
     return 0
 
 
+def _messages_chars(messages: Any) -> int:
+    """Characters of text in a chat conversation's messages (their content, reasoning and tool calls)."""
+    chars = 0
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                chars += _text_chars(m.get("content"))
+                for field in ("reasoning", "reasoning_content"):
+                    if isinstance(m.get(field), str):
+                        chars += len(m[field])
+                if "tool_calls" in m:
+                    chars += _nested_chars(m["tool_calls"])
+    return chars
+
+
 def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: float) -> int:
     """A cheap estimate of every prompt token of the request: token ids counted exactly, text at
     ``chars_per_token`` characters a token. Shapes the router will refuse count 0 (they get a 400)."""
@@ -66,18 +81,13 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: flo
         for field in ("system", "messages", "tools"):
             chars += _nested_chars(body.get(field))
     elif kind == "chat":
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            for m in messages:
-                if isinstance(m, dict):
-                    chars += _text_chars(m.get("content"))
-                    for field in ("reasoning", "reasoning_content"):
-                        if isinstance(m.get(field), str):
-                            chars += len(m[field])
-                    if "tool_calls" in m:
-                        chars += _nested_chars(m["tool_calls"])
+        chars = _messages_chars(body.get("messages"))
         if "tools" in body:
             chars += _nested_chars(body["tools"])
+    elif kind == "chat_batch":  # router/chat_batch.py: conversations, rendered without tools
+        conversations = body.get("messages")
+        if isinstance(conversations, list):
+            chars = sum(_messages_chars(c) for c in conversations)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):

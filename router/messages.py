@@ -71,6 +71,7 @@ class MessagesTurn:
     them: ``body`` already holds the derived salt and no client ``kv_transfer_params``)."""
 
     __slots__ = ("body", "view", "keyed", "_raw")
+    rest = 0  # prompt tokens besides the rendered one (a chat batch's other conversations: router/chat_batch.py)
 
     def __init__(self, body: dict[str, Any], options: dict[str, Any], raw: bytes, changed: bool):
         self.body = body

@@ -46,6 +46,13 @@ CHAT_BODY = {
                     "type": {"type": "string"}, "text": {"type": "string"}}}}]}}}}},
 }
 
+CHAT_BATCH_BODY = {
+    "type": "object", "required": ["model", "messages"], "additionalProperties": True,
+    "properties": {**_COMMON, "messages": {"type": "array", "minItems": 1,
+                                           "description": "conversations, each answered as one choice",
+                                           "items": CHAT_BODY["properties"]["messages"]}},  # type: ignore[index]
+}
+
 RESPONSES_BODY = {
     "type": "object", "required": ["model", "input"], "additionalProperties": True,
     "properties": {
@@ -66,9 +73,9 @@ _ANSWERS = {
 
 
 def openapi_body(kind: str) -> dict[str, Any]:
-    """``openapi_extra`` for a route taking a completion (``completion``), chat (``chat``) or
-    Responses (``responses``) body."""
-    schema = {"chat": CHAT_BODY, "responses": RESPONSES_BODY}.get(kind, COMPLETION_BODY)
+    """``openapi_extra`` for a route taking a completion (``completion``), chat (``chat``), chat batch
+    (``chat_batch``) or Responses (``responses``) body."""
+    schema = {"chat": CHAT_BODY, "chat_batch": CHAT_BATCH_BODY, "responses": RESPONSES_BODY}.get(kind, COMPLETION_BODY)
     responses: dict[str, Any] = {}
     for code, text in _ANSWERS.items():
         media = ({"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}} if code == "200"

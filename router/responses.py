@@ -102,6 +102,7 @@ class Turn:
     go to (``pinned``), and the bytes sent to each pod, with the response id minted for that pod."""
 
     __slots__ = ("body", "caller", "view", "keyed", "pinned")
+    rest = 0  # prompt tokens besides the rendered one (a chat batch's other conversations: router/chat_batch.py)
 
     def __init__(self, body: dict[str, Any], caller: str, pod_ids: Callable[[], Iterable[str]]):
         self.body = body

@@ -303,7 +303,7 @@ class Router:
     def plan(self, kind: str, body: Mapping[str, Any], headers: Mapping[str, str], dry_run: bool = False,
              tokens: Sequence[int] | None = None, exact: bool = True, grants: Any = None,
              rest: int | None = None, keys: list[int] | None = None,
-             only: Callable[[PodState], bool] | None = None) -> Plan:
+             only: Callable[[PodState], bool] | None = None, more: int = 0) -> Plan:
         """Tokenize, look up, snapshot the fleet and decide; nothing is booked (``book`` does that).
 
         ``tokens`` given: the prompt was tokenized already (by ``prompt`` in a tokenize thread, with
@@ -312,8 +312,10 @@ class Router:
         objective headers count (None: they do).
 
         A batch of prompts is routed by its first prompt (its prefix is looked up) and counted as all
-        of them (``prompt_tokens``: the other prompts' tokens, assumed uncached). ``only``: the pods
-        of the model the request may go to (None: all)."""
+        of them (``prompt_tokens``: the other prompts' tokens, assumed uncached); ``more``: prompt
+        tokens the request carries besides those (a chat batch's other conversations, estimated:
+        router/chat_batch.py), counted the same way. ``only``: the pods of the model the request may
+        go to (None: all)."""
         started = time.perf_counter()
         model = self.resolve_model(body)
         objective = self.objective_s(headers, may_loosen=grants is None or grants.objective)
@@ -339,7 +341,7 @@ class Router:
         snap = self.snapshot(model, lookup, tokens, serving)
         disaggregated = snap.disaggregated
         single = not disaggregated or one_prefill_cannot_serve(body, path) is None
-        request = RequestView(prompt_tokens=len(tokens) + rest, objective_s=objective, exempt=exempt,
+        request = RequestView(prompt_tokens=len(tokens) + rest + more, objective_s=objective, exempt=exempt,
                               unknown_request_tokens=self.settings.unknown_request_tokens,
                               output_tokens=self.output_tokens(body), single_prefill=single)
         planner: Planner = self.pd_planner if disaggregated else self.planner
