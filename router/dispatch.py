@@ -14,6 +14,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvcommon.sse import EventFramer, FramedSink
 from router.upstream import PodIOError, PoolBusy, UpstreamClient, UpstreamResponse
 
 # Request headers never forwarded to a pod: hop-by-hop ones, ones the client writes itself (host,
@@ -255,24 +256,33 @@ async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]],
                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Send the first chunk and then every network chunk as it arrives: through ``send``, or given
     ``sink`` and ``drain`` (``kvcommon.listener.ChunkWriter``), straight from the pod's connection
-    (``UpstreamResponse.relay_to``). A stream that opened with comments alone calls its
-    ``first_token`` when its first event comes."""
+    (``UpstreamResponse.relay_to``). Whole events only (``kvcommon.sse``): the start of an event
+    waits for its end, so a stream that breaks inside one leaves the client no half event before the
+    caller's error event. A stream that opened with comments alone calls its ``first_token`` when
+    its first event comes."""
     if sink is not None and drain is not None:
-        if sink(opened.first_chunk):
+        framed = FramedSink(sink)
+        if framed(opened.first_chunk):
             await drain()
-        if opened.first_token is not None:
-            sink = _watch_first_event(opened, sink)
-        await opened.resp.relay_to(sink, drain)
+        await opened.resp.relay_to(framed if opened.first_token is None else _watch_first_event(opened, framed),
+                                   drain)
+        if framed.held and sink(framed.rest()):  # the last event, without its blank line
+            await drain()
         return
-    await send(opened.first_chunk)
+    framer = EventFramer()
+    if first := framer.whole(opened.first_chunk):
+        await send(first)
     if opened.first_token is not None:
         send = _watch_first_event_async(opened, send)
     resp = opened.resp
     while True:
         chunk = await resp.readany()
         if not chunk:
-            return
-        await send(chunk)
+            break
+        if chunk := framer.whole(chunk):
+            await send(chunk)
+    if framer.held:
+        await send(framer.rest())
 
 
 def _seen(opened: Opened, data: bytes) -> None:

@@ -21,6 +21,7 @@ import aiohttp
 
 from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
+from kvcommon.sse import EventFramer
 from kvcommon.transfer import drop_client_params, one_prefill_cannot_serve
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
@@ -571,14 +572,21 @@ class SidecarApp:
                 out_headers.append((b"x-request-id", rid.encode("latin-1")))
             out_headers.extend(extra_headers or ())
             await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+            # an event stream is passed on in whole events: one broken inside an event leaves the client
+            # no half event before the error event below (kvcommon/sse.py)
+            framer = EventFramer() if resp.headers.get("Content-Type", "").startswith("text/event-stream") else None
             try:
                 async for chunk in resp.content.iter_any():
                     first = True
+                    if framer is not None and not (chunk := framer.whole(chunk)):
+                        continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if framer is not None and framer.held:  # the last event, without its blank line
+                    await send({"type": "http.response.body", "body": framer.rest(), "more_body": True})
             except (TimeoutError, aiohttp.ClientError) as exc:
                 outcome = "stream_error"
                 log.warning("decoder stream broke: %s", exc or type(exc).__name__)
-                if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                if framer is not None:
                     err = error_body(502, f"the decoder stream broke: {exc or type(exc).__name__}",
                                      err_type="InternalServerError")
                     await send({"type": "http.response.body", "body": b"data: " + err + b"\n\ndata: [DONE]\n\n",

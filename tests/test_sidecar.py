@@ -139,6 +139,8 @@ class FakePod:
                     if i == 0:
                         self.events.append("first_chunk")
                     if i == 0 and b.get("drop"):
+                        if b.get("drop") == "inside":  # half the next event: the break falls inside it
+                            await resp.write(b'data: {"id": "cmpl-d", "object": "chat.comp')
                         # a moment first: aiohttp's reader raises a broken connection's error before the
                         # data it still buffers, so a chunk and the close read together lose the chunk
                         await asyncio.sleep(0.1)
@@ -624,6 +626,22 @@ def test_a_broken_decoder_stream_ends_with_an_sse_error(pods, sidecar):
     assert json.loads(lines[-2][6:])["error"]["type"] == "InternalServerError"
     assert lines[-1] == "data: [DONE]"
     assert metric(sidecar, "kvroute_sidecar_legs_total", leg="decode", outcome="stream_error") >= 1
+
+
+def test_a_decoder_stream_broken_inside_an_event_ends_with_whole_events(pods, sidecar):
+    """The decoder's last bytes are half an event: the client gets the events before it and then the
+    sidecar's error event, each whole (the half event never reaches it, to run into the error)."""
+    prefill, decode = pods
+    decode.behaviour = {"drop": "inside"}
+    with httpx.stream("POST", sidecar + "/v1/chat/completions", json=chat_body(stream=True),
+                      headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}, timeout=10) as r:
+        assert r.status_code == 200
+        raw = r.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert len(events) == 3 and all(e.startswith(b"data: ") for e in events), raw
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "tok0 "
+    assert json.loads(events[1][6:])["error"]["type"] == "InternalServerError"
+    assert events[2] == b"data: [DONE]"
 
 
 async def test_many_concurrent_streams_through_both_legs(pods, sidecar):

@@ -157,3 +157,30 @@ async def test_a_pod_that_drops_the_stream_between_events_leaves_the_client_a_re
     assert texts == ["a", "a"]
     assert "upstream stream failed" in str(failed.value)
     assert answered == {"502": 1}
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol])
+@pytest.mark.parametrize("cut", [len(EVENT) // 2, len(EVENT) - 1, 6])
+async def test_a_pod_that_drops_the_stream_inside_an_event_leaves_the_client_a_readable_error(http, cut):
+    """The pod's last bytes end inside an event: the client gets the events before it whole and then
+    the router's error event, never the half event run into the error (the SDK would raise a JSON
+    error on the mixture, not the router's message). Under both listeners (the relay's two paths)."""
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(EVENT) + chunk(EVENT[:cut]))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=http) as (base, _):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
+            texts = []
+            with pytest.raises(openai.APIError) as failed:
+                async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
+                    texts.append(part.choices[0].text)
+            await client.close()
+    assert texts == ["a"]
+    assert "upstream stream failed" in str(failed.value)
