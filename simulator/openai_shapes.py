@@ -71,6 +71,78 @@ def validation_message(error: dict | str) -> str:
     return f"1 validation error:\n  {error}"
 
 
+def error_input(value: Any) -> str:
+    """A refused value as vLLM's validation handler shows it (``_summarize_error_input``): a container
+    by its size, anything else as its text, cut at 200 characters."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def vllm_validation_error(message: str, param: str, value: Any = None) -> ShapeError:
+    """A ``VLLMValidationError`` that reaches vLLM's exception handler as it is (raised outside a
+    pydantic model's validation): "BadRequestError", its ``str`` naming the parameter and value."""
+    extras = f"parameter={param}" + ("" if value is None else f", value={value}")
+    return ShapeError(f"{message} ({extras})", param=param, value=value)
+
+
+def chat_batch_conversations(body: dict) -> list[list]:
+    """The conversations of a ``POST /v1/chat/completions/batch`` body, checked as vLLM 0.32's
+    ``BatchChatCompletionRequest`` checks it (vllm/entrypoints/openai/chat_completion/protocol.py): its
+    "before" model validator first (beam search, ``logprob_token_ids`` without ``logprobs``, a
+    pre-tokenized prompt in ``kv_transfer_params``, ``n`` other than 1), whose errors reach the
+    exception handler as they are; then its fields, as pydantic reports them ("Bad Request", every
+    error): ``messages`` a non-empty list of non-empty lists, ``tool_choice`` "none" or null."""
+    if body.get("use_beam_search"):
+        raise vllm_validation_error("Batch chat completions do not support beam search. Please set "
+                                    "`use_beam_search` to False.", "use_beam_search")
+    if body.get("logprob_token_ids") and not body.get("logprobs"):
+        raise vllm_validation_error("when using `logprob_token_ids`, `logprobs` must be set to true.",
+                                    "logprob_token_ids")
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("prompt_token_ids") is not None:
+        raise vllm_validation_error("Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: "
+                                    "one pre-tokenized prompt cannot serve several conversations.",
+                                    "kv_transfer_params.prompt_token_ids")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise vllm_validation_error("Batch chat completions do not support `n > 1`. Please set `n` to 1.", "n", n)
+
+    def too_short(loc: str) -> dict:
+        return {"type": "too_short", "loc": loc, "msg": "List should have at least 1 item after validation, not 0",
+                "input": "<list of 0 items>", "ctx": {"field_type": "List", "min_length": 1, "actual_length": 0}}
+
+    def not_list(loc: str, value: Any) -> dict:
+        return {"type": "list_type", "loc": loc, "msg": "Input should be a valid list", "input": error_input(value)}
+
+    errors: list[dict] = []
+    messages = body.get("messages")
+    if "messages" not in body:
+        errors.append({"type": "missing", "loc": "body.messages", "msg": "Field required", "input": error_input(body)})
+    elif not isinstance(messages, list):
+        errors.append(not_list("body.messages", messages))
+    elif not messages:
+        errors.append(too_short("body.messages"))
+    else:
+        for i, conversation in enumerate(messages):
+            if not isinstance(conversation, list):
+                errors.append(not_list(f"body.messages.{i}", conversation))
+            elif not conversation:
+                errors.append(too_short(f"body.messages.{i}"))
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        errors.append({"type": "literal_error", "loc": "body.tool_choice", "msg": "Input should be 'none'",
+                       "input": error_input(choice), "ctx": {"expected": "'none'"}})
+    if errors:   # vLLM reports the first ten, the first one's loc as the param
+        label = "error" if len(errors) == 1 else "errors"
+        message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
+        if len(errors) > 10:
+            message += f"  ...and {len(errors) - 10} more {label}\n"
+        raise ShapeError(message.rstrip(), param=errors[0]["loc"], err_type=VALIDATION_TYPE)
+    return body["messages"]
+
+
 @dataclass
 class GenRequest:
     """What a validated completion/chat request asks of the engine."""
@@ -333,15 +405,19 @@ def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: d
     """``ChatCompletionResponse.model_dump()``: every field, nulls included, but the message's
     ``tool_calls`` left out when empty (``ChatMessage._serialize``); its reasoning is ``reasoning``."""
     return {"id": rid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": text, "refusal": None,
-                                     "annotations": None, "audio": None, "function_call": None,
-                                     "reasoning": None},
-                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-                         "token_ids": token_ids, "routed_experts": None}],
+            "choices": [chat_choice(0, text, finish_reason, token_ids)],
             "service_tier": None, "system_fingerprint": fingerprint, "usage": use, "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids, "prompt_text": None, "kv_transfer_params": kv_params,
             "ec_transfer_params": None, "metrics": None}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+    """One choice of a whole chat answer (``ChatCompletionResponseChoice``)."""
+    return {"index": index,
+            "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                        "function_call": None, "reasoning": None},
+            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": token_ids,
+            "routed_experts": None}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,

@@ -5,7 +5,8 @@ by hand, hash the prompt's blocks, wait for tokens, write bytes. One process can
 (``--count``): one uvicorn server listens on every pod's socket and ``MultiPodApp`` picks the pod by
 the local port of the connection.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/chat/completions/batch``
+(vLLM 0.32's batch of conversations, one whole answer), ``POST /v1/responses``,
 ``GET /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``, ``POST /v1/messages``,
 ``POST /v1/messages/count_tokens`` (Anthropic's Messages API), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
@@ -52,7 +53,9 @@ from simulator.openai_shapes import (
     VALIDATION_TYPE,
     GenRequest,
     ShapeError,
+    chat_batch_conversations,
     chat_body,
+    chat_choice,
     chat_chunk,
     chat_ids_of,
     chat_role_chunk,
@@ -78,6 +81,7 @@ from simulator.openai_shapes import (
     usage,
     usage_chunk,
     validation_message,
+    vllm_validation_error,
 )
 from simulator.publisher import EventPublisher
 from simulator.request import FINISH, SimRequest
@@ -422,6 +426,10 @@ def build_app(pod: Pod):
     async def chat(scope, receive, send):
         await generate(pod, "chat", scope, receive, send)
 
+    @route("POST", "/v1/chat/completions/batch")
+    async def chat_batch(scope, receive, send):
+        await generate_batch(pod, scope, receive, send)
+
     @route("POST", "/v1/responses")
     async def responses_create(scope, receive, send):
         await generate(pod, "responses", scope, receive, send)
@@ -640,7 +648,8 @@ class DataParallelApp:
     start); it never looks at the cache. /metrics has every engine's samples under its ``engine``
     label; /reset_prefix_cache resets every engine; everything else is rank 0's."""
 
-    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+    GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
+                            "/v1/responses", "/v1/messages"})
 
     def __init__(self, pods: list[Pod]):
         self.pods = pods
@@ -855,20 +864,10 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         call.max_output_tokens = room if asked is None else min(asked, room)
     else:
         response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base_id}"
-    internal_id = f"{response_id}-{next(pod._ids):x}"
-    req = SimRequest(internal_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, s.block_size,
-                     pod.hasher, arrival, salt=gen.cache_salt,
-                     lora=(pod.loras[gen.lora][0], gen.lora, pod.loras[gen.lora][1]) if gen.lora else None)
-
-    # prompt logprobs: vLLM reads no cached KV and takes no connector's (skip_reading_prefix_cache)
-    req.reads_cache = not wants_prompt_logprobs(body, scope["path"])
+    req = _sim_request(pod, gen, f"{response_id}-{next(pod._ids):x}", arrival, faults,
+                       reads_cache=not wants_prompt_logprobs(body, scope["path"]))
     kv = gen.kv_transfer_params or {}
     producer = bool(kv.get("do_remote_decode"))
-    eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
-    if eos_at is not None and eos_at <= req.max_tokens:
-        # the model samples EOS: a 'stop' finish there
-        pod.metrics.faults.labels("eos").inc()
-        req.max_tokens, req.length_capped = eos_at, False
     if producer:
         # the blocks stay leased for the decoder however the one token ends: vLLM 0.32 answers
         # kv_transfer_params on a stop (EOS, stop token or string) as on a length finish
@@ -892,6 +891,96 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         watcher.cancel()
         if req.finish_reason is None:
             pod.engine.abort(req)
+
+
+def _sim_request(pod: Pod, gen: GenRequest, request_id: str, arrival: float, faults: RequestFaults,
+                 reads_cache: bool) -> SimRequest:
+    """The engine request of a validated generation, with its LoRA adapter and the eos fault;
+    ``reads_cache`` False for prompt logprobs: vLLM then reads no cached KV and takes no connector's
+    (skip_reading_prefix_cache)."""
+    req = SimRequest(request_id, gen.prompt_ids, gen.max_tokens, gen.length_capped, pod.settings.block_size,
+                     pod.hasher, arrival, salt=gen.cache_salt,
+                     lora=(pod.loras[gen.lora][0], gen.lora, pod.loras[gen.lora][1]) if gen.lora else None)
+    req.reads_cache = reads_cache
+    eos_at = None if (faults.eos_after is None or gen.ignore_eos) else max(faults.eos_after, gen.min_tokens)
+    if eos_at is not None and eos_at <= req.max_tokens:
+        # the model samples EOS: a 'stop' finish there
+        pod.metrics.faults.labels("eos").inc()
+        req.max_tokens, req.length_capped = eos_at, False
+    return req
+
+
+async def generate_batch(pod: Pod, scope: dict, receive: Receive, send: Send) -> None:
+    """vLLM 0.32's ``POST /v1/chat/completions/batch`` (``OpenAIServingChatBatch``): each conversation
+    of ``messages`` is the chat request the rest of the body makes with it, its tools not rendered, run
+    as its own engine request (``<id>_<i>``), all at once; one whole ``chat.completion`` answers them,
+    choice ``i`` for conversation ``i``, usage summed (no prompt details), never a stream. The body's
+    KV-transfer params move no KV here. Faults apply to the batch as to one request; its only timing
+    header is ``x-sim-cached-tokens``, the conversations' hits summed."""
+    s = pod.settings
+    loop = asyncio.get_running_loop()
+    try:
+        faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
+    except FaultError as exc:
+        raise ShapeError(str(exc)) from exc
+    raw = await read_body(scope, receive)
+    arrival = loop.time()
+    if faults.delay_s:
+        pod.metrics.faults.labels("delay").inc()
+        await asyncio.sleep(faults.delay_s)
+    body = parse_json_request(scope, raw)
+    check_object(body)
+    gens = []
+    for conversation in chat_batch_conversations(body):
+        # every field carried (the model keeps extra ones), tools too but not rendered: only an empty
+        # list of them is refused, as the chat request built for the conversation refuses it
+        chat = {k: v for k, v in body.items() if k != "tools" or v == []} | {"messages": conversation}
+        try:
+            gens.append(parse_generation(chat, "chat", pod.tokenizer, model=pod.model, adapters=pod.loras,
+                                         max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
+                                         max_prompt_tokens=pod.max_prompt_tokens))
+        except ShapeError as exc:
+            if exc.err_type == VALIDATION_TYPE and exc.param and not exc.param.startswith("body"):
+                # a model validator of the chat request: the batch builds that in its serving code, so
+                # the VLLMValidationError is not a request-validation error there
+                raise vllm_validation_error(exc.message, exc.param, exc.value) from exc
+            raise
+    if s.data_parallel_size == 1:
+        check_rank_header(scope, 1)
+    base_id = header(scope, b"x-request-id") or gens[0].body_request_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
+    echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
+    if faults.status is not None:
+        pod.metrics.faults.labels("status").inc()
+        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+        return
+    response_id = f"chatcmpl-{base_id}"
+    reads_cache = not wants_prompt_logprobs(body, "/v1/chat/completions")
+    reqs = [_sim_request(pod, gen, f"{response_id}_{i}-{next(pod._ids):x}", arrival, faults, reads_cache)
+            for i, gen in enumerate(gens)]
+    for req in reqs:
+        pod.engine.submit(req)
+
+    def abort_all() -> None:   # a client that leaves aborts every conversation's request
+        for req in reqs:
+            pod.engine.abort(req)
+    watcher = loop.create_task(watch_disconnect(receive, abort_all))
+    try:
+        texts = await asyncio.gather(*(_collect(pod, req) for req in reqs))
+        if any(text is None for text in texts):
+            return
+        choices = [chat_choice(i, text or "", req.finish_reason,
+                               req.all_tokens[req.n_prompt:] if gen.return_token_ids else None)
+                   for i, (gen, req, text) in enumerate(zip(gens, reqs, texts))]
+        use = usage(sum(r.n_prompt for r in reqs), sum(r.num_output for r in reqs), 0, details=False)
+        answer = chat_body(response_id, gens[0].lora or pod.model, "", None, use, None,
+                           fingerprint=pod.fingerprint) | {"choices": choices}
+        cached = str(sum(r.cached_tokens for r in reqs)).encode()
+        await _send_whole(pod, None, orjson.dumps(answer), faults, send, echo + [(b"x-sim-cached-tokens", cached)])
+    finally:
+        watcher.cancel()
+        for req in reqs:
+            if req.finish_reason is None:
+                pod.engine.abort(req)
 
 
 async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
@@ -967,10 +1056,10 @@ async def _collect(pod: Pod, req: SimRequest) -> str | None:
     return None if req.finish_reason == "abort" else "".join(parts)
 
 
-async def _send_whole(pod: Pod, req: SimRequest, body: bytes, faults: RequestFaults, send: Send,
+async def _send_whole(pod: Pod, req: SimRequest | None, body: bytes, faults: RequestFaults, send: Send,
                       echo: list) -> None:
-    """A whole JSON answer with the echo and timing headers; the drop fault cuts it halfway."""
-    headers = JSON_HEADERS + echo + _timing_headers(req)
+    """A whole JSON answer with the echo headers and ``req``'s timing ones; the drop fault cuts it halfway."""
+    headers = JSON_HEADERS + echo + (_timing_headers(req) if req is not None else [])
     if faults.drop_after_chunks is not None:
         pod.metrics.faults.labels("drop").inc()
         await send({"type": "http.response.start", "status": 200,
