@@ -30,6 +30,7 @@ from typing import Any
 
 from kvcommon.asgi import WATCH_EXTENSION, ClientWatch, client_watch
 from kvcommon.errors import error_body
+from kvcommon.sse import EventFramer
 
 log = logging.getLogger("kvroute.listener")
 
@@ -298,26 +299,45 @@ def write_whole(scope: Any, status: int, headers: list[tuple[bytes, bytes]], bod
     return True
 
 
-class ChunkWriter:
-    """Writes a chunked response's body chunks to the client's transport, as uvicorn's ``send`` does
-    for each ``http.response.body`` message with ``more_body``, but called as a plain function: a
-    relayed stream's chunks go from the pod's connection to the client's with no task step, ASGI
-    message or coroutine between (``router.upstream.UpstreamResponse.relay_to``). The response is
-    begun, and is ended, through uvicorn's ``send`` as usual."""
+class ChunkWriter(EventFramer):
+    """Writes a relayed event stream's whole events to the client's transport as body chunks, as
+    uvicorn's ``send`` does for each ``http.response.body`` message with ``more_body``, but called as a
+    plain function: a relayed stream's chunks go from the pod's connection to the client's with no
+    task step, ASGI message or coroutine between (``router.upstream.UpstreamResponse.relay_to``). The
+    start of an event waits for its end (``kvcommon.sse``; the caller calls ``flush`` at the stream's
+    end). The response is begun, and is ended, through uvicorn's ``send`` as usual."""
 
     __slots__ = ("cycle", "transport", "flow")
 
     def __init__(self, cycle: Any):
+        super().__init__()
         self.cycle = cycle
         self.transport = cycle.transport
         self.flow = cycle.flow
 
     def __call__(self, data: bytes) -> bool:
-        """Write ``data`` as one chunk; True when the client's side is backed up (writes paused)."""
+        """Write the whole events of ``data`` as one chunk; True when the client's side is backed up
+        (writes paused)."""
         cycle = self.cycle
         if cycle.disconnected or cycle.response_complete or not data:
             return False  # as uvicorn's send: nothing to write to, and not an error
+        # the common case first, a chunk that ends an event with "\n\n" (a slice's comparison costs less
+        # than an ``endswith``); anything else, the start of an event kept for its end among them, is framed
+        if self.held or data[-2:] != b"\n\n":
+            data = self.whole(data)
+            if not data:
+                return False
         self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return self.flow.write_paused
+
+    def flush(self) -> bool:
+        """At the stream's normal end, write what is held (a last event without its blank line) as it
+        is; True when the client's side is backed up."""
+        held = self.rest()
+        cycle = self.cycle
+        if not held or cycle.disconnected or cycle.response_complete:
+            return False
+        self.transport.write(b"%x\r\n%b\r\n" % (len(held), held))
         return self.flow.write_paused
 
     async def drain(self) -> None:

@@ -7,12 +7,11 @@ together into one event by its parser (the SSE format joins everything up to a b
 OpenAI SDK raises a JSON decoding error on that mixture instead of the relay's message. So the relay
 passes on only whole events: ``EventFramer`` holds back the bytes after the last event boundary of
 what came, until the rest of that event comes. vLLM writes one or more whole events per network
-write, so almost every chunk ends at a boundary and passes at once, with a suffix test as its cost.
+write, so almost every chunk ends at a boundary and passes at once, with a suffix test as its cost
+(on the router's own listener the chunk writer is the framer: ``kvcommon.listener.ChunkWriter``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 # where an event ends: a blank line after a line. vLLM (Starlette) ends lines with "\n"; the format
 # also allows "\r\n" and "\r", and "\r\n\r\n" ends in "\n\r\n"
@@ -51,19 +50,3 @@ class EventFramer:
         held, self.held = self.held, b""
         return held
 
-
-class FramedSink(EventFramer):
-    """A sink of whole events before ``sink`` (``kvcommon.listener.ChunkWriter``, which answers whether
-    the client is behind): a chunk that ends at a boundary, with nothing held, goes straight through."""
-
-    __slots__ = ("sink",)
-
-    def __init__(self, sink: Callable[[bytes], bool]):
-        super().__init__()
-        self.sink = sink
-
-    def __call__(self, data: bytes) -> bool:
-        if not self.held and data.endswith(BOUNDARIES):
-            return self.sink(data)
-        data = self.whole(data)
-        return self.sink(data) if data else False

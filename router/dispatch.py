@@ -14,7 +14,8 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvcommon.sse import EventFramer, FramedSink
+from kvcommon.listener import ChunkWriter
+from kvcommon.sse import EventFramer
 from router.upstream import PodIOError, PoolBusy, UpstreamClient, UpstreamResponse
 
 # Request headers never forwarded to a pod: hop-by-hop ones, ones the client writes itself (host,
@@ -251,23 +252,19 @@ class Dispatcher:
             raise
 
 
-async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]],
-                sink: Callable[[bytes], bool] | None = None,
-                drain: Callable[[], Awaitable[None]] | None = None) -> None:
+async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]], writer: ChunkWriter | None = None) -> None:
     """Send the first chunk and then every network chunk as it arrives: through ``send``, or given
-    ``sink`` and ``drain`` (``kvcommon.listener.ChunkWriter``), straight from the pod's connection
-    (``UpstreamResponse.relay_to``). Whole events only (``kvcommon.sse``): the start of an event
-    waits for its end, so a stream that breaks inside one leaves the client no half event before the
-    caller's error event. A stream that opened with comments alone calls its ``first_token`` when
-    its first event comes."""
-    if sink is not None and drain is not None:
-        framed = FramedSink(sink)
-        if framed(opened.first_chunk):
-            await drain()
-        await opened.resp.relay_to(framed if opened.first_token is None else _watch_first_event(opened, framed),
-                                   drain)
-        if framed.held and sink(framed.rest()):  # the last event, without its blank line
-            await drain()
+    ``writer``, straight from the pod's connection (``UpstreamResponse.relay_to``). Whole events only
+    (``kvcommon.sse``): the start of an event waits for its end, so a stream that breaks inside one
+    leaves the client no half event before the caller's error event. A stream that opened with
+    comments alone calls its ``first_token`` when its first event comes."""
+    if writer is not None:
+        if writer(opened.first_chunk):
+            await writer.drain()
+        await opened.resp.relay_to(writer if opened.first_token is None else _watch_first_event(opened, writer),
+                                   writer.drain)
+        if writer.flush():
+            await writer.drain()
         return
     framer = EventFramer()
     if first := framer.whole(opened.first_chunk):
@@ -281,7 +278,7 @@ async def relay(opened: Opened, send: Callable[[bytes], Awaitable[None]],
             break
         if chunk := framer.whole(chunk):
             await send(chunk)
-    if framer.held:
+    if framer.held:  # the last event, without its blank line
         await send(framer.rest())
 
 

@@ -334,10 +334,7 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         async def pump() -> bool:
-            if writer is not None:
-                await relay(opened, out, writer, writer.drain)
-            else:
-                await relay(opened, out)
+            await relay(opened, out, writer)
             return True
 
         how = "disconnect"  # until the relay ends one way or the other

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcommon.sse import BOUNDARIES, MAX_HELD_BYTES, EventFramer, FramedSink
+from kvcommon.sse import BOUNDARIES, MAX_HELD_BYTES, EventFramer
 
 EVENT_TEXT = st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=40)
 
@@ -50,16 +50,3 @@ def test_an_event_past_the_bound_is_passed_on_unfinished():
     framer = EventFramer()
     big = b"data: " + b"x" * (MAX_HELD_BYTES + 1)
     assert framer.whole(big) == big and framer.held == b""
-
-
-def test_the_sink_gets_whole_events_and_answers_for_the_client():
-    got: list[bytes] = []
-
-    def sink(data: bytes) -> bool:
-        got.append(data)
-        return True   # the client is behind
-
-    framed = FramedSink(sink)
-    assert framed(b"data: 1\n\ndata: 2") is True and got == [b"data: 1\n\n"]
-    assert framed(b"partial") is False and got == [b"data: 1\n\n"]   # nothing to write yet: not behind
-    assert framed(b"\n\n") is True and got[-1] == b"data: 2partial\n\n"

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import openai
 import pytest
 
@@ -184,3 +185,21 @@ async def test_a_pod_that_drops_the_stream_inside_an_event_leaves_the_client_a_r
             await client.close()
     assert texts == ["a"]
     assert "upstream stream failed" in str(failed.value)
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol])
+async def test_a_last_event_without_its_blank_line_still_reaches_the_client(http):
+    """Holding back an unfinished event (above) must not lose a stream's last one when the pod ends
+    the stream without the blank line after it: it goes out as it came, at the stream's end."""
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(EVENT) + chunk(b"data: [DONE]") + chunk(b"\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=http) as (base, _), \
+                httpx.AsyncClient(base_url=base, timeout=10) as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+    assert r.status_code == 200 and r.content == EVENT + b"data: [DONE]\n"
