@@ -329,6 +329,8 @@ def create_app(services: Services) -> FastAPI:
             if stream is not None and not isinstance(stream, bool):
                 raise APIError(400, "'stream' must be a boolean", param="stream")
             r = router()
+            # answered before the pod computes it (router/lifecycle.py): a stream's first event still times its token
+            background = kind == "responses" and body.get("background") is True and not stream
             if kind in RENDERED_AS_CHAT:  # planned as the chat request each renders as
                 # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``sent``)
                 changed = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics) is not raw
@@ -363,7 +365,7 @@ def create_app(services: Services) -> FastAPI:
             scope = request.scope
             fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
             figures = caller.grants.admin or caller.grants.objective  # see Lifecycle.reject
-            return await lifecycle.serve(r, plan, path, sent, fwd, request, body, rid, figures)
+            return await lifecycle.serve(r, plan, path, sent, fwd, request, body, rid, figures, background)
         finally:
             load.active -= 1
 

@@ -93,11 +93,12 @@ class Lifecycle:
 
     async def serve(self, router: Router, plan: Plan, path: str, raw: bytes | Callable[[str], bytes],
                     headers: dict[str, str], request: Request, body: Mapping[str, Any], rid: str,
-                    figures: bool = True) -> Response:
+                    figures: bool = True, background: bool = False) -> Response:
         """Carry out ``plan``: send ``raw`` (the same bytes to every pod tried, or ``raw(pod_id)``'s:
         a Responses request carries an id made for its pod) to ``path`` on the chosen pod
         (``headers`` already filtered for upstream) and answer the client (a rejection with its
-        figures or without: ``reject``)."""
+        figures or without: ``reject``). ``background``: a background Responses request, which the
+        pod answers before it computes anything (``_respond``)."""
         if not plan.decision.verdict.admitted:
             return self.reject(router, plan, rid, figures)
         failure: tuple[str, UpstreamError] | None = None
@@ -131,7 +132,7 @@ class Lifecycle:
                 return Response(b"", status_code=499)
             if opened.resp.status >= 300:  # refused (a 4xx; a 5xx raised above): nothing was computed
                 self._unserved(router, plan, route, booking)
-            return await self._respond(router, opened, booking, body, rid, request)
+            return await self._respond(router, opened, booking, body, rid, request, background)
         assert failure is not None
         pod_id, exc = failure
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
@@ -212,7 +213,7 @@ class Lifecycle:
                               f"the {objective * 1000:.0f} ms objective", headers=retry)
 
     async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
-                       rid: str, request: Request) -> Response:
+                       rid: str, request: Request, background: bool = False) -> Response:
         resp = opened.resp
         headers = response_headers(resp) + ours(booking.pod_id, rid)
         router.observe_answer(booking, resp.headers)
@@ -227,8 +228,8 @@ class Lifecycle:
             return RelayResponse(opened, headers, done)
         # non-streaming: the whole answer is the first byte; release the booking once the prefill
         # should be over even if decoding goes on, so one long answer does not block the queue view
-        handle = asyncio.get_running_loop().call_later(max(booking.predicted_ttft_s, 0.0) * 1.5 + 0.05,
-                                                       router.finish, booking)
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(max(booking.predicted_ttft_s, 0.0) * 1.5 + 0.05, router.finish, booking)
         try:
             # watched as the open is: a pod that sends its head and then trickles (or stalls) the body
             # must not keep the pod's request alive once the client has gone. An answer already whole
@@ -251,6 +252,14 @@ class Lifecycle:
             self._end(router, booking, Outcome(pod_id, "499", disconnect=True))
             return Response(b"", status_code=499)
         resp.release()
+        if background and resp.status == 200:
+            # vLLM answers a background response at once ("queued", ~20 ms for a 3,300-token prompt
+            # whose prefill took ~0.5 s on the tiny CPU model) and computes it afterwards: the booking
+            # stands until the prefill should be over, as a whole answer's would at the latest, and
+            # no TTFT is learnt from the answer
+            loop.call_at(handle.when(), router.ended, booking)
+            self._end(router, None, Outcome(pod_id, status))
+            return _answer(payload, resp.status, headers)
         # a one-token answer's duration is its time to first token: learn from it
         router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
         self._end(router, booking, Outcome(pod_id, status))

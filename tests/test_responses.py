@@ -237,6 +237,31 @@ async def test_turns_continuations_retrievals_and_other_keys_through_the_router(
 
 
 @pytest.mark.e2e
+async def test_a_background_responses_booking_stands_until_its_prefill_should_be_over():
+    """vLLM answers a background response at once ("queued") and computes it afterwards (a probe of
+    the real engine: 20 ms for a 3,300-token prompt whose prefill took ~0.5 s): its booking on the pod
+    stands after the answer, until the prefill should be over, where a foreground answer's ends."""
+    pods = [ResponsesPod("pod-0", free_port())]
+    async with started(pods), running_router(settings_for(pods)) as (base, services), \
+            httpx.AsyncClient(base_url=base, timeout=10) as c:
+        ledger = services.router.ledger
+        long = "tell me a long story about dragons and castles " * 400
+        r = await c.post("/v1/responses", json={"model": "m", "input": long, "max_output_tokens": 50})
+        assert r.status_code == 200 and ledger.inflight("pod-0") == 0   # foreground: released with the answer
+        r = await c.post("/v1/responses", json={"model": "m", "input": long + "!", "background": True})
+        assert r.status_code == 200 and ledger.inflight("pod-0") == 1   # the pod is computing it now
+        deadline = time.monotonic() + 10
+        while ledger.inflight("pod-0") and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert ledger.inflight("pod-0") == 0
+        # a background stream is timed by its first event, as any stream
+        async with c.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "background": True,
+                                                          "stream": True}) as r:
+            assert r.status_code == 200 and b"".join([part async for part in r.aiter_bytes()]) == b"".join(STREAM)
+        assert ledger.inflight("pod-0") == 0
+
+
+@pytest.mark.e2e
 async def test_a_fleet_of_prefill_and_decode_pods_alone_serves_no_responses():
     pods = [ResponsesPod(f"pod-{i}", free_port()) for i in range(2)]
     fleet = [{"id": p.name, "url": p.url, "model": "m", "role": role} for p, role in zip(pods, ("prefill", "decode"))]
