@@ -51,7 +51,7 @@ from router.prompts import LoopLoad, usable_cpus
 from router.responses import PATH as RESPONSES_PATH
 from router.responses import Turn, stored_query
 from router.responses import pod_of as response_pod
-from router.routing import Router, cache_salt
+from router.routing import Plan, Router, cache_salt
 from router.service import Services
 
 __all__ = ["POD_HEADER", "create_app"]
@@ -65,6 +65,9 @@ SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS
 # the routes whose requests are planned as the chat requests they render as (router/responses.py,
 # router/messages.py; a batch by its first conversation, router/chat_batch.py)
 RENDERED_AS_CHAT = frozenset({"responses", "messages", "chat_batch"})
+# the generation routes /debug/route explains (``?route=``), by the kind of request each takes
+EXPLAINED = {"/v1/completions": "completion", "/v1/chat/completions": "chat", CHAT_BATCH_PATH: "chat_batch",
+             RESPONSES_PATH: "responses", MESSAGES_PATH: "messages"}
 
 _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
@@ -300,16 +303,47 @@ def create_app(services: Services) -> FastAPI:
         charged = gate.precharge(caller, estimate_prompt_tokens(kind, body, router().chars_per_token))
         return raw, body, kind, charged
 
+    async def plan_as_chat(r: Router, kind: str, raw: bytes, body: dict[str, Any], headers: Mapping[str, str],
+                           caller: Caller, dry_run: bool = False) -> tuple[Plan, Callable[[str], bytes], dict]:
+        """A request of a route planned as the chat request it renders as (``RENDERED_AS_CHAT``: a
+        Responses turn, a Messages request, a chat batch by its first conversation): its plan, the
+        bytes sent to a pod (a function of the pod: a Responses turn carries an id made for it) and
+        the chat body the lifecycle reads. A client's ``kv_transfer_params`` leave the body (not in a
+        dry run, which sends nothing and counts no stripping)."""
+        stripped = not dry_run and sanitize_body(raw, body, settings.strip_client_kv_transfer_params,
+                                                 r.pd_metrics) is not raw
+        changed = stripped or caller.salt is not None
+        turn: Turn | MessagesTurn | BatchTurn = (
+            Turn(body, caller.name, lambda: services.registry.pods) if kind == "responses" else
+            MessagesTurn(body, rendering.probe(r), raw, changed) if kind == "messages" else
+            BatchTurn(body, raw, changed, r.chars_per_token))
+        view = turn.view
+        keyed = isinstance(turn, BatchTurn) or turn.keyed  # a batch's first conversation always is
+        prompt = await prompt_ids(r, "chat", view, orjson.dumps(view)) if keyed else \
+            {"tokens": turn.estimate(r.chars_per_token), "exact": False}  # type: ignore[union-attr]
+        plan = r.plan("chat", view, headers, dry_run=dry_run, grants=caller.grants, only=turn.pods,
+                      more=turn.rest, **prompt)
+        return plan, turn.sent, view
+
     # ---- explain -------------------------------------------------------------------------------
     @app.post("/debug/route", openapi_extra=openapi_body("completion"))
     async def debug_route(request: Request) -> Response:
+        """The decision for a request without sending it; ``?route=`` the path it is for (a chat
+        request if the body has ``messages``, else a completion)."""
         caller = gate.authenticate(request.headers)
         gate.require_admin(caller, "POST /debug/route")  # it tells what is cached: not for tenants
         gate.admit(request.headers)
-        raw, body, kind, charged = await admitted_body(request, caller, None)
+        route = request.query_params.get("route")
+        kind = EXPLAINED.get(route) if route is not None else None
+        if route is not None and kind is None:
+            raise APIError(400, f"route must be one of {', '.join(EXPLAINED)}", param="route")
+        raw, body, kind, charged = await admitted_body(request, caller, kind)
         r = router()
-        plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
-                      **await prompt_ids(r, kind, body, raw))
+        if kind in RENDERED_AS_CHAT:
+            plan = (await plan_as_chat(r, kind, raw, body, request.headers, caller, dry_run=True))[0]
+        else:
+            plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
+                          **await prompt_ids(r, kind, body, raw))
         gate.settle(caller, charged, plan.request.prompt_tokens)
         answer = explain(plan, r.block_size, lifecycle.policy, settings.ttft_interval_level)
         return Response(orjson.dumps(answer), media_type="application/json")
@@ -332,22 +366,9 @@ def create_app(services: Services) -> FastAPI:
             # answered before the pod computes it (router/lifecycle.py): a stream's first event still times its token
             background = kind == "responses" and body.get("background") is True and not stream
             if kind in RENDERED_AS_CHAT:  # planned as the chat request each renders as
-                # a client's kv_transfer_params leave the body (the bytes are the turn's own: ``sent``)
-                changed = sanitize_body(raw, body, settings.strip_client_kv_transfer_params, r.pd_metrics) is not raw
-                changed = changed or caller.salt is not None
-                turn: Turn | MessagesTurn | BatchTurn = (
-                    Turn(body, caller.name, lambda: services.registry.pods) if kind == "responses" else
-                    MessagesTurn(body, rendering.probe(r), raw, changed) if kind == "messages" else
-                    BatchTurn(body, raw, changed, r.chars_per_token))
-                view, kind = turn.view, "chat"
-                keyed = isinstance(turn, BatchTurn) or turn.keyed  # a batch's first conversation always is
-                prompt = await prompt_ids(r, kind, view, orjson.dumps(view)) if keyed else \
-                    {"tokens": turn.estimate(r.chars_per_token), "exact": False}  # type: ignore[union-attr]
-                plan = r.plan(kind, view, headers, grants=caller.grants, only=turn.pods,
-                              more=turn.rest, **prompt)
+                plan, sent_to, body = await plan_as_chat(r, kind, raw, body, headers, caller)
                 gate.settle(caller, charged, plan.request.prompt_tokens)
-                sent: bytes | Callable[[str], bytes] = turn.sent
-                body = view
+                sent: bytes | Callable[[str], bytes] = sent_to
             else:
                 prompt = await prompt_ids(r, kind, body, raw)
                 plan = r.plan(kind, body, headers, grants=caller.grants, **prompt)

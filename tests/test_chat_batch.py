@@ -100,6 +100,14 @@ async def test_a_batch_is_routed_by_its_first_conversation_and_counts_them_all()
         explained = await c.post("/debug/route", json={"model": "m", "messages": conversation("question 9", system)})
         cached = {p["pod"]: p["cached_tokens"] for p in explained.json()["pods"]}
         assert cached[home] > 0 and cached[home] > max(v for k, v in cached.items() if k != home)
+        # the batch itself, explained: its first conversation's prefix, the others counted too
+        explained = await c.post("/debug/route?route=" + PATH,
+                                 json=batch(conversation("question 9", system), conversation("else " * 100)))
+        assert explained.status_code == 200, explained.text
+        assert explained.json()["chosen"] == home
+        assert {p["pod"]: p["cached_tokens"] for p in explained.json()["pods"]}[home] == cached[home]
+        assert explained.json()["prompt_tokens"] > services.router.prompt("chat", {
+            "model": "m", "messages": conversation("question 9", system)})[0].__len__()
         # the other conversations count, at their estimated length, as prompt tokens routed
         counter = services.metrics.prompt_tokens
         others = [conversation("a long second conversation " * 200), conversation("and a third " * 100)]

@@ -132,6 +132,14 @@ async def test_a_messages_prefix_is_routed_to_the_pod_that_holds_it():
             {"role": "system", "content": system}, {"role": "user", "content": "question 9"}]})
         cached = {p["pod"]: p["cached_tokens"] for p in explained.json()["pods"]}
         assert cached[first.headers["x-kvroute-pod"]] > 0
+        # the Messages request itself, explained as its route plans it
+        explained = await c.post("/debug/route?route=/v1/messages", json=message("question 9", system=system))
+        assert explained.status_code == 200, explained.text
+        rows = {p["pod"]: p for p in explained.json()["pods"]}
+        assert explained.json()["chosen"] == first.headers["x-kvroute-pod"]
+        assert rows[first.headers["x-kvroute-pod"]]["cached_tokens"] == cached[first.headers["x-kvroute-pod"]]
+        bad = await c.post("/debug/route?route=/v1/embeddings", json=message("x"))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "route"
 
 
 async def test_a_fleet_of_prefill_and_decode_pods_alone_serves_no_messages():
