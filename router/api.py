@@ -34,7 +34,7 @@ from kvcommon.asgi import read_body
 from router.auth import Caller, Gate, install_reload
 from router.chat_batch import PATH as CHAT_BATCH_PATH
 from router.chat_batch import BatchTurn
-from router.costs import estimate_prompt_tokens
+from router.costs import estimate_input_tokens, estimate_prompt_tokens
 from router.disagg import prefill_targets, sanitize_body
 from router.dispatch import upstream_headers
 from router.errors import APIError, error_response, from_exc
@@ -57,14 +57,14 @@ from router.service import Services
 __all__ = ["POD_HEADER", "create_app"]
 
 
-# the pass-through routes whose vLLM request takes a cache_salt (its pooling requests, which may read
-# the prefix cache): a key's own salt is forwarded on them as on the generation routes
-SALTED_PASSTHROUGH = frozenset(p for p in PASSTHROUGH_PATHS
-                                if p not in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"))
 
 # the routes whose requests are planned as the chat requests they render as (router/responses.py,
 # router/messages.py; a batch by its first conversation, router/chat_batch.py)
 RENDERED_AS_CHAT = frozenset({"responses", "messages", "chat_batch"})
+# the pass-through routes that run the model over their input (vLLM's pooling routes): charged to the
+# prompt-token bucket at an estimate (router/costs.py), as a generation request is before it is tokenized
+POOLING_PATHS = frozenset(p for p in PASSTHROUGH_PATHS
+                          if p not in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"))
 # the generation routes /debug/route explains (``?route=``), by the kind of request each takes
 EXPLAINED = {"/v1/completions": "completion", "/v1/chat/completions": "chat", CHAT_BATCH_PATH: "chat_batch",
              RESPONSES_PATH: "responses", MESSAGES_PATH: "messages"}
@@ -423,12 +423,17 @@ def create_app(services: Services) -> FastAPI:
         raw = None
         try:
             caller = gate.admit(headers)
+            pooling = path in POOLING_PATHS
+            if pooling:  # a caller in prompt-token debt is refused before its body is read
+                gate.check_prompt_debt(caller)
             raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s)
             body = _parse(raw)
             r = router()
             model = passthrough_model(r, body)
             gate.check_model(caller, model)
-            if caller.salt is not None and path in SALTED_PASSTHROUGH:  # vLLM's pooling requests take one too
+            if pooling:  # the model runs over its input: charged as prompt tokens, at an estimate
+                gate.precharge(caller, estimate_input_tokens(body, r.chars_per_token))
+            if caller.salt is not None and pooling:  # vLLM's pooling requests take a cache_salt too (the prefix cache)
                 caller.salt.apply(body)
                 raw = orjson.dumps(body)
         except APIError as exc:

@@ -123,3 +123,36 @@ def batch_rest_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] |
         elif isinstance(p, list):
             total += len(p)
     return total
+
+
+def _input_size(value: Any, depth: int = 6) -> tuple[int, int]:
+    """(token ids, characters) of every list of token ids and every string value in ``value``,
+    ``depth`` levels down (keys not counted); linear in the values, not their characters."""
+    if isinstance(value, str):
+        return 0, len(value)
+    if depth <= 0:
+        return 0, 0
+    if isinstance(value, list):
+        if value and isinstance(value[0], int):
+            return len(value), 0
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return 0, 0
+    ids = chars = 0
+    for v in items:
+        i, c = _input_size(v, depth - 1)
+        ids += i
+        chars += c
+    return ids, chars
+
+
+def estimate_input_tokens(body: dict[str, Any], chars_per_token: float) -> int:
+    """A cheap estimate of what a pooling request (vLLM's embeddings, pooling, classify, score and
+    rerank routes) puts through the model: every list of token ids in the body by its length and
+    every string at ``chars_per_token`` characters a token. The routes name their inputs in a dozen
+    ways (``input``, ``messages``, ``text_1``/``text_2``, ``queries``, ``documents``, ...), so the
+    whole body is counted, its few parameter strings with it."""
+    ids, chars = _input_size({k: v for k, v in body.items() if k != "model"})
+    return ids + int(chars / chars_per_token)

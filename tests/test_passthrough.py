@@ -229,6 +229,30 @@ async def test_the_key_s_request_rate_limit_applies():
         assert requests_metric(services, "", "429") == 1
 
 
+async def test_the_pooling_routes_spend_the_key_s_prompt_tokens_and_the_others_do_not():
+    """An embedding, score or rerank request runs the model over its input: it is charged to the key's
+    prompt-token bucket at an estimate, as a generation request is before it is tokenized, so a
+    tenant cannot prefill past its limit through them; /tokenize runs no model and is not charged."""
+    keys = [{"key": "k", "prompt_tokens_per_s": 1, "prompt_token_burst": 3000}]
+    async with pass_pods(("a", "m", ())) as pods, \
+            running_router(settings_for(pods, api_keys=keys, estimate_chars_per_token=4.0)) as (base, services):
+        auth = {"authorization": "Bearer k"}
+        big = "the quick brown fox jumps over the lazy dog " * 100   # 4,400 characters: 1,100 tokens at 4 a token
+        async with httpx.AsyncClient(base_url=base) as c:
+            for _ in range(5):   # tokenizing runs no model: never charged
+                assert (await c.post("/tokenize", json={"model": "m", "prompt": big}, headers=auth)).status_code == 200
+            first = await c.post("/v1/embeddings", json={"model": "m", "input": [big]}, headers=auth)
+            ids = await c.post("/rerank", json={"model": "m", "query": "q", "documents": [[7] * 900]}, headers=auth)
+            refused = await c.post("/score", json={"model": "m", "queries": big, "documents": [big, big]}, headers=auth)
+            # the generation routes spend the same bucket: about 1,000 tokens are left in it
+            small = await c.post("/v1/completions", json=completion(), headers=auth)
+            large = await c.post("/v1/completions", json={**completion(), "prompt": big}, headers=auth)
+        assert first.status_code == 200 and ids.status_code == 200
+        assert refused.status_code == 429 and "prompt tokens" in refused.json()["error"]["message"]
+        assert small.status_code == 200 and large.status_code == 429
+        assert [s["path"] for s in pods[0].seen] == ["/tokenize"] * 5 + ["/v1/embeddings", "/rerank", "/v1/completions"]
+
+
 async def test_a_connection_failure_is_retried_on_another_pod_once_and_marks_the_pod():
     async with pass_pods(("alive", "m", ())) as pods:
         fleet = [{"id": "dead", "url": f"http://127.0.0.1:{free_port()}", "model": "m"},
