@@ -44,7 +44,7 @@ from router.metrics import RouterMetrics
 from router.pods import PodRegistry
 from router.responses import PATH as RESPONSES_PATH
 from router.responses import STREAM_PREAMBLE as RESPONSES_PREAMBLE
-from router.routing import CREDIT_NOW_BLOCKS, LONG_CREDIT_PIECE, Plan, Router
+from router.routing import Plan, Router
 from router.scheduling.decide import Route
 from router.upstream import PodIOError
 
@@ -150,8 +150,9 @@ class Lifecycle:
         pod with KV events and ``approximate_ttl_s`` (120 s) on one without. Only what this request
         credited goes: the blocks after those the index gave the pod when it was routed; what the
         pod's events have stored since is not a credit and stays (``PrefixIndex.withdraw``). A
-        prompt credited in pieces (``Router.speculate``) may have pieces still to come: they are
-        withdrawn again once they are in. Never on a 2xx: one comparison of the status there."""
+        prompt credited in pieces (``Router.speculate``) may have pieces still to come: the pod's
+        credits under way are put in whole first (``Router.withdraw``). Never on a 2xx: one
+        comparison of the status there."""
         booking.new_blocks = 0
         router.finish(booking)
         keys = plan.keys
@@ -159,21 +160,11 @@ class Lifecycle:
             return
         held = (route.prefill_pod,) if route.pod_id == route.prefill_pod else (route.prefill_pod, route.pod_id)
         bs, snapshot = router.block_size, plan.snapshot
-
-        def withdraw() -> None:
-            try:
-                for pod_id in held:   # what the index gave the pod when it was routed was not this credit
-                    router.withdraw(pod_id, keys[snapshot.candidate(pod_id).cached_tokens // bs:])
-            except Exception:  # the index is advisory; never fail a request over it
-                log.exception("withdrawing the credit of a request the pod did not take failed")
-
-        withdraw()
-        if len(keys) > CREDIT_NOW_BLOCKS:  # one piece a loop turn: withdraw again after the last
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            _after_turns(loop, -(-len(keys) // LONG_CREDIT_PIECE) + 1, withdraw)
+        try:
+            for pod_id in held:   # what the index gave the pod when it was routed was not this credit
+                router.withdraw(pod_id, keys[snapshot.candidate(pod_id).cached_tokens // bs:])
+        except Exception:  # the index is advisory; never fail a request over it
+            log.exception("withdrawing the credit of a request the pod did not take failed")
 
     def _still_candidate(self, pod_id: str) -> bool:
         pod = self.registry.pods.get(pod_id)
@@ -264,14 +255,6 @@ class Lifecycle:
         router.first_token(booking, observe=_max_tokens(body) == 1 and not booking.released)
         self._end(router, booking, Outcome(pod_id, status))
         return _answer(payload, resp.status, headers)
-
-
-def _after_turns(loop: asyncio.AbstractEventLoop, turns: int, call: Callable[[], None]) -> None:
-    """``call`` after ``turns`` more turns of ``loop`` (each ``call_soon`` waits one turn)."""
-    if turns <= 0:
-        call()
-    else:
-        loop.call_soon(_after_turns, loop, turns - 1, call)
 
 
 def retry_cause(failed: UpstreamError) -> str:

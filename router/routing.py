@@ -399,7 +399,10 @@ class Router:
         credits, never what the pod's events stored): the request it was made for never reached the
         pod's cache (``Lifecycle._unserved``). ``book`` shared the credit with the other router
         processes (``on_credit``), so they are told too (``on_withdraw``, the booking bus) and take
-        back theirs (``withdraw_foreign``). Returns how many of ``keys`` were credits here."""
+        back theirs (``withdraw_foreign``). Returns how many of ``keys`` were credits here. The pod's
+        credits still going in pieces are put in whole first (``_put_in_whole``), as for a foreign
+        withdrawal, so that the pieces of the withdrawn credit still to come do not undo it."""
+        self._put_in_whole(pod_id)
         withdrawn = self.index.withdraw(pod_id, keys)
         if self.on_withdraw is not None and keys:
             self.on_withdraw(pod_id, keys)
@@ -416,16 +419,21 @@ class Router:
         new credit in their order), and cost a withdrawal per credit under way per withdrawal."""
         if pod_id not in self.registry.pods:
             return
-        for steps in self._in_pieces.pop(pod_id, {}):
-            try:
-                for _ in steps:  # the pieces still to come, now: the loop's pending step then finds it done
-                    pass
-            except Exception:  # the index is advisory; never fail over it
-                log.exception("crediting a route to the index failed")
+        self._put_in_whole(pod_id)
         try:
             self.index.withdraw(pod_id, keys)
         except Exception:
             log.exception("withdrawing another router's credit failed")
+
+    def _put_in_whole(self, pod_id: str) -> None:
+        """The pod's credits going in a piece a loop turn (``_credit_in_pieces``), all put in now: the
+        loop's pending step of each then finds it done."""
+        for steps in self._in_pieces.pop(pod_id, {}):
+            try:
+                for _ in steps:
+                    pass
+            except Exception:  # the index is advisory; never fail over it
+                log.exception("crediting a route to the index failed")
 
     def _credit_now(self, pod_id: str, keys: list[int]) -> None:
         try:

@@ -182,3 +182,25 @@ def test_the_simulated_pod_refuses_a_null_for_a_switch_vllm_types_a_plain_boolea
     # nullable in vLLM: a completion's echo (``bool | None``), stream, return_token_ids
     for key in ("echo", "stream", "return_token_ids") if kind == "completion" else ("stream", "return_token_ids"):
         assert parse({**base, key: None}).max_tokens == 2
+
+
+@pytest.mark.e2e
+async def test_a_credit_made_after_a_refusal_stays_though_the_refused_credit_was_still_in_pieces():
+    """A long prompt's credit still coming in pieces, its request refused (its credit withdrawn), and
+    a new request of the same prompt to the same pod credited straight after: the new credit stays.
+    The withdrawal used to be made again once the refused credit's last piece was in, and took the
+    newer credit with it."""
+    with running_sims(1, ["--timing", "seed", "--block-size", str(BS)]) as urls:
+        settings = build_settings(RouterSettings, {"pods": fleet(urls, None), "port": free_port(), "block_size": BS})
+        async with running_router(settings) as (_, services):
+            router = services.router
+            body = {"model": "sim-model", "prompt": list(range(1, 1 + 1100 * BS)), "max_tokens": 1}
+            plan = router.plan("completion", body, {})
+            cand = plan.decision.ranked[0]
+            booking = router.book(plan, cand)   # the first piece now, the rest in the turns after
+            Lifecycle._unserved(router, plan, plan.decision.routes[cand.pod_id], booking)
+            again = router.plan("completion", body, {})
+            router.book(again, again.decision.ranked[0])   # the same prompt to the same pod, credited anew
+            for _ in range(200):
+                await asyncio.sleep(0)
+            assert services.index.pod_stats("sim-0")["predicted"] == 1100
