@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from simulator.openai_shapes import (
     completion_body,
     completion_chunk,
     content_part_event,
+    error_input,
     fingerprint,
     invalid,
     models_body,
@@ -86,6 +87,7 @@ from simulator.openai_shapes import (
 from simulator.publisher import EventPublisher
 from simulator.request import FINISH, SimRequest
 from simulator.settings import SimSettings
+from simulator.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.sim")
 
@@ -96,7 +98,8 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]  # as vLL
 
 
 class SimulatedDrop(Exception):
-    """Raised inside a response to make the server cut the connection (the drop fault)."""
+    """Raised inside a response to make the server cut the connection (the drop fault, and vLLM's
+    streamed retrieval of a response it kept no events of)."""
 
 
 class _DropFilter(logging.Filter):
@@ -116,25 +119,73 @@ def response_not_found(response_id: str) -> ShapeError:
                       err_type=RESPONSES_ERROR_TYPE)
 
 
+class EventLog:
+    """A background stream's events as its run sent them (vLLM's ``event_store``): the ASGI ``send``
+    the run streams into, followed by the stream the POST answers and by ``GET ...?stream=true``."""
+
+    COMPLETED = b"event: response.completed\n"
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    async def __call__(self, message: dict) -> None:
+        if message.get("body"):
+            self.events.append(message["body"])
+            self._changed.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._changed.set()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """The events from index ``start`` (a negative one counts from the end, as vLLM's indexing of
+        its deque does), through ``response.completed``. Where vLLM then waits forever (a run cancelled
+        before that event, a start past a finished stream's end) this ends once the run has."""
+        i = start
+        while True:
+            while i < len(self.events):
+                if i < -len(self.events):   # vLLM's deque raises there: its stream fails
+                    raise SimulatedDrop("starting_after before the first event")
+                event = self.events[i]
+                yield event
+                if event.startswith(self.COMPLETED):
+                    return
+                i += 1
+            if self.ended:
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+
 @dataclass
 class StoredResponse:
-    """A finished response as vLLM's two stores keep it: the response object (``response_store``) and
-    the chat messages its prompt was rendered from (``msg_store``), with its output text."""
+    """A response as vLLM's two stores keep it: the response object (``response_store``) and the chat
+    messages its prompt was rendered from (``msg_store``), with its output text; a background one's
+    run until it ends, and a background stream's events."""
 
     response: dict[str, Any]
     messages: list[dict[str, Any]]
     text: str
+    run: asyncio.Task | None = None
+    events: EventLog | None = None
 
 
 class ResponseStore:
     """vLLM's Responses store (``VLLM_ENABLE_RESPONSES_API_STORE=1``), in memory, by response id; unlike
-    vLLM's it is bounded: past ``max_entries`` the oldest stored is dropped. One per HTTP server: a
-    data-parallel pod's engines share it, as they share vLLM's API server."""
+    vLLM's it is bounded: past ``max_entries`` the oldest stored is dropped, and a background run whose
+    entry is dropped or replaced is cancelled with it, so the runs are bounded too. One per HTTP server:
+    a data-parallel pod's engines share it, as they share vLLM's API server."""
+
+    MAX_EVENT_LOGS = 256   # a stream's events are about one per output token: a bound on their memory
 
     def __init__(self, enabled: bool, max_entries: int):
         self.enabled = enabled
         self.max_entries = max_entries
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._runs: set[asyncio.Task] = set()
+        self._logs: OrderedDict[str, None] = OrderedDict()   # the background streams whose events are kept
 
     def __len__(self) -> int:
         return len(self._items)
@@ -145,10 +196,38 @@ class ResponseStore:
     def put(self, response_id: str, entry: StoredResponse) -> None:
         if not self.enabled:
             return
-        self._items.pop(response_id, None)   # a reused request_id replaces it, as vLLM's dict does
+        old = self._items.pop(response_id, None)   # a reused request_id replaces it, as vLLM's dict does
+        if old is not None:
+            self._drop(old)
         self._items[response_id] = entry
         while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
+            self._drop(self._items.popitem(last=False)[1])
+
+    @staticmethod
+    def _drop(entry: StoredResponse) -> None:
+        # a run replacing its own entry with its finished response goes on
+        if entry.run is not None and entry.run is not asyncio.current_task():
+            entry.run.cancel()
+
+    def run_in_background(self, response_id: str, entry: StoredResponse, work: Coroutine[Any, Any, None]) -> None:
+        """Store ``entry`` and run ``work`` for it past the request that made it (vLLM's
+        ``background_tasks``). The events of the last ``MAX_EVENT_LOGS`` background streams are kept
+        for retrieval (an older one's retrieval is then answered as for a response with none); vLLM
+        keeps them all, as long as its process lives."""
+        entry.run = task = asyncio.get_running_loop().create_task(work)
+        self._runs.add(task)
+        task.add_done_callback(self._runs.discard)
+        self.put(response_id, entry)
+        if entry.events is not None:
+            self._logs[response_id] = None
+            while len(self._logs) > self.MAX_EVENT_LOGS:
+                old = self._items.get(self._logs.popitem(last=False)[0])
+                if old is not None:
+                    old.events = None
+
+    async def stop(self) -> None:
+        for task in list(self._runs):
+            await cancel_and_wait(task)
 
 
 class Pod:
@@ -215,6 +294,7 @@ class Pod:
             self.publisher.start()
 
     async def stop(self) -> None:
+        await self.responses.stop()   # first: a background run waits on the engine
         await self.engine.stop()
         await self.leases.stop()
         if self.publisher is not None:
@@ -437,25 +517,34 @@ def build_app(pod: Pod):
     @route("GET", "/v1/responses/{response_id}")
     async def responses_retrieve(scope, receive, send):
         rid = scope["path_params"]["response_id"]
+        stream, starting_after = _retrieve_query(scope)
         entry = pod.responses.get(rid)
         if entry is None:
             raise response_not_found(rid)
-        if _query_flag(scope, "stream"):
-            # vLLM streams only a background response's events (it keeps none for another one); the
-            # simulator runs no background responses
-            raise ShapeError("the simulator does not stream stored responses (vLLM streams only background "
-                             "responses, which the simulator does not run)", param="stream",
-                             err_type=RESPONSES_ERROR_TYPE)
-        await respond_json(send, 200, entry.response)
+        if not stream:
+            await respond_json(send, 200, entry.response)
+        elif entry.events is None:
+            # vLLM keeps the events of background streams only: for another response its stream
+            # fails once started, and the connection is cut
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            raise SimulatedDrop("no events kept for this response")
+        else:
+            await _send_events(pod, entry.events, 0 if starting_after is None else starting_after + 1, None,
+                               send, [])
 
     @route("POST", "/v1/responses/{response_id}/cancel")
     async def responses_cancel(scope, receive, send):
         await read_body(scope, receive)
         rid = scope["path_params"]["response_id"]
-        if pod.responses.get(rid) is None:
+        entry = pod.responses.get(rid)
+        if entry is None:
             raise response_not_found(rid)
-        # every stored response is finished (no background ones here): vLLM's answer for those
-        raise ShapeError("Cannot cancel a synchronous response.", param="response_id", err_type=RESPONSES_ERROR_TYPE)
+        if entry.response["status"] not in ("queued", "in_progress"):   # finished (or cancelled already)
+            raise ShapeError("Cannot cancel a synchronous response.", param="response_id",
+                             err_type=RESPONSES_ERROR_TYPE)
+        entry.response["status"] = "cancelled"   # kept so: the run stores nothing over it
+        await cancel_and_wait(entry.run)          # which aborts its engine request
+        await respond_json(send, 200, entry.response)
 
     @route("POST", "/v1/messages")
     async def messages_create(scope, receive, send):
@@ -719,38 +808,62 @@ class ResponsesCall:
     fields: dict[str, Any]      # the response's fields taken from the request (response_request_fields)
     messages: list[dict[str, Any]]   # the chat messages its prompt is rendered from
     store: bool                 # kept for GET and previous_response_id
+    background: bool = False    # answered at once, run on (``_responses_background``)
     max_output_tokens: int | None = None   # the budget vLLM's SamplingParams reports (set once rendered)
 
 
-def _query_flag(scope: dict, name: str) -> bool:
-    """A boolean query parameter as FastAPI reads one (true/1/yes/on)."""
+_QUERY_BOOLEANS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+                   "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}
+
+
+def _retrieve_query(scope: dict) -> tuple[bool, int | None]:
+    """``stream`` and ``starting_after`` of ``GET /v1/responses/{id}`` as FastAPI reads them (the last
+    of each; pydantic's words for a boolean), a value it cannot parse its 400."""
     from urllib.parse import parse_qs
 
-    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name) or [""]
-    return values[-1].lower() in ("true", "1", "yes", "on")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+
+    def refuse(kind: str, name: str, msg: str, value: str) -> ShapeError:
+        return ShapeError(validation_message({"type": kind, "loc": f"query.{name}", "msg": msg,
+                                              "input": error_input(value)}),
+                          param=f"query.{name}", err_type=VALIDATION_TYPE)
+
+    after = query.get("starting_after", [None])[-1]
+    try:
+        starting_after = None if after is None else int(after)
+    except ValueError:
+        raise refuse("int_parsing", "starting_after", "Input should be a valid integer, unable to parse string as "
+                     "an integer", after) from None
+    stream = query.get("stream", ["false"])[-1]
+    if stream.lower() not in _QUERY_BOOLEANS:
+        raise refuse("bool_parsing", "stream", "Input should be a valid boolean, unable to interpret input", stream)
+    return _QUERY_BOOLEANS[stream.lower()], starting_after
 
 
 def prepare_responses(pod: Pod, body: Any) -> tuple[dict[str, Any], ResponsesCall]:
     """A Responses request as the chat body that renders its prompt (``indexer.responses.chat_body``),
-    in vLLM 0.32's order of checks: background mode (400), ``previous_response_id`` (404 unless the
-    store holds it), then the rendering (400). With a previous response, the messages are vLLM's
-    ``construct_input_messages``: the new instructions as the system message first, the stored
-    conversation without its system messages, the previous output as an assistant message, then the
-    new input. Items the shared renderer cannot render (``Unrenderable``: custom tool calls, namespaced
-    tools) are refused with a 400, where vLLM renders them."""
+    in vLLM 0.32's order of checks: background mode (400 with ``store: false``, or without the store),
+    ``previous_response_id`` (404 unless the store holds it), then the rendering (400). With a previous
+    response, the messages are vLLM's ``construct_input_messages``: the new instructions as the system
+    message first, the stored conversation without its system messages, the previous output as an
+    assistant message (none while it is queued or once cancelled: no output), then the new input.
+    Items the shared renderer cannot render (``Unrenderable``: custom tool calls, namespaced tools) are
+    refused with a 400, where vLLM renders them."""
     check_object(body)
-    rid = body.get("request_id")
-    if rid is not None and not isinstance(rid, str):
-        raise invalid("request_id", "'request_id' must be a string")
-    store = body.get("store", True) is True and pod.responses.enabled   # vLLM ignores store=True without its store
-    if body.get("background"):
-        if body.get("store", True) and not pod.responses.enabled:
+    background = bool(body.get("background"))
+    if background:
+        if not body.get("store", True):   # ResponsesRequest's own validator
+            raise vllm_validation_error("background can only be used when `store` is true", "background")
+        if not pod.responses.enabled:
             raise ShapeError("This vLLM engine does not support `store=True` and therefore does not support the "
                              "background mode. To enable these features, set the environment variable "
                              "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
                              param="background", err_type=RESPONSES_ERROR_TYPE)
-        raise ShapeError("background responses are not supported by the simulator", param="background",
-                         err_type=RESPONSES_ERROR_TYPE)
+    rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise invalid("request_id", "'request_id' must be a string")
+    # vLLM ignores store=True without its store
+    store = (background or body.get("store", True) is True) and pod.responses.enabled
     prev_id = body.get("previous_response_id")
     prev = None
     if prev_id is not None:
@@ -770,9 +883,10 @@ def prepare_responses(pod: Pod, body: Any) -> tuple[dict[str, Any], ResponsesCal
         first = 1 if body.get("instructions") else 0   # chat_body's system message of the instructions
         new = chat["messages"]
         chat["messages"] = (new[:first] + [m for m in prev.messages if m.get("role") != "system"]
-                            + [{"role": "assistant", "content": prev.text}] + new[first:])
+                            + ([{"role": "assistant", "content": prev.text}] if prev.response["output"] else [])
+                            + new[first:])
     call = ResponsesCall(rid or f"resp_{uuid.uuid4().hex[:16]}", response_request_fields(body), chat["messages"],
-                         store)
+                         store, background)
     return chat, call
 
 
@@ -876,6 +990,9 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         await _remote_prefill(pod, req, kv)
 
     pod.engine.submit(req)
+    if call is not None and call.background:   # runs on whatever the client does
+        await _responses_background(pod, gen, req, call, faults, send, echo)
+        return
     watcher = loop.create_task(watch_disconnect(receive, lambda: pod.engine.abort(req)))
     try:
         if call is not None:
@@ -1161,15 +1278,18 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
 
 def _finished_response(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall, created: int,
                        item_id: str, text: str) -> dict:
-    """The finished response object (stored when asked): status "incomplete" on a length finish."""
+    """The finished response object (stored when asked, unless the entry under its id was cancelled,
+    as vLLM does): status "incomplete" on a length finish."""
     use = response_usage(req.n_prompt, req.num_output, _reported_cached(req, gen.kv_transfer_params),
                          _cache_writes(req, pod.settings.block_size))
     response = response_object(call.response_id, gen.lora or pod.model, created, call.fields,
                                status="incomplete" if req.finish_reason == "length" else "completed",
                                output=[output_message(item_id, text)], use=use,
                                max_output_tokens=call.max_output_tokens)
-    if call.store:
-        pod.responses.put(call.response_id, StoredResponse(response, call.messages, text))
+    held = pod.responses.get(call.response_id) if call.store else None
+    if call.store and (held is None or held.response["status"] != "cancelled"):
+        pod.responses.put(call.response_id, StoredResponse(response, call.messages, text,
+                                                           events=held.events if held is not None else None))
     return response
 
 
@@ -1184,13 +1304,13 @@ async def _responses_whole(pod: Pod, gen: GenRequest, req: SimRequest, call: Res
 
 
 async def _responses_stream(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall,
-                            faults: RequestFaults, send: Send, echo: list) -> None:
+                            faults: RequestFaults, send: Send, echo: list, created: int | None = None) -> None:
     """vLLM 0.32's Responses stream of one text message: ``response.created`` and
     ``response.in_progress`` at once (before any token), the item and its part added with the first
     token, one ``response.output_text.delta`` per token, then the text, part and item done and
     ``response.completed`` with the whole response (a length finish's status "incomplete" included).
     Each event is ``event: <type>`` + its JSON, numbered from 0; no ``[DONE]``."""
-    created = int(time.time())
+    created = created or int(time.time())
     item_id = f"msg_{uuid.uuid4().hex[:16]}"
     seq = itertools.count()
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
@@ -1223,6 +1343,49 @@ async def _responses_stream(pod: Pod, gen: GenRequest, req: SimRequest, call: Re
     await emit(response_event(output_item_event("response.output_item.done", output_message(item_id, text),
                                                  next(seq))))
     await emit(response_event(response_state_event("response.completed", response, next(seq))), more=False)
+
+
+async def _responses_background(pod: Pod, gen: GenRequest, req: SimRequest, call: ResponsesCall,
+                               faults: RequestFaults, send: Send, echo: list) -> None:
+    """vLLM 0.32's background mode: the response is stored "queued" (no output, no usage) and its run,
+    a task of the store's, goes on past this request; the entry stays "queued" (vLLM never stores
+    "in_progress") until the run stores the finished response. The answer is the queued response at
+    once or, streamed, the run's events as they come (which ``GET ...?stream=true`` replays)."""
+    created = int(time.time())
+    queued = response_object(call.response_id, gen.lora or pod.model, created, call.fields, status="queued",
+                             output=[], use=None, max_output_tokens=call.max_output_tokens)
+    events = EventLog() if gen.stream else None
+
+    async def run() -> None:
+        try:
+            if events is not None:
+                await _responses_stream(pod, gen, req, call, RequestFaults(), events, [], created)
+            else:
+                text = await _collect(pod, req)
+                if text is not None:
+                    _finished_response(pod, gen, req, call, created, f"msg_{uuid.uuid4().hex[:16]}", text)
+        finally:
+            if req.finish_reason is None:   # cancelled: as vLLM, the engine request is aborted
+                pod.engine.abort(req)
+            if events is not None:
+                events.end()
+
+    answer = orjson.dumps(queued)
+    pod.responses.run_in_background(call.response_id, StoredResponse(queued, call.messages, "", events=events),
+                                    run())
+    if events is None:
+        await _send_whole(pod, None, answer, faults, send, echo)
+    else:
+        await _send_events(pod, events, 0, faults.drop_after_chunks, send, echo)
+
+
+async def _send_events(pod: Pod, events: EventLog, start: int, drop: int | None, send: Send, echo: list) -> None:
+    """A background stream's events from index ``start`` (``EventLog.follow``), as an SSE answer."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+    emit = _Emitter(pod, send, drop)
+    async for event in events.follow(start):
+        await emit(event)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _messages_usage(pod: Pod, gen: GenRequest, req: SimRequest) -> dict:

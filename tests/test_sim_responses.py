@@ -240,10 +240,6 @@ def test_the_store_keeps_responses_for_retrieval_and_the_next_turn(stored):
     assert final.usage.input_tokens == len(chat_request_ids(expected, load_tokenizer("byte")))
     assert c.responses.retrieve(final.id).output_text == final.output_text   # a stream is stored too
 
-    # vLLM streams only background responses back (the simulator runs none): a clear 400, not JSON
-    r = httpx.get(f"{stored}/v1/responses/{first.id}?stream=true", timeout=10)
-    assert r.status_code == 400 and "simulator" in r.json()["error"]["message"]
-
     # cancelling a finished (synchronous) response: vLLM's 400
     r = httpx.post(f"{stored}/v1/responses/{first.id}/cancel", timeout=10)
     assert r.status_code == 400
@@ -288,15 +284,174 @@ def test_without_the_store_nothing_is_kept_and_previous_response_id_is_unknown(p
 
 
 @pytest.mark.e2e
-def test_background_is_refused(plain, stored):
+def test_background_needs_the_store_and_store_true(plain, stored):
     r = httpx.post(plain + "/v1/responses", json={"input": "x", "background": True}, timeout=10)
     assert r.status_code == 400 and r.json() == {"error": {
         "message": "This vLLM engine does not support `store=True` and therefore does not support the background "
                    "mode. To enable these features, set the environment variable "
                    "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
         "type": "invalid_request_error", "param": "background", "code": 400}}
-    r = httpx.post(stored + "/v1/responses", json={"input": "x", "background": True}, timeout=10)
-    assert r.status_code == 400 and "simulator" in r.json()["error"]["message"]
+    # ResponsesRequest's own validator, before the serving code's check: the same 400 with or without the store
+    for base in (stored, plain):
+        r = httpx.post(base + "/v1/responses", json={"input": "x", "background": True, "store": False}, timeout=10)
+        assert r.status_code == 400 and r.json() == {"error": {
+            "message": "background can only be used when `store` is true (parameter=background)",
+            "type": "BadRequestError", "param": "background", "code": 400}}, r.text
+
+
+def wait_until_done(base: str, rid: str, timeout: float = 5.0) -> dict:
+    """Poll ``GET /v1/responses/{rid}`` until it is no longer "queued"."""
+    end = time.monotonic() + timeout
+    while True:
+        body = httpx.get(f"{base}/v1/responses/{rid}", timeout=10).json()
+        if body["status"] != "queued" or time.monotonic() > end:
+            return body
+        time.sleep(0.02)
+
+
+def engine_busy(base: str) -> int:
+    state = httpx.get(base + "/sim/state", timeout=10).json()
+    return state["running"] + state["waiting"]
+
+
+@pytest.mark.e2e
+def test_a_background_response_is_answered_queued_at_once_and_stored_finished(stored):
+    """vLLM 0.32 answers at once with the response "queued" (no output, no usage) and keeps it so in
+    its store until the run ends ("in_progress" is never stored); then GET has the finished response.
+    Here the prompt takes ~0.5 s to prefill (seed timing, 2000 tokens/s)."""
+    body = {"input": "z" * 1000, "max_output_tokens": 4, "background": True}
+    start = time.monotonic()
+    r = httpx.post(stored + "/v1/responses", json=body, timeout=10)
+    took = time.monotonic() - start
+    assert r.status_code == 200 and took < 0.3, (r.text, took)
+    queued = r.json()
+    assert list(queued) == RESPONSE_FIELDS
+    assert queued["status"] == "queued" and queued["output"] == [] and queued["usage"] is None
+    assert queued["background"] is True and queued["incomplete_details"] is None
+    rid = queued["id"]
+    assert httpx.get(f"{stored}/v1/responses/{rid}", timeout=10).json() == queued   # stored as answered
+    assert engine_busy(stored) == 1   # the run goes on without its client
+
+    done = wait_until_done(stored, rid)
+    assert time.monotonic() - start > 0.4   # the prefill's time
+    assert done["status"] == "incomplete" and done["incomplete_details"] == {"reason": "max_output_tokens"}
+    n = prompt_len(body)
+    hits = done["usage"]["input_tokens_details"]["cached_tokens"]
+    assert hits in (0, BLOCK)   # the chat template's first block, if an earlier request wrote it
+    assert done["usage"] == {"input_tokens": n, "input_tokens_details": {
+        "cached_tokens": hits, "cache_write_tokens": n // BLOCK * BLOCK - hits, **USAGE_DETAILS},
+        "output_tokens": 4, "output_tokens_details": OUTPUT_DETAILS, "total_tokens": n + 4}
+    assert len(done["output"][0]["content"][0]["text"]) == 4
+    assert done["created_at"] == queued["created_at"] and done["id"] == rid and done["background"] is True
+    assert engine_busy(stored) == 0
+    # its blocks are cached: the same prompt again hits all its full blocks
+    again = client(stored).responses.create(model="sim-model", input=body["input"], max_output_tokens=1)
+    assert again.usage.input_tokens_details.cached_tokens == n // BLOCK * BLOCK
+
+
+@pytest.mark.e2e
+def test_cancelling_a_running_background_response_aborts_it(stored):
+    c = client(stored)
+    body = {"input": "w" * 1000, "max_output_tokens": 1000, "background": True, "request_id": "resp_tocancel"}
+    queued = httpx.post(stored + "/v1/responses", json=body, timeout=10).json()
+    assert queued["status"] == "queued" and engine_busy(stored) == 1
+    r = httpx.post(f"{stored}/v1/responses/resp_tocancel/cancel", timeout=10)
+    assert r.status_code == 200 and r.json() == {**queued, "status": "cancelled"}   # vLLM's: the queued one, cancelled
+    assert engine_busy(stored) == 0   # its engine request is aborted (it had ~1.5 s to go)
+    assert httpx.get(f"{stored}/v1/responses/resp_tocancel", timeout=10).json()["status"] == "cancelled"
+    r = httpx.post(f"{stored}/v1/responses/resp_tocancel/cancel", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Cannot cancel a synchronous response."
+
+    # the next turn on it has its conversation but no output of it: vLLM renders none
+    second = c.responses.create(model="sim-model", input="Go on.", previous_response_id="resp_tocancel",
+                                max_output_tokens=1)
+    expected = chat_body({"input": "Go on."})
+    expected["messages"] = [{"role": "user", "content": body["input"]}, {"role": "user", "content": "Go on."}]
+    assert second.usage.input_tokens == len(chat_request_ids(expected, load_tokenizer("byte")))
+    # vLLM stores nothing over a cancelled response, even a new one reusing its id
+    r = httpx.post(stored + "/v1/responses", json={"input": "x", "max_output_tokens": 1, "request_id": "resp_tocancel"},
+                   timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "incomplete"
+    assert httpx.get(f"{stored}/v1/responses/resp_tocancel", timeout=10).json()["status"] == "cancelled"
+
+    # a streamed one too; its events end where it was cancelled (vLLM's stream there stays open, silent)
+    body = {"input": "t" * 1000, "max_output_tokens": 1000, "background": True, "stream": True,
+            "request_id": "resp_streamcancel"}
+    with httpx.stream("POST", stored + "/v1/responses", json=body, timeout=10) as s:
+        first_line = next(s.iter_lines())
+    assert first_line == "event: response.created"
+    r = httpx.post(f"{stored}/v1/responses/resp_streamcancel/cancel", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled" and engine_busy(stored) == 0
+    replay = httpx.get(f"{stored}/v1/responses/resp_streamcancel?stream=true", timeout=10)
+    assert [name for name, _ in sse_events(replay.text)] == ["response.created", "response.in_progress"]
+
+
+@pytest.mark.e2e
+def test_a_background_stream_runs_on_and_get_replays_its_events(stored):
+    """The POST's stream is the run's events as they come; the run goes on when its client leaves, and
+    ``GET ...?stream=true`` replays them all, or those after ``starting_after`` (negative: vLLM's deque
+    indexing from the end), through ``response.completed``."""
+    body = {"input": "v" * 1000, "max_output_tokens": 5, "background": True, "stream": True,
+            "request_id": "resp_bgstream"}
+    with httpx.stream("POST", stored + "/v1/responses", json=body, timeout=10) as s:
+        assert s.status_code == 200 and s.headers["content-type"] == "text/event-stream; charset=utf-8"
+        first_line = next(s.iter_lines())
+    assert first_line == "event: response.created"    # and the client leaves during the prefill
+    assert httpx.get(f"{stored}/v1/responses/resp_bgstream", timeout=10).json()["status"] == "queued"
+
+    with httpx.stream("GET", f"{stored}/v1/responses/resp_bgstream?stream=true&starting_after=0", timeout=10) as s:
+        assert s.headers["content-type"] == "text/event-stream; charset=utf-8"
+        rest = sse_events(s.read().decode())
+    assert [e["sequence_number"] for _, e in rest] == list(range(1, 13))
+    assert [name for name, _ in rest] == ["response.in_progress", "response.output_item.added",
+                                          "response.content_part.added"] + ["response.output_text.delta"] * 5 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    final = rest[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 5
+    assert final["usage"]["input_tokens"] == prompt_len(body)
+    assert rest[0][1]["response"]["status"] == "in_progress" and rest[0][1]["response"]["background"] is True
+    stored_now = httpx.get(f"{stored}/v1/responses/resp_bgstream", timeout=10).json()
+    assert stored_now == final
+
+    whole = httpx.get(f"{stored}/v1/responses/resp_bgstream?stream=true", timeout=10).text
+    events = sse_events(whole)
+    assert [e["sequence_number"] for _, e in events] == list(range(13)) and events[1:] == rest
+    assert events[0][0] == "response.created" and events[0][1]["response"]["created_at"] == final["created_at"]
+    tail = httpx.get(f"{stored}/v1/responses/resp_bgstream?stream=true&starting_after=-3", timeout=10).text
+    assert sse_events(tail) == events[-2:]
+    with httpx.stream("GET", f"{stored}/v1/responses/resp_bgstream?stream=true&starting_after=-15", timeout=10) as s:
+        assert s.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):   # before the first event: vLLM's stream fails
+            s.read()
+    # past the end: nothing (vLLM's stream there stays open, silent)
+    assert httpx.get(f"{stored}/v1/responses/resp_bgstream?stream=true&starting_after=20", timeout=10).text == ""
+
+
+@pytest.mark.e2e
+def test_streaming_a_response_without_kept_events_is_cut_and_bad_query_values_are_400(stored):
+    """vLLM keeps the events of background streams only; for any other response its streamed retrieval
+    starts (200, an event stream), then fails and the connection is cut."""
+    sync = httpx.post(stored + "/v1/responses", json={"input": "u", "max_output_tokens": 1}, timeout=10).json()
+    background = httpx.post(stored + "/v1/responses", json={"input": "u", "max_output_tokens": 1, "background": True},
+                            timeout=10).json()
+    for rid in (sync["id"], background["id"]):
+        with httpx.stream("GET", f"{stored}/v1/responses/{rid}?stream=true", timeout=10) as s:
+            assert s.status_code == 200 and s.headers["content-type"] == "text/event-stream; charset=utf-8"
+            with pytest.raises(httpx.RemoteProtocolError):
+                s.read()
+    assert httpx.get(f"{stored}/v1/responses/resp_nope?stream=true", timeout=10).json() == not_found("resp_nope")
+    assert httpx.get(f"{stored}/v1/responses/{sync['id']}?stream=false&starting_after=3", timeout=10).json() == sync
+
+    r = httpx.get(f"{stored}/v1/responses/{sync['id']}?stream=true&starting_after=abc", timeout=10)
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'query.starting_after', 'msg': 'Input "
+                   "should be a valid integer, unable to parse string as an integer', 'input': 'abc'}",
+        "type": "Bad Request", "param": "query.starting_after", "code": 400}}
+    r = httpx.get(f"{stored}/v1/responses/{sync['id']}?stream=abc", timeout=10)
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': 'query.stream', 'msg': 'Input should be "
+                   "a valid boolean, unable to interpret input', 'input': 'abc'}",
+        "type": "Bad Request", "param": "query.stream", "code": 400}}
 
 
 @pytest.mark.e2e
@@ -401,3 +556,60 @@ def test_a_tokenizer_with_a_bos_gets_one_more_token_than_the_chat_rendering(tmp_
                           timeout=10).json()
     assert chat["usage"]["prompt_tokens"] == 4   # "user hello world assistant", no BOS
     assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] + 1
+
+
+def test_the_store_bounds_background_runs_and_stopping_ends_them():
+    """A background run whose entry the store drops (its bound) or replaces is cancelled with it; the
+    run that replaces its own entry with its finished response is not; ``stop`` ends the rest."""
+    import asyncio
+
+    from simulator.server import ResponseStore, StoredResponse
+
+    async def main() -> None:
+        store = ResponseStore(True, 2)
+        finished = asyncio.Event()
+
+        async def finishes(rid: str) -> None:
+            store.put(rid, StoredResponse({"status": "completed"}, [], "done"))
+            finished.set()
+            await asyncio.sleep(10)
+
+        entries = [StoredResponse({"status": "queued"}, [], "") for _ in range(4)]
+        store.run_in_background("a", entries[0], asyncio.sleep(10))
+        store.run_in_background("b", entries[1], finishes("b"))
+        await finished.wait()
+        await asyncio.sleep(0.01)
+        assert store.get("b").text == "done" and not entries[1].run.done()   # its own put: it goes on
+        store.run_in_background("c", entries[2], asyncio.sleep(10))   # the third: "a" is dropped
+        await asyncio.sleep(0)
+        assert store.get("a") is None and entries[0].run.cancelled()
+        store.run_in_background("c", entries[3], asyncio.sleep(10))   # "c" replaced
+        await asyncio.sleep(0)
+        assert entries[2].run.cancelled() and not entries[3].run.done()
+        await store.stop()
+        assert entries[1].run.cancelled() and entries[3].run.cancelled()
+
+    asyncio.run(main())
+
+
+def test_the_store_keeps_the_events_of_its_last_background_streams_only(monkeypatch):
+    """A background stream's events (about one per output token) are kept for the last
+    ``MAX_EVENT_LOGS`` streams; an older one's are let go, and its retrieval then has none."""
+    import asyncio
+
+    from simulator.server import EventLog, ResponseStore, StoredResponse
+
+    monkeypatch.setattr(ResponseStore, "MAX_EVENT_LOGS", 2)
+
+    async def main() -> None:
+        store = ResponseStore(True, 100)
+        for rid in ("a", "b", "c"):
+            store.run_in_background(rid, StoredResponse({"status": "queued"}, [], "", events=EventLog()),
+                                    asyncio.sleep(0))
+        assert store.get("a").events is None
+        assert store.get("b").events is not None and store.get("c").events is not None
+        store.run_in_background("d", StoredResponse({"status": "queued"}, [], ""), asyncio.sleep(0))  # no stream
+        assert store.get("b").events is not None
+        await store.stop()
+
+    asyncio.run(main())
