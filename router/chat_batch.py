@@ -16,8 +16,9 @@ engine, which this module's planning follows:
 The router plans it as a completion batch is planned: the first conversation routes the request
 (its prefix is looked up on each pod, and its blocks are credited to the pod chosen), and the
 others count, uncached, at an estimate of their length (``router.costs``), for the prediction and
-the caller's prompt-token bucket. It goes to aggregated pods only: a P/D sidecar serves the chat and
-completion routes alone. What reaches the pod is the client's body, as on the chat route (its
+the caller's prompt-token bucket. A P/D sidecar runs its two legs for the chat and completion routes
+alone, so on a decode pod a batch is computed whole by the decode engine (``router.disagg.computed_whole``). What
+reaches the pod is the client's body, as on the chat route (its
 ``kv_transfer_params`` dropped, a key's ``cache_salt`` derived into it).
 """
 
@@ -28,8 +29,8 @@ from typing import Any
 import orjson
 
 from router.costs import estimate_prompt_tokens
+from router.disagg import computed_whole
 from router.errors import APIError
-from router.pods import PodState
 
 PATH = "/v1/chat/completions/batch"
 # fields of the body the router's rendering of a conversation leaves out: vLLM renders a batch's
@@ -58,10 +59,7 @@ class BatchTurn:
         self.rest = sum(estimate_prompt_tokens("chat", {"messages": c}, chars_per_token) for c in conversations[1:])
         self._raw = orjson.dumps(body) if changed else raw
 
-    @staticmethod
-    def pods(pod: PodState) -> bool:
-        """An aggregated pod: the P/D sidecar serves only the chat and completion routes."""
-        return pod.config.role == "both"
+    pods = staticmethod(computed_whole)
 
     def sent(self, pod_id: str) -> bytes:
         return self._raw

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -22,6 +22,9 @@ from kvcommon.transfer import drop_client_params
 from router.config import PodConfig, RouterSettings
 from router.scheduling.decide import Route
 from router.scheduling.pd import PDDecision, PDParams
+
+if TYPE_CHECKING:
+    from router.pods import PodState
 
 PREFILL_HEADER = "x-prefiller-host-port"
 RANK_HEADER = "x-data-parallel-rank"   # vLLM: which of the pod's data-parallel engines takes the request
@@ -77,6 +80,15 @@ def pd_metrics(registry: CollectorRegistry) -> PDMetrics:
         found = PDMetrics(registry)
         registry._kvroute_pd_metrics = found  # type: ignore[attr-defined]
     return found
+
+
+def computed_whole(pod: PodState) -> bool:
+    """Whether a request of a route with no prefill leg may go to ``pod``: any pod but a prefill pod.
+    A P/D sidecar runs the two legs for the chat and completion routes only and passes every other
+    route to its decode engine as it is, which computes the prompt itself (its ``kv_both`` NIXL role
+    computes prompts as an aggregated engine does): in the P/D planner the decode pod's local path
+    (``no prefill pod is available``), booked and predicted as one."""
+    return pod.config.role != "prefill"
 
 
 def sanitize_body(raw: bytes, body: dict[str, Any], strip: bool, metrics: PDMetrics) -> bytes:

@@ -3,8 +3,9 @@ Anthropic Messages API").
 
 vLLM 0.32 turns a Messages request into a chat request and renders that;
 ``indexer.messages.chat_body`` builds the same chat body, and the router plans, books and relays
-the request as it does a chat request (router/api.py ``proxy``), on the aggregated pods (a P/D
-sidecar speaks only the two generation routes). The body sent is the client's, as on the chat
+the request as it does a chat request (router/api.py ``proxy``), on any pod but a prefill pod (a
+P/D sidecar runs its two legs for the chat and completion routes only: on a decode pod the decode
+engine computes the whole request, ``router.disagg.computed_whole``). The body sent is the client's, as on the chat
 route (its ``kv_transfer_params`` dropped, a key's ``cache_salt`` derived into it): vLLM keeps no
 state for a Messages request, so any pod may serve the next. ``/v1/messages/count_tokens`` is a
 pass-through route (router/passthrough.py).
@@ -26,8 +27,8 @@ import orjson
 from indexer.messages import Unrenderable, chat_body, disabled_thinking_effort, merges_inline_system
 from indexer.tokens import ChatTemplateError
 from router.costs import estimate_prompt_tokens
+from router.disagg import computed_whole
 from router.errors import APIError
-from router.pods import PodState
 from router.prompts import Unkeyed
 
 PATH = "/v1/messages"
@@ -90,10 +91,7 @@ class MessagesTurn:
         ``chars_per_token``, with no keys."""
         return Unkeyed([0] * estimate_prompt_tokens("messages", self.body, chars_per_token))
 
-    @staticmethod
-    def pods(pod: PodState) -> bool:
-        """An aggregated pod: the P/D sidecar serves only the chat and completion routes."""
-        return pod.config.role == "both"
+    pods = staticmethod(computed_whole)
 
     def sent(self, pod_id: str) -> bytes:
         return self._raw

@@ -3,8 +3,9 @@
 
 A new Responses request is a generation like a chat request: ``indexer.responses.chat_body`` turns
 it into the chat body that renders the same prompt, and the router plans, books and relays it as it
-does a chat request (router/api.py ``proxy``), on the aggregated pods (a P/D sidecar speaks only
-the two generation routes).
+does a chat request (router/api.py ``proxy``), on any pod but a prefill pod (a P/D sidecar runs its
+two legs for the chat and completion routes only: on a decode pod the decode engine computes the
+whole turn, ``router.disagg.computed_whole``).
 
 What a Responses request adds is state on one pod. vLLM stores a response in its own process (with
 ``VLLM_ENABLE_RESPONSES_API_STORE=1``), and a follow-up naming it (``previous_response_id``), a
@@ -129,9 +130,9 @@ class Turn:
         return Unkeyed([0] * estimate_prompt_tokens("responses", self.body, chars_per_token))
 
     def pods(self, pod: PodState) -> bool:
-        """Whether the turn may go to ``pod``: an aggregated pod (a P/D sidecar serves only the chat
-        and completion routes), and for a continuation the one that stores the response."""
-        return pod.config.role == "both" and (self.pinned is None or pod.id == self.pinned)
+        """Whether the turn may go to ``pod``: not a prefill pod (``router.disagg.computed_whole``),
+        and for a continuation the one that stores the response."""
+        return pod.config.role != "prefill" and (self.pinned is None or pod.id == self.pinned)
 
     def sent(self, pod_id: str) -> bytes:
         """The request as sent to ``pod_id``: with the response id the router made for it there."""

@@ -187,8 +187,9 @@ def running_router(tmp_path: Path, pods: list[dict[str, Any]], **settings: Any) 
         stop_process(proc)
 
 
-def debug_route(base: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = http().post(base + "/debug/route", json=body)
+def debug_route(base: str, body: dict[str, Any], route: str | None = None) -> dict[str, Any]:
+    """The router's decision for ``body`` (as the request of ``route``, a generation path, when given)."""
+    r = http().post(base + "/debug/route", json=body, params={"route": route} if route else None)
     assert r.status_code == 200, r.text
     return r.json()
 

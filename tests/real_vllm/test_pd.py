@@ -365,6 +365,34 @@ def test_a_request_for_prompt_logprobs_runs_no_prefill_leg_and_the_decode_engine
         assert nixl_reads(decode) == reads
 
 
+def test_messages_responses_and_chat_batches_are_computed_whole_by_the_decode_engine(pd_engines, sidecar,
+                                                                                     always_router):
+    """The sidecar runs its two legs for the chat and completion routes only and passes the others to
+    its engine: a Messages request, a Responses turn and a chat batch go to the decode pod (never the
+    prefill pod, which a plain vLLM serves), planned local even under the ``always`` decider, and the
+    decode engine computes each prompt with no NIXL read."""
+    prefill, decode = pd_engines
+    requests = [("/v1/messages", {"model": MODEL_NAME, "max_tokens": 2, "system": text(61, 150),
+                                  "messages": [{"role": "user", "content": "hi"}]}),
+                ("/v1/responses", {"model": MODEL_NAME, "max_output_tokens": 2, "instructions": text(62, 150),
+                                   "input": "hi"}),
+                ("/v1/chat/completions/batch", {"model": MODEL_NAME, "max_tokens": 2, "messages": [
+                    [{"role": "user", "content": text(63, 150)}], [{"role": "user", "content": text(64, 50)}]]})]
+    for path, body in requests:
+        plan = debug_route(always_router, body, route=path)["pd"]
+        assert plan["mode"] == "local" and plan["decode_pod"] == "decode", (path, plan)
+        sources, reads = by_source(decode), nixl_reads(decode)
+        prefilled = metric(sidecar.url, "kvroute_sidecar_legs_total", leg="prefill", outcome="ok")
+        r = httpx.post(always_router + path, json=body, timeout=600)
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["x-kvroute-pod"] == "decode" and "x-kvroute-prefill" not in r.headers
+        delta = {s: v - sources[s] for s, v in by_source(decode).items()}
+        print(f"{path}: decode engine by source {delta}")
+        assert delta["local_compute"] > 100 and delta["external_kv_transfer"] == 0, (path, delta)
+        assert nixl_reads(decode) == reads
+        assert metric(sidecar.url, "kvroute_sidecar_legs_total", leg="prefill", outcome="ok") == prefilled
+
+
 def test_client_kv_transfer_params_under_vllm_xargs_never_reach_the_nixl_engine(pd_engines, sidecar,
                                                                                  always_router):
     """vLLM builds a request's extra_args from ``vllm_xargs`` and lets a top-level kv_transfer_params
