@@ -94,6 +94,7 @@ log = logging.getLogger("kvroute.sim")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 VLLM_VERSION = "0.33.0"   # what /version answers and system_fingerprint names
 JSON_HEADERS = [(b"content-type", b"application/json")]
+KEEP_ALIVE = b": keep-alive\n\n"   # vLLM's SSE_KEEP_ALIVE_COMMENT (--sse-keep-alive-interval)
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]  # as vLLM 0.32: no cache-control
 
 
@@ -1243,8 +1244,16 @@ async def _stream(pod: Pod, gen: GenRequest, req: SimRequest, response_id: str, 
     first = True
     n_out = 0
     queue = req.queue
+    keep_alive = pod.settings.sse_keep_alive_interval
     while True:
-        item = await queue.get()
+        if keep_alive:   # vLLM's with_sse_keep_alive: a comment for each interval without an event
+            try:
+                item = await asyncio.wait_for(queue.get(), keep_alive)
+            except TimeoutError:
+                await emitter(KEEP_ALIVE)
+                continue
+        else:
+            item = await queue.get()
         if item is FINISH:
             break
         if first and chat:

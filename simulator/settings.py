@@ -35,6 +35,10 @@ class SimSettings(BaseSettings):
     default_max_tokens: int = Field(16, ge=1, description="where the simulated model stops ('stop') when a "
                                     "chat request sets no max_tokens, or a completion sets max_tokens null (a "
                                     "completion without the field gets vLLM's default of 16, 'length')")
+    sse_keep_alive_interval: float = Field(0.0, ge=0, description=(
+        "as vLLM's --sse-keep-alive-interval: a chat or completion stream sends ': keep-alive' comment "
+        "events while no event has come for this many seconds (waiting, prefilling); 0, as vLLM's default, "
+        "sends none"))
     responses_store: bool = Field(False, description=(
         "as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: /v1/responses keeps each response asked to be stored "
         "(store: true, the default) in memory, for GET /v1/responses/{id} and previous_response_id; off, as "

@@ -203,3 +203,29 @@ async def test_a_last_event_without_its_blank_line_still_reaches_the_client(http
                 httpx.AsyncClient(base_url=base, timeout=10) as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
     assert r.status_code == 200 and r.content == EVENT + b"data: [DONE]\n"
+
+
+async def test_the_simulated_pods_keep_alive_comments_are_relayed_and_time_no_token():
+    """The simulated pod sends vLLM's ``: keep-alive`` comments (``--sse-keep-alive-interval``) while a
+    long prompt prefills: the client gets them before the first event, and the router's TTFT is the
+    pod's first token (its ``x-sim-ttft-s``), not the first comment."""
+    from kvcommon.settings import build_settings
+    from router.config import RouterSettings
+    from simulator.testing import running_sims
+    from tests.helpers import free_port
+
+    with running_sims(1, ["--timing", "seed", "--prefill-tokens-per-s", "4000", "--sse-keep-alive-interval", "0.05",
+                          "--block-size", "16"]) as urls:
+        settings = build_settings(RouterSettings, {"pods": [{"id": "sim-0", "url": urls[0], "model": "sim-model"}],
+                                                   "port": free_port(), "retries": 0})
+        async with running_router(settings) as (base, services), httpx.AsyncClient(base_url=base, timeout=30) as c:
+            body = {"model": "sim-model", "prompt": list(range(1, 2001)), "max_tokens": 3, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                raw = b"".join([part async for part in r.aiter_bytes()])
+            total, count = ttft_observations(services)
+    events = [e for e in raw.split(b"\n\n") if e]
+    comments = next(i for i, e in enumerate(events) if not e.startswith(b":"))
+    assert comments >= 3 and all(e == b": keep-alive" for e in events[:comments]), events[:comments + 1]
+    assert events[-1] == b"data: [DONE]" and count == 1
+    assert total >= 0.4, f"observed TTFT {total:.3f} s; the 2,000-token prompt prefills for ~0.5 s"
