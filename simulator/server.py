@@ -927,6 +927,21 @@ def prepare_messages(pod: Pod, body: Any, count_tokens: bool = False) -> dict[st
         raise
 
 
+async def _arrived(pod: Pod, scope: dict, receive: Receive) -> tuple[RequestFaults, float, Any]:
+    """A generation request's faults (``x-sim-fault``), its arrival time once its body is in, and the
+    body parsed, after the delay fault's wait."""
+    try:
+        faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
+    except FaultError as exc:
+        raise ShapeError(str(exc)) from exc
+    raw = await read_body(scope, receive)
+    arrival = asyncio.get_running_loop().time()
+    if faults.delay_s:
+        pod.metrics.faults.labels("delay").inc()
+        await asyncio.sleep(faults.delay_s)
+    return faults, arrival, parse_json_request(scope, raw)
+
+
 async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Send) -> None:
     """A generation request, ``kind`` "completion", "chat", "responses" or "messages" (chat
     generations whose chat body ``prepare_responses`` / ``prepare_messages`` makes, answered in the
@@ -934,16 +949,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
     s = pod.settings
     loop = asyncio.get_running_loop()
     base_id = header(scope, b"x-request-id")
-    try:
-        faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
-    except FaultError as exc:
-        raise ShapeError(str(exc)) from exc
-    raw = await read_body(scope, receive)
-    arrival = loop.time()
-    if faults.delay_s:
-        pod.metrics.faults.labels("delay").inc()
-        await asyncio.sleep(faults.delay_s)
-    body = parse_json_request(scope, raw)
+    faults, arrival, body = await _arrived(pod, scope, receive)
     call = None
     messages = kind == "messages"
     if kind == "responses":
@@ -1037,16 +1043,7 @@ async def generate_batch(pod: Pod, scope: dict, receive: Receive, send: Send) ->
     header is ``x-sim-cached-tokens``, the conversations' hits summed."""
     s = pod.settings
     loop = asyncio.get_running_loop()
-    try:
-        faults = pod.faults.for_request(header(scope, b"x-sim-fault"))
-    except FaultError as exc:
-        raise ShapeError(str(exc)) from exc
-    raw = await read_body(scope, receive)
-    arrival = loop.time()
-    if faults.delay_s:
-        pod.metrics.faults.labels("delay").inc()
-        await asyncio.sleep(faults.delay_s)
-    body = parse_json_request(scope, raw)
+    faults, arrival, body = await _arrived(pod, scope, receive)
     check_object(body)
     gens = []
     for conversation in chat_batch_conversations(body):

@@ -18,8 +18,6 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvcommon.settings import build_settings
-from router.config import RouterSettings
 from tests.helpers import free_port
 from tests.test_router_api import Pod, running_router, settings_for, started
 from tests.test_stream_review import ttft_observations
@@ -140,26 +138,6 @@ async def test_a_messages_prefix_is_routed_to_the_pod_that_holds_it():
         assert rows[first.headers["x-kvroute-pod"]]["cached_tokens"] == cached[first.headers["x-kvroute-pod"]]
         bad = await c.post("/debug/route?route=/v1/embeddings", json=message("x"))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "route"
-
-
-async def test_on_prefill_and_decode_pods_the_decode_engine_computes_it_whole():
-    """The sidecar runs its two legs for the chat and completion routes only and passes this route to
-    its decode engine: so the request goes to a decode pod, with no prefill pod named, and the decode
-    engine computes it; a prefill pod alone serves none."""
-    pods = [MessagesPod(f"pod-{i}", free_port()) for i in range(2)]
-    fleet = [{"id": p.name, "url": p.url, "model": "m", "role": role} for p, role in zip(pods, ("prefill", "decode"))]
-    for only_prefill in (False, True):
-        settings = build_settings(RouterSettings, {"pods": fleet[:1] if only_prefill else fleet, "port": free_port(),
-                                                   "health_interval_s": 0.2, "scrape_interval_s": 0.1})
-        async with started(pods), running_router(settings) as (base, _), \
-                httpx.AsyncClient(base_url=base, timeout=10) as c:
-            r = await c.post("/v1/messages", json=message("hi"))
-            if only_prefill:
-                assert r.status_code == 503
-            else:
-                assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "pod-1", r.text
-                assert "x-prefiller-host-port" not in pods[1].seen[-1]["headers"]
-        assert not pods[0].seen
 
 
 async def test_a_messages_streams_first_token_is_not_its_message_start():

@@ -19,8 +19,6 @@ from aiohttp import web
 
 from indexer.responses import Unrenderable, chat_body
 from indexer.tokens import ChatTemplateError
-from kvcommon.settings import build_settings
-from router.config import RouterSettings
 from router.dispatch import first_event_begins
 from router.errors import APIError
 from router.responses import ID_CHARS, STREAM_PREAMBLE, caller_tag, mint, pod_of, pod_tag, stored_query
@@ -259,27 +257,6 @@ async def test_a_background_responses_booking_stands_until_its_prefill_should_be
                                                           "stream": True}) as r:
             assert r.status_code == 200 and b"".join([part async for part in r.aiter_bytes()]) == b"".join(STREAM)
         assert ledger.inflight("pod-0") == 0
-
-
-@pytest.mark.e2e
-async def test_on_prefill_and_decode_pods_the_decode_engine_computes_it_whole():
-    """The sidecar runs its two legs for the chat and completion routes only and passes this route to
-    its decode engine: so the request goes to a decode pod, with no prefill pod named, and the decode
-    engine computes it; a prefill pod alone serves none."""
-    pods = [ResponsesPod(f"pod-{i}", free_port()) for i in range(2)]
-    fleet = [{"id": p.name, "url": p.url, "model": "m", "role": role} for p, role in zip(pods, ("prefill", "decode"))]
-    for only_prefill in (False, True):
-        settings = build_settings(RouterSettings, {"pods": fleet[:1] if only_prefill else fleet, "port": free_port(),
-                                                   "health_interval_s": 0.2, "scrape_interval_s": 0.1})
-        async with started(pods), running_router(settings) as (base, _), \
-                httpx.AsyncClient(base_url=base, timeout=10) as c:
-            r = await c.post("/v1/responses", json={"model": "m", "input": "hi"})
-            if only_prefill:
-                assert r.status_code == 503
-            else:
-                assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "pod-1", r.text
-                assert "x-prefiller-host-port" not in pods[1].seen[-1]["headers"]
-        assert not pods[0].seen
 
 
 @pytest.mark.e2e
