@@ -39,6 +39,8 @@ from router.disagg import prefill_targets, sanitize_body
 from router.dispatch import upstream_headers
 from router.errors import APIError, error_response, from_exc
 from router.explain import explain
+from router.generate import PATH as GENERATE_PATH
+from router.generate import GenerateTurn
 from router.lifecycle import POD_HEADER, Lifecycle
 from router.messages import PATH as MESSAGES_PATH
 from router.messages import MessagesTurn
@@ -46,7 +48,7 @@ from router.messages import Rendering as MessagesRendering
 from router.openapi import openapi_body
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import POLICY as PASSTHROUGH_POLICY
-from router.passthrough import Passthrough, passthrough_model
+from router.passthrough import POOLING_PATHS, Passthrough, passthrough_model
 from router.prompts import LoopLoad, usable_cpus
 from router.responses import PATH as RESPONSES_PATH
 from router.responses import Turn, stored_query
@@ -58,16 +60,12 @@ __all__ = ["POD_HEADER", "create_app"]
 
 
 
-# the routes whose requests are planned as the chat requests they render as (router/responses.py,
-# router/messages.py; a batch by its first conversation, router/chat_batch.py)
-RENDERED_AS_CHAT = frozenset({"responses", "messages", "chat_batch"})
-# the pass-through routes that run the model over their input (vLLM's pooling routes): charged to the
-# prompt-token bucket at an estimate (router/costs.py), as a generation request is before it is tokenized
-POOLING_PATHS = frozenset(p for p in PASSTHROUGH_PATHS
-                          if p not in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"))
+# the routes whose requests are planned as the chat or completion request they amount to (router/responses.py,
+# router/messages.py, a batch by its first conversation: router/chat_batch.py, token ids: router/generate.py)
+PLANNED_AS_OTHERS = frozenset({"responses", "messages", "chat_batch", "generate"})
 # the generation routes /debug/route explains (``?route=``), by the kind of request each takes
 EXPLAINED = {"/v1/completions": "completion", "/v1/chat/completions": "chat", CHAT_BATCH_PATH: "chat_batch",
-             RESPONSES_PATH: "responses", MESSAGES_PATH: "messages"}
+             RESPONSES_PATH: "responses", MESSAGES_PATH: "messages", GENERATE_PATH: "generate"}
 
 _RID_PREFIX = os.urandom(6).hex()
 _rid_counter = itertools.count(1)
@@ -303,25 +301,28 @@ def create_app(services: Services) -> FastAPI:
         charged = gate.precharge(caller, estimate_prompt_tokens(kind, body, router().chars_per_token))
         return raw, body, kind, charged
 
-    async def plan_as_chat(r: Router, kind: str, raw: bytes, body: dict[str, Any], headers: Mapping[str, str],
-                           caller: Caller, dry_run: bool = False) -> tuple[Plan, Callable[[str], bytes], dict]:
-        """A request of a route planned as the chat request it renders as (``RENDERED_AS_CHAT``: a
-        Responses turn, a Messages request, a chat batch by its first conversation): its plan, the
-        bytes sent to a pod (a function of the pod: a Responses turn carries an id made for it) and
-        the chat body the lifecycle reads. A client's ``kv_transfer_params`` leave the body (not in a
-        dry run, which sends nothing and counts no stripping)."""
+    async def plan_turn(r: Router, kind: str, raw: bytes, body: dict[str, Any], headers: Mapping[str, str],
+                        caller: Caller, dry_run: bool = False) -> tuple[Plan, Callable[[str], bytes], dict]:
+        """A request of a route planned as the chat or completion request it amounts to
+        (``PLANNED_AS_OTHERS``: a Responses turn, a Messages request, a chat batch by its first
+        conversation, a token-in request): its plan, the bytes sent to a pod (a function of the pod:
+        a Responses turn carries an id made for it) and the body the lifecycle reads. A client's
+        ``kv_transfer_params`` leave the body (not in a dry run, which sends nothing and counts no
+        stripping)."""
         stripped = not dry_run and sanitize_body(raw, body, settings.strip_client_kv_transfer_params,
                                                  r.pd_metrics) is not raw
         changed = stripped or caller.salt is not None
-        turn: Turn | MessagesTurn | BatchTurn = (
+        turn: Turn | MessagesTurn | BatchTurn | GenerateTurn = (
             Turn(body, caller.name, lambda: services.registry.pods) if kind == "responses" else
             MessagesTurn(body, rendering.probe(r), raw, changed) if kind == "messages" else
-            BatchTurn(body, raw, changed, r.chars_per_token))
-        view = turn.view
-        keyed = isinstance(turn, BatchTurn) or turn.keyed  # a batch's first conversation always is
-        prompt = await prompt_ids(r, "chat", view, orjson.dumps(view)) if keyed else \
-            {"tokens": turn.estimate(r.chars_per_token), "exact": False}  # type: ignore[union-attr]
-        plan = r.plan("chat", view, headers, dry_run=dry_run, grants=caller.grants, only=turn.pods,
+            BatchTurn(body, raw, changed, r.chars_per_token) if kind == "chat_batch" else
+            GenerateTurn(body, raw, changed))
+        view, planned = turn.view, turn.planned
+        if isinstance(turn, (BatchTurn, GenerateTurn)) or turn.keyed:  # the first conversation, the ids: always
+            prompt = await prompt_ids(r, planned, view, orjson.dumps(view)) if planned == "chat" else {}
+        else:
+            prompt = {"tokens": turn.estimate(r.chars_per_token), "exact": False}
+        plan = r.plan(planned, view, headers, dry_run=dry_run, grants=caller.grants, only=turn.pods,
                       more=turn.rest, **prompt)
         return plan, turn.sent, view
 
@@ -339,8 +340,8 @@ def create_app(services: Services) -> FastAPI:
             raise APIError(400, f"route must be one of {', '.join(EXPLAINED)}", param="route")
         raw, body, kind, charged = await admitted_body(request, caller, kind)
         r = router()
-        if kind in RENDERED_AS_CHAT:
-            plan = (await plan_as_chat(r, kind, raw, body, request.headers, caller, dry_run=True))[0]
+        if kind in PLANNED_AS_OTHERS:
+            plan = (await plan_turn(r, kind, raw, body, request.headers, caller, dry_run=True))[0]
         else:
             plan = r.plan(kind, body, request.headers, dry_run=True, grants=caller.grants,
                           **await prompt_ids(r, kind, body, raw))
@@ -365,8 +366,8 @@ def create_app(services: Services) -> FastAPI:
             r = router()
             # answered before the pod computes it (router/lifecycle.py): a stream's first event still times its token
             background = kind == "responses" and body.get("background") is True and not stream
-            if kind in RENDERED_AS_CHAT:  # planned as the chat request each renders as
-                plan, sent_to, body = await plan_as_chat(r, kind, raw, body, headers, caller)
+            if kind in PLANNED_AS_OTHERS:  # planned as the chat or completion request each amounts to
+                plan, sent_to, body = await plan_turn(r, kind, raw, body, headers, caller)
                 gate.settle(caller, charged, plan.request.prompt_tokens)
                 sent: bytes | Callable[[str], bytes] = sent_to
             else:
@@ -410,8 +411,13 @@ def create_app(services: Services) -> FastAPI:
     async def chat_batch(request: Request) -> Response:
         return await proxy(request, "chat_batch", CHAT_BATCH_PATH)
 
+    @app.post(GENERATE_PATH, openapi_extra=openapi_body("generate"))
+    async def generate(request: Request) -> Response:
+        return await proxy(request, "generate", GENERATE_PATH)
+
     app.fast_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions,
-                       RESPONSES_PATH: responses_create, MESSAGES_PATH: messages_create, CHAT_BATCH_PATH: chat_batch}
+                       RESPONSES_PATH: responses_create, MESSAGES_PATH: messages_create, CHAT_BATCH_PATH: chat_batch,
+                       GENERATE_PATH: generate}
 
     # ---- vLLM's other routes (router/passthrough.py) ----------------------------------------------
     async def pass_through(request: Request, path: str) -> Response:

@@ -44,6 +44,7 @@ class BatchTurn:
     conversations (``rest``), the pods it may go to and the bytes sent."""
 
     __slots__ = ("view", "rest", "_raw")
+    planned = "chat"
 
     def __init__(self, body: dict[str, Any], raw: bytes, changed: bool, chars_per_token: float):
         conversations = body.get("messages")

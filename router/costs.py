@@ -84,6 +84,8 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any], chars_per_token: flo
         chars = _messages_chars(body.get("messages"))
         if "tools" in body:
             chars += _nested_chars(body["tools"])
+    elif kind == "generate":  # router/generate.py: the prompt's token ids
+        ids = len(body["token_ids"]) if isinstance(body.get("token_ids"), list) else 0
     elif kind == "chat_batch":  # router/chat_batch.py: conversations, rendered without tools
         conversations = body.get("messages")
         if isinstance(conversations, list):

@@ -72,6 +72,7 @@ class MessagesTurn:
     them: ``body`` already holds the derived salt and no client ``kv_transfer_params``)."""
 
     __slots__ = ("body", "view", "keyed", "_raw")
+    planned = "chat"  # the kind of request it is planned as
     rest = 0  # prompt tokens besides the rendered one (a chat batch's other conversations: router/chat_batch.py)
 
     def __init__(self, body: dict[str, Any], options: dict[str, Any], raw: bytes, changed: bool):

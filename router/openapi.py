@@ -53,6 +53,15 @@ CHAT_BATCH_BODY = {
                                            "items": CHAT_BODY["properties"]["messages"]}},  # type: ignore[index]
 }
 
+GENERATE_BODY = {
+    "type": "object", "required": ["token_ids", "sampling_params"], "additionalProperties": True,
+    "properties": {"model": _COMMON["model"], "stream": _COMMON["stream"],
+                   "token_ids": {**_TOKEN_IDS, "description": "the prompt, as token ids"},
+                   "sampling_params": {"type": "object", "description": "vLLM's SamplingParams",
+                                       "properties": {"max_tokens": _COMMON["max_tokens"]}},
+                   "cache_salt": {"type": ["string", "null"]}},
+}
+
 RESPONSES_BODY = {
     "type": "object", "required": ["model", "input"], "additionalProperties": True,
     "properties": {
@@ -74,8 +83,9 @@ _ANSWERS = {
 
 def openapi_body(kind: str) -> dict[str, Any]:
     """``openapi_extra`` for a route taking a completion (``completion``), chat (``chat``), chat batch
-    (``chat_batch``) or Responses (``responses``) body."""
-    schema = {"chat": CHAT_BODY, "chat_batch": CHAT_BATCH_BODY, "responses": RESPONSES_BODY}.get(kind, COMPLETION_BODY)
+    (``chat_batch``), token-in (``generate``) or Responses (``responses``) body."""
+    schema = {"chat": CHAT_BODY, "chat_batch": CHAT_BATCH_BODY, "generate": GENERATE_BODY,
+              "responses": RESPONSES_BODY}.get(kind, COMPLETION_BODY)
     responses: dict[str, Any] = {}
     for code, text in _ANSWERS.items():
         media = ({"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}} if code == "200"

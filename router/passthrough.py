@@ -2,7 +2,8 @@
 vLLM routes").
 
 ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
-``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` and ``/v1/messages/count_tokens``
+``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``, ``/v1/messages/count_tokens`` and the
+render routes ``/v1/chat/completions/render``, ``/v1/completions/render``, ``/v1/messages/render``
 (``PATHS``: each one a route of vLLM 0.32's server whose body names its model in ``model``, which
 vLLM lets a client leave out, but for count_tokens, which requires it) go
 through the same front door as the generation routes in ``router/api.py`` (API key, the key's
@@ -43,7 +44,15 @@ log = logging.getLogger(__name__)
 # vllm/entrypoints/pooling/*/api_router.py and vllm/entrypoints/anthropic/api_router.py); every body
 # names its model in ``model`` (optional there but for count_tokens)
 PATHS = ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
-         "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages/count_tokens")
+         "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages/count_tokens",
+         # vLLM's render routes: a request rendered into the token-in body of /inference/v1/generate
+         # (router/generate.py). Not /v1/responses/render: it reads a stored response, which lives on one
+         # pod and belongs to one API key (router/responses.py)
+         "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render")
+# the routes that run the model over their input (vLLM's pooling routes): charged to the prompt-token
+# bucket at an estimate, and given a key's cache salt (their requests read the prefix cache)
+POOLING_PATHS = frozenset(("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                           "/v2/rerank"))
 # kvroute_requests_total's ``policy`` label on these routes' answers: one fixed value, never the path
 POLICY = "passthrough"
 

@@ -103,6 +103,7 @@ class Turn:
     go to (``pinned``), and the bytes sent to each pod, with the response id minted for that pod."""
 
     __slots__ = ("body", "caller", "view", "keyed", "pinned")
+    planned = "chat"  # the kind of request it is planned as
     rest = 0  # prompt tokens besides the rendered one (a chat batch's other conversations: router/chat_batch.py)
 
     def __init__(self, body: dict[str, Any], caller: str, pod_ids: Callable[[], Iterable[str]]):

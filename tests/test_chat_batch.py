@@ -121,17 +121,21 @@ async def test_a_batch_is_routed_by_its_first_conversation_and_counts_them_all()
 
 
 def _routes_without_a_prefill_leg():
+    from tests.test_generate import GeneratePod, generate
     from tests.test_messages_api import MessagesPod, message
     from tests.test_responses import ResponsesPod
     return [(BatchPod, PATH, batch(conversation("hi"))), (MessagesPod, "/v1/messages", message("hi")),
-            (ResponsesPod, "/v1/responses", {"model": "m", "input": "hi"})]
+            (ResponsesPod, "/v1/responses", {"model": "m", "input": "hi"}),
+            (GeneratePod, "/inference/v1/generate", generate([1, 2, 3]))]
 
 
-@pytest.mark.parametrize("pod_class,path,body", _routes_without_a_prefill_leg(), ids=["batch", "messages", "responses"])
+@pytest.mark.parametrize("pod_class,path,body", _routes_without_a_prefill_leg(),
+                         ids=["batch", "messages", "responses", "generate"])
 async def test_on_prefill_and_decode_pods_the_decode_engine_computes_it_whole(pod_class, path, body):
     """The sidecar runs its two legs for the chat and completion routes only and passes a chat batch,
-    a Messages request or a Responses turn to its decode engine: so the request goes to a decode pod,
-    with no prefill pod named, and the decode engine computes it; a prefill pod alone serves none."""
+    a Messages request, a Responses turn or a token-in request to its decode engine: so the request
+    goes to a decode pod, with no prefill pod named, and the decode engine computes it; a prefill pod
+    alone serves none."""
     pods = [pod_class(f"pod-{i}", free_port()) for i in range(2)]
     fleet = [{"id": p.name, "url": p.url, "model": "m", "role": role} for p, role in zip(pods, ("prefill", "decode"))]
     for only_prefill in (False, True):

@@ -83,7 +83,10 @@ def body_for(path: str, model: str | None) -> dict:
               "/classify": {"input": "hello"}, "/score": {"queries": "q", "documents": ["a"]},
               "/v1/score": {"queries": "q", "documents": ["a"]}, "/rerank": {"query": "q", "documents": ["a"]},
               "/v1/rerank": {"query": "q", "documents": ["a"]}, "/v2/rerank": {"query": "q", "documents": ["a"]},
-              "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hello"}]}}
+              "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hello"}]},
+              "/v1/chat/completions/render": {"messages": [{"role": "user", "content": "hello"}]},
+              "/v1/completions/render": {"prompt": "hello"},
+              "/v1/messages/render": {"max_tokens": 1, "messages": [{"role": "user", "content": "hello"}]}}
     body = dict(shapes[path])
     if model is not None:
         body["model"] = model

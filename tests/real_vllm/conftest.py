@@ -103,7 +103,7 @@ class _AggPair:
     def get(self, real_env: rv.RealEnv, scratch: Path) -> list[rv.Engine]:
         if not self.engines:
             engines = [rv.Engine(real_env, f"agg-{i}", scratch, core=i, num_gpu_blocks=AGG_BLOCKS, dev_mode=True,
-                                 responses_store=True) for i in range(2)]
+                                 responses_store=True, extra_args=["--enable-scale-out"]) for i in range(2)]
             rv.start_all(engines)
             self.engines = engines
         return self.engines
@@ -125,8 +125,9 @@ def _agg_pair() -> Iterator[_AggPair]:
 @pytest.fixture(scope="module")
 def agg_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) -> list[rv.Engine]:
     """Two aggregated engines, one core each, KV events with replay, 256 KV blocks each, dev mode on
-    (``/reset_prefix_cache``), the Responses API's store on; the same two for every test, unless the
-    NIXL pair ran in between."""
+    (``/reset_prefix_cache``), the Responses API's store on, the scale-out routes on (render and
+    token-in generation: ``--enable-scale-out``); the same two for every test, unless the NIXL pair
+    ran in between."""
     return _agg_pair.get(real_env, real_scratch)
 
 
@@ -137,7 +138,7 @@ def pd_engines(_agg_pair: _AggPair, real_env: rv.RealEnv, real_scratch: Path) ->
     Module-scoped, and the aggregated pair is stopped first: an idle NIXL engine keeps two threads
     polling, which would slow every other test."""
     _agg_pair.stop()
-    engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True)
+    engines = [rv.Engine(real_env, name, real_scratch, core=i, nixl=True, extra_args=["--enable-scale-out"])
                for i, name in enumerate(("prefill", "decode"))]
     with rv.running(engines):
         yield engines

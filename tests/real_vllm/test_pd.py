@@ -365,10 +365,11 @@ def test_a_request_for_prompt_logprobs_runs_no_prefill_leg_and_the_decode_engine
         assert nixl_reads(decode) == reads
 
 
-def test_messages_responses_and_chat_batches_are_computed_whole_by_the_decode_engine(pd_engines, sidecar,
-                                                                                     always_router):
+def test_messages_responses_chat_batches_and_token_ids_are_computed_whole_by_the_decode_engine(
+        pd_engines, sidecar, always_router):
     """The sidecar runs its two legs for the chat and completion routes only and passes the others to
-    its engine: a Messages request, a Responses turn and a chat batch go to the decode pod (never the
+    its engine: a Messages request, a Responses turn, a chat batch and a token-in request (the P/D
+    engines run with ``--enable-scale-out``) go to the decode pod (never the
     prefill pod, which a plain vLLM serves), planned local even under the ``always`` decider, and the
     decode engine computes each prompt with no NIXL read."""
     prefill, decode = pd_engines
@@ -377,7 +378,9 @@ def test_messages_responses_and_chat_batches_are_computed_whole_by_the_decode_en
                 ("/v1/responses", {"model": MODEL_NAME, "max_output_tokens": 2, "instructions": text(62, 150),
                                    "input": "hi"}),
                 ("/v1/chat/completions/batch", {"model": MODEL_NAME, "max_tokens": 2, "messages": [
-                    [{"role": "user", "content": text(63, 150)}], [{"role": "user", "content": text(64, 50)}]]})]
+                    [{"role": "user", "content": text(63, 150)}], [{"role": "user", "content": text(64, 50)}]]}),
+                ("/inference/v1/generate", {"model": MODEL_NAME, "sampling_params": {"max_tokens": 2},
+                                            "token_ids": [(65 + 7 * i) % 2000 + 10 for i in range(700)]})]
     for path, body in requests:
         plan = debug_route(always_router, body, route=path)["pd"]
         assert plan["mode"] == "local" and plan["decode_pod"] == "decode", (path, plan)
