@@ -350,6 +350,250 @@ def parse_generation(body: Any, kind: str, tokenizer: Tokenizer, *, model: str, 
                       lora=name if name in adapters else None, return_token_ids=bool(body.get("return_token_ids")))
 
 
+# --- vLLM 0.32's token-in generation, ``POST /inference/v1/generate`` ------------------------------
+# (vllm/entrypoints/scale_out/token_in_token_out/: protocol.py ``GenerateRequest`` and its response
+# models, serving.py ``ServingTokens.serve_tokens``)
+_BOOL_WORDS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+               "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}
+
+
+def _field_error(kind: str, loc: str, msg: str, value: Any, ctx: dict | None = None) -> dict:
+    """One pydantic error as vLLM's validation handler prints it."""
+    error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": error_input(value)}
+    if ctx is not None:
+        error["ctx"] = ctx
+    return error
+
+
+def validation_errors(errors: list[dict]) -> ShapeError:
+    """vLLM's 400 for a request its pydantic model refuses: every error (the first ten printed), the
+    first one's ``loc`` as the param."""
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
+    if len(errors) > 10:
+        message += f"  ...and {len(errors) - 10} more {label}\n"
+    return ShapeError(message.rstrip(), param=errors[0]["loc"], err_type=VALIDATION_TYPE)
+
+
+def _lax_int(value: Any, loc: str, errors: list[dict]) -> int | None:
+    """An int as pydantic's lax mode reads JSON (booleans, integral floats, numeric strings)."""
+    if isinstance(value, (bool, int)):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float):
+        errors.append(_field_error("int_from_float", loc, "Input should be a valid integer, got a number with a "
+                                   "fractional part", value))
+    elif isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            errors.append(_field_error("int_parsing", loc, "Input should be a valid integer, unable to parse "
+                                       "string as an integer", value))
+    else:
+        errors.append(_field_error("int_type", loc, "Input should be a valid integer", value))
+    return None
+
+
+def _lax_bool(body: dict, key: str, errors: list[dict]) -> bool:
+    """A ``bool | None`` field as pydantic's lax mode reads JSON (0/1, "yes", "off", ...); null: False."""
+    value = body.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.strip().lower()]
+    if isinstance(value, (str, int, float)):
+        errors.append(_field_error("bool_parsing", f"body.{key}", "Input should be a valid boolean, unable to "
+                                   "interpret input", value))
+    else:
+        errors.append(_field_error("bool_type", f"body.{key}", "Input should be a valid boolean", value))
+    return False
+
+
+@dataclass
+class TokenRequest:
+    """A checked ``GenerateRequest``: ``view`` is the completion body with the same prompt (the token
+    ids) and budget, for ``parse_generation``; the rest is what the route adds to it."""
+
+    view: dict[str, Any]
+    stream: bool
+    request_id: str | None     # the body's; vLLM defaults it to a random_uuid
+    text: bool                 # output_mode "text": the choices carry the detokenized text too
+    reads_cache: bool          # False with prompt logprobs (SamplingParams.skip_reading_prefix_cache)
+    late_error: str | None     # the engine's refusal of the prompt's length, raised once the request runs
+
+
+def token_request(body: Any, *, model: str, max_model_len: int, adapters: Container[str] = ()) -> TokenRequest:
+    """Check a token-in request in vLLM 0.32's order: ``validate_cache_salt`` (a "before" validator
+    whose VLLMValidationError escapes pydantic as it is); the fields, every error collected ("Bad
+    Request"), but ``SamplingParams.__post_init__``'s checks (``_verify_args``: n, max_tokens,
+    min_tokens), which escape the same way when its object is well typed; the "after" validator
+    (``output_mode`` "text" needs ``detokenize``); then ``serve_tokens``: the model (404), and, when
+    ``max_tokens`` is not in ``sampling_params``, ``get_max_tokens`` (its ValueError: a 400 before any
+    stream starts). Prompts of ``max_model_len`` tokens or more are the engine's refusal, raised once
+    the request runs (``InputProcessor._validate_prompt_len``): ``late_error``."""
+    check_object(body)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise vllm_validation_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if salt is not None and (len(salt) > 128 or any(ch in "@/\\\0" for ch in salt)):
+        raise vllm_validation_error("Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                                    "'@', '/', '\\\\', or NUL.", "cache_salt")
+    errors: list[dict] = []
+
+    def not_string(key: str) -> None:
+        if key in body and not isinstance(body[key], str) and (key == "request_id" or body[key] is not None):
+            errors.append(_field_error("string_type", f"body.{key}", "Input should be a valid string", body[key]))
+
+    not_string("request_id")
+    ids: list[int] = []
+    if "token_ids" not in body:
+        errors.append(_field_error("missing", "body.token_ids", "Field required", body))
+    elif not isinstance(body["token_ids"], list):
+        errors.append(_field_error("list_type", "body.token_ids", "Input should be a valid list", body["token_ids"]))
+    else:
+        item_errors: list[dict] = []
+        ids = [t for i, v in enumerate(body["token_ids"])
+               if (t := _lax_int(v, f"body.token_ids.{i}", item_errors)) is not None]
+        errors.extend(item_errors)
+        if not item_errors and not ids:
+            errors.append(_field_error("too_short", "body.token_ids", "List should have at least 1 item after "
+                                       "validation, not 0", [], {"field_type": "List", "min_length": 1,
+                                                                 "actual_length": 0}))
+        elif not item_errors and min(ids) < 0:
+            text = "token_ids must not contain negative values"
+            errors.append(_field_error("value_error", "body.token_ids", f"Value error, {text}", body["token_ids"],
+                                       {"error": ValueError(text)}))
+    sp = body.get("sampling_params")
+    ints: dict[str, int | None] = {}
+    if "sampling_params" not in body:
+        errors.append(_field_error("missing", "body.sampling_params", "Field required", body))
+    else:
+        # SamplingParams is a msgspec Struct: an instance of it, or a dict of its fields
+        not_instance = _field_error("is_instance_of", "body.sampling_params", "Input should be an instance of "
+                                    "SamplingParams", sp, {"class": "SamplingParams"})
+        if not isinstance(sp, dict):
+            errors += [not_instance, _field_error("dict_type", "body.sampling_params",
+                                                  "Input should be a valid dictionary", sp)]
+        else:
+            sp_errors: list[dict] = []
+            ints = {key: None if sp[key] is None and key == "max_tokens"
+                    else _lax_int(sp[key], f"body.sampling_params.{key}", sp_errors)
+                    for key in ("n", "max_tokens", "min_tokens") if key in sp}
+            if sp_errors:
+                errors += [not_instance, *sp_errors]
+            else:   # the Struct is built: SamplingParams._verify_args
+                n = ints.get("n", 1)
+                if n is not None and n < 1:
+                    raise ShapeError(f"n must be at least 1, got {n}.")
+                limit = ints.get("max_tokens", 16)   # SamplingParams.max_tokens = 16 (null: none)
+                if limit is not None and limit < 1:
+                    raise vllm_validation_error(f"max_tokens must be at least 1, got {limit}.", "max_tokens", limit)
+                least = ints.get("min_tokens") or 0
+                if least < 0:
+                    raise ShapeError(f"min_tokens must be greater than or equal to 0, got {least}.")
+                if limit is not None and least > limit:
+                    raise ShapeError(f"min_tokens must be less than or equal to max_tokens={limit}, got {least}.")
+    not_string("model")
+    return_ids = _lax_bool(body, "return_token_ids", errors)
+    mode = body.get("output_mode", "tokens")
+    if mode not in ("tokens", "text"):
+        errors.append(_field_error("literal_error", "body.output_mode", "Input should be 'tokens' or 'text'", mode,
+                                   {"expected": "'tokens' or 'text'"}))
+    stream = _lax_bool(body, "stream", errors)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        errors.append(_field_error("model_attributes_type", "body.stream_options", "Input should be a valid "
+                                   "dictionary or object to extract fields from", options))
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        errors.append(_field_error("dict_type", "body.kv_transfer_params", "Input should be a valid dictionary", kv))
+    if errors:
+        raise validation_errors(errors)
+    assert isinstance(sp, dict)
+    if mode == "text" and sp.get("detokenize") is False:
+        text = "output_mode='text' requires sampling_params.detokenize to be true"
+        raise validation_errors([_field_error("value_error", "body", f"Value error, {text}", body,
+                                              {"error": ValueError(text)})])
+
+    # serve_tokens
+    name = body.get("model")
+    if name not in (None, "", model) and name not in adapters:
+        raise ShapeError(f"The model `{name}` does not exist. Valid aliases: {model}.", status=404, param="model")
+    if ints.get("n", 1) != 1:
+        raise ShapeError("n > 1 is not supported by the simulator", param="n")
+    n_prompt, room = len(ids), max_model_len - len(ids)
+    asked = "max_tokens" in sp   # the client's budget; otherwise get_max_tokens: what fits
+    if not asked and room < 0:
+        raise ShapeError(f"Input length ({n_prompt}) exceeds model's maximum context length ({max_model_len}).")
+    late = None
+    if room < 0:
+        late = (f"The decoder prompt (length {n_prompt}) is longer than the maximum model length of "
+                f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+    elif room == 0:
+        late = (f"The decoder prompt (length {n_prompt}) plus the number of requested output tokens (at least 1) "
+                f"is longer than the maximum model length of {max_model_len}. Make sure that `max_model_len` is no "
+                f"smaller than the number of text tokens (prompt + requested output tokens).")
+    limit = ints.get("max_tokens") if asked else None
+    # the engine stops at max_model_len ('length'): a budget past it is clamped to what fits
+    view: dict[str, Any] = {"prompt": ids, "max_tokens": None if limit is None else min(limit, max(room, 1)),
+                            "min_tokens": min(ints.get("min_tokens") or 0, max(room, 1)),
+                            "ignore_eos": sp.get("ignore_eos") is True, "stream": stream,
+                            "return_token_ids": return_ids}
+    for key in ("model", "cache_salt", "kv_transfer_params"):
+        if body.get(key) is not None:
+            view[key] = body[key]
+    if stream and options:
+        view["stream_options"] = options
+    skip = sp.get("skip_reading_prefix_cache")
+    if skip is None:
+        skip = sp.get("prompt_logprobs") is not None or sp.get("prompt_logprob_token_ids") is not None
+    rid = body.get("request_id")
+    return TokenRequest(view, stream, rid if isinstance(rid, str) else None, mode == "text", not skip, late)
+
+
+def generate_body(request_id: str, model: str, created: int, text: str | None, token_ids: list[int],
+                  finish_reason: str | None, use: dict, prompt_ids: list[int] | None, kv_params: dict | None) -> dict:
+    """``GenerateTokensResponse`` (``text`` None) or ``GenerateTextResponse``, ``model_dump()``: every
+    field, nulls included; a finish reason defaults to "stop"."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason or "stop", "stop_reason": None,
+                              "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
+                              "weight_versions": None}
+    if text is not None:
+        choice["text"] = text
+    choice["logprobs"] = None
+    return {"request_id": request_id, "model": model, "created": created, "usage": use, "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None, "prompt_token_ids": prompt_ids, "mm_placeholders": None,
+            "metrics": None, "kv_transfer_params": kv_params, "ec_transfer_params": None,
+            "output_mode": "tokens" if text is None else "text", "choices": [choice]}
+
+
+def generate_chunk(request_id: str, text: str | None, token_ids: list[int], finish_reason: str | None,
+                   use: dict | None = None, prompt_ids: list[int] | None = None) -> dict:
+    """A ``GenerateTokensStreamResponse`` / ``GenerateTextStreamResponse`` token chunk: ``usage`` always
+    there (null unless continuous usage), ``prompt_token_ids`` on the first chunk only, when asked."""
+    out: dict[str, Any] = {"request_id": request_id, "usage": use}
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "stop_reason": None,
+                              "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
+                              "weight_versions": None}
+    if text is not None:
+        choice["text"] = text
+    choice["logprobs"] = None
+    out["output_mode"] = "tokens" if text is None else "text"
+    out["choices"] = [choice]
+    return out
+
+
+def generate_usage_chunk(request_id: str, text_mode: bool, use: dict) -> dict:
+    """The stream's final usage chunk (``include_usage``), dumped with ``exclude_none``."""
+    return drop_none({"request_id": request_id, "usage": use, "output_mode": "text" if text_mode else "tokens",
+                      "choices": []})
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, details: bool = True,
           created_cache_tokens: int | None = None) -> dict:
     """vLLM's ``UsageInfo`` as a whole answer dumps it (every field): ``prompt_tokens_details`` only

@@ -8,7 +8,8 @@ the local port of the connection.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/chat/completions/batch``
 (vLLM 0.32's batch of conversations, one whole answer), ``POST /v1/responses``,
 ``GET /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``, ``POST /v1/messages``,
-``POST /v1/messages/count_tokens`` (Anthropic's Messages API), ``GET /v1/models``,
+``POST /v1/messages/count_tokens`` (Anthropic's Messages API), ``POST /inference/v1/generate`` (vLLM 0.32's
+token-in generation), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``,
 ``GET /metrics``; simulator-only: ``GET|POST /sim/faults``, ``GET /sim/state``,
 ``POST /sim/nixl/read``, ``POST /sim/nixl/release``.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -39,7 +41,7 @@ from indexer.responses import chat_body as responses_chat_body
 from indexer.tokens import ChatTemplateError, Tokenizer, load_tokenizer
 from kvcommon import asgi
 from kvcommon.asgi import header
-from kvcommon.errors import APIError, ClientDisconnected, error_body
+from kvcommon.errors import APIError, ClientDisconnected, error_body, error_payload
 from kvcommon.transfer import wants_prompt_logprobs
 from simulator import anthropic_shapes as anthropic
 from simulator.engine import CostEngine, OutputTokens, SeedEngine
@@ -65,6 +67,9 @@ from simulator.openai_shapes import (
     content_part_event,
     error_input,
     fingerprint,
+    generate_body,
+    generate_chunk,
+    generate_usage_chunk,
     invalid,
     models_body,
     output_item_event,
@@ -79,6 +84,7 @@ from simulator.openai_shapes import (
     running_usage,
     text_delta_event,
     text_done_event,
+    token_request,
     usage,
     usage_chunk,
     validation_message,
@@ -407,7 +413,6 @@ def parse_json(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
-        import json
         try:
             json.loads(raw)
         except json.JSONDecodeError as exc:   # Python's message and offset, as FastAPI reports them
@@ -510,6 +515,10 @@ def build_app(pod: Pod):
     @route("POST", "/v1/chat/completions/batch")
     async def chat_batch(scope, receive, send):
         await generate_batch(pod, scope, receive, send)
+
+    @route("POST", "/inference/v1/generate")
+    async def generate_from_tokens(scope, receive, send):
+        await generate_tokens(pod, scope, receive, send)
 
     @route("POST", "/v1/responses")
     async def responses_create(scope, receive, send):
@@ -739,7 +748,7 @@ class DataParallelApp:
     label; /reset_prefix_cache resets every engine; everything else is rank 0's."""
 
     GENERATION = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
-                            "/v1/responses", "/v1/messages"})
+                            "/v1/responses", "/v1/messages", "/inference/v1/generate"})
 
     def __init__(self, pods: list[Pod]):
         self.pods = pods
@@ -987,15 +996,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base_id}"
     req = _sim_request(pod, gen, f"{response_id}-{next(pod._ids):x}", arrival, faults,
                        reads_cache=not wants_prompt_logprobs(body, scope["path"]))
-    kv = gen.kv_transfer_params or {}
-    producer = bool(kv.get("do_remote_decode"))
-    if producer:
-        # the blocks stay leased for the decoder however the one token ends: vLLM 0.32 answers
-        # kv_transfer_params on a stop (EOS, stop token or string) as on a length finish
-        req.keep_blocks = True
-    elif kv.get("do_remote_prefill") and req.reads_cache:
-        await _remote_prefill(pod, req, kv)
-
+    producer = await _kv_transfer(pod, gen, req)
     pod.engine.submit(req)
     if call is not None and call.background:   # runs on whatever the client does
         await _responses_background(pod, gen, req, call, faults, send, echo)
@@ -1096,6 +1097,107 @@ async def generate_batch(pod: Pod, scope: dict, receive: Receive, send: Send) ->
         for req in reqs:
             if req.finish_reason is None:
                 pod.engine.abort(req)
+
+
+async def generate_tokens(pod: Pod, scope: dict, receive: Receive, send: Send) -> None:
+    """vLLM 0.32's ``POST /inference/v1/generate`` (``ServingTokens.serve_tokens``): the token ids are
+    the prompt, run as they are, as the engine request of the completion with that prompt (prefix
+    cache, KV events, KV transfer and faults as for any request). The answer's ``request_id`` is
+    ``generate-tokens-`` and the ``X-Request-Id`` header, else the body's ``request_id``, else 16 hex
+    digits. Whole: one ``GenerateTokensResponse`` (``GenerateTextResponse`` for output_mode "text"),
+    its usage always there. Streamed: a chunk per token, the last one with the finish reason, the usage
+    chunk with ``stream_options.include_usage``, then ``data: [DONE]``; no keep-alive comments. A prompt
+    the engine refuses (``token_request``'s ``late_error``) is a 400, or in a stream that error as its
+    one event before ``[DONE]``."""
+    s = pod.settings
+    loop = asyncio.get_running_loop()
+    faults, arrival, body = await _arrived(pod, scope, receive)
+    tok = token_request(body, model=pod.model, max_model_len=s.max_model_len, adapters=pod.loras)
+    gen = None
+    if tok.late_error is None:
+        gen = parse_generation(tok.view, "completion", pod.tokenizer, model=pod.model, adapters=pod.loras,
+                               max_model_len=s.max_model_len, default_max_tokens=s.default_max_tokens,
+                               max_prompt_tokens=pod.max_prompt_tokens)
+    if s.data_parallel_size == 1:  # a data-parallel pod's rank was checked by DataParallelApp
+        check_rank_header(scope, 1)
+    base_id = header(scope, b"x-request-id") or tok.request_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
+    echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
+    if faults.status is not None:
+        pod.metrics.faults.labels("status").inc()
+        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+        return
+    request_id = f"generate-tokens-{base_id}"
+    if gen is None:
+        assert tok.late_error is not None
+        if not tok.stream:
+            raise ShapeError(tok.late_error)
+        # the stream has started when the engine refuses: the error as an event (json.dumps' spacing)
+        event = json.dumps(error_payload(400, tok.late_error, err_type=ERROR_TYPES[400]))
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+        await send({"type": "http.response.body", "body": f"data: {event}\n\ndata: [DONE]\n\n".encode()})
+        return
+    req = _sim_request(pod, gen, f"{request_id}-{next(pod._ids):x}", arrival, faults, reads_cache=tok.reads_cache)
+    producer = await _kv_transfer(pod, gen, req)
+    pod.engine.submit(req)
+    watcher = loop.create_task(watch_disconnect(receive, lambda: pod.engine.abort(req)))
+    try:
+        if gen.stream:
+            await _generate_stream(pod, gen, req, request_id, tok.text, faults, send, echo)
+        else:
+            text = await _collect(pod, req)
+            if text is None:
+                return
+            answer = generate_body(request_id, gen.lora or pod.model, int(time.time()),
+                                   text if tok.text else None, req.all_tokens[req.n_prompt:], req.finish_reason,
+                                   _usage_of(req, gen, s.enable_prompt_tokens_details, s.block_size),
+                                   req.prompt if gen.return_token_ids else None,
+                                   _producer_params(pod, req) if producer else None)
+            await _send_whole(pod, req, orjson.dumps(answer), faults, send, echo)
+    finally:
+        watcher.cancel()
+        if req.finish_reason is None:
+            pod.engine.abort(req)
+
+
+async def _generate_stream(pod: Pod, gen: GenRequest, req: SimRequest, request_id: str, text_mode: bool,
+                           faults: RequestFaults, send: Send, echo: list) -> None:
+    """``serve_tokens_stream_generator``: one chunk per output token (the engine's deltas), the
+    prompt's ids on the first one when ``return_token_ids``, continuous usage when asked."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+    emitter = _Emitter(pod, send, faults.drop_after_chunks)
+    prompt_ids = req.prompt if gen.return_token_ids else None
+    n_out = 0
+    queue = req.queue
+    while True:
+        item = await queue.get()
+        if item is FINISH:
+            break
+        # FINISH is queued right after the last token, once finish_reason is set
+        reason = req.finish_reason if req.finish_reason is not None and queue.qsize() == 1 else None
+        n_out += 1
+        use = usage(req.n_prompt, n_out, 0, details=False) if gen.continuous_usage else None
+        chunk = generate_chunk(request_id, pod.text_of(item) if text_mode else None, [item], reason, use, prompt_ids)
+        prompt_ids = None
+        await emitter(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    if req.finish_reason == "abort":
+        return
+    if gen.include_usage:
+        use = _usage_of(req, gen, pod.settings.enable_prompt_tokens_details, pod.settings.block_size)
+        await emitter(b"data: " + orjson.dumps(generate_usage_chunk(request_id, text_mode, use)) + b"\n\n")
+    await emitter(b"data: [DONE]\n\n", more=False)
+
+
+async def _kv_transfer(pod: Pod, gen: GenRequest, req: SimRequest) -> bool:
+    """A request's KV-transfer params: a prefill leg's (``do_remote_decode``, True) keeps its blocks
+    leased for the decoder however its one token ends (vLLM 0.32 answers kv_transfer_params on a stop as
+    on a length finish); a decode leg's reads the prompt's KV from the prefill pod first."""
+    kv = gen.kv_transfer_params or {}
+    if kv.get("do_remote_decode"):
+        req.keep_blocks = True
+        return True
+    if kv.get("do_remote_prefill") and req.reads_cache:
+        await _remote_prefill(pod, req, kv)
+    return False
 
 
 async def _remote_prefill(pod: Pod, req: SimRequest, kv: dict) -> None:
