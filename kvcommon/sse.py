@@ -13,6 +13,13 @@ write, so almost every chunk ends at a boundary and passes at once, with a suffi
 
 from __future__ import annotations
 
+import orjson
+
+from kvcommon.errors import error_body
+
+# the Anthropic Messages API's route, whose clients read another error event (``error_event``)
+MESSAGES_PATH = "/v1/messages"
+
 # where an event ends: a blank line after a line. vLLM (Starlette) ends lines with "\n"; the format
 # also allows "\r\n" and "\r", and "\r\n\r\n" ends in "\n\r\n"
 BOUNDARIES = (b"\n\n", b"\n\r\n", b"\r\r")
@@ -50,3 +57,17 @@ class EventFramer:
         held, self.held = self.held, b""
         return held
 
+
+
+def error_event(path: str, status: int, message: str, err_type: str | None = None) -> bytes:
+    """The event a relay ends a stream with when the pod's broke: the one its route's clients raise
+    on. On the Messages route it is vLLM 0.32's own, ``event: error`` with ``{"type": "error",
+    "error": {"type": "internal_error", "message"}}`` (``message_stream_converter``,
+    vllm/entrypoints/anthropic/serving.py) and no ``[DONE]``: Anthropic's SDK skips an event with no
+    name, so an OpenAI error there would end the client's stream as if it were whole. Elsewhere the
+    OpenAI error object as a ``data`` event, then ``[DONE]`` (the OpenAI SDK raises on the first)."""
+    if path == MESSAGES_PATH:
+        return (b"event: error\ndata: "
+                + orjson.dumps({"type": "error", "error": {"type": "internal_error", "message": message}})
+                + b"\n\n")
+    return b"data: " + error_body(status, message, err_type=err_type) + b"\n\ndata: [DONE]\n\n"

@@ -33,11 +33,12 @@ from starlette.types import Receive, Scope, Send
 
 from kvcommon.asgi import unless_disconnected
 from kvcommon.listener import chunk_writer, write_whole
+from kvcommon.sse import error_event
 from router.booking import Booking
 from router.config import RouterSettings
 from router.disagg import prefill_header
 from router.dispatch import Dispatcher, Opened, UpstreamError, relay, response_headers
-from router.errors import error_body, error_response
+from router.errors import error_response
 from router.messages import PATH as MESSAGES_PATH
 from router.messages import STREAM_PREAMBLE as MESSAGES_PREAMBLE
 from router.metrics import RouterMetrics
@@ -132,7 +133,7 @@ class Lifecycle:
                 return Response(b"", status_code=499)
             if opened.resp.status >= 300:  # refused (a 4xx; a 5xx raised above): nothing was computed
                 self._unserved(router, plan, route, booking)
-            return await self._respond(router, opened, booking, body, rid, request, background)
+            return await self._respond(router, opened, booking, body, rid, request, background, path)
         assert failure is not None
         pod_id, exc = failure
         self._end(router, None, Outcome(pod_id, str(exc.status or 502)))
@@ -204,7 +205,7 @@ class Lifecycle:
                               f"the {objective * 1000:.0f} ms objective", headers=retry)
 
     async def _respond(self, router: Router, opened: Opened, booking: Booking, body: Mapping[str, Any],
-                       rid: str, request: Request, background: bool = False) -> Response:
+                       rid: str, request: Request, background: bool = False, path: str = "") -> Response:
         resp = opened.resp
         headers = response_headers(resp) + ours(booking.pod_id, rid)
         router.observe_answer(booking, resp.headers)
@@ -216,7 +217,7 @@ class Lifecycle:
                 self._end(router, booking, Outcome(pod_id, "502" if how == "upstream-error" else status,
                                                    disconnect=how == "disconnect"))
 
-            return RelayResponse(opened, headers, done)
+            return RelayResponse(opened, headers, done, path)
         # non-streaming: the whole answer is the first byte; release the booking once the prefill
         # should be over even if decoding goes on, so one long answer does not block the queue view
         loop = asyncio.get_running_loop()
@@ -308,14 +309,18 @@ def _max_tokens(body: Mapping[str, Any]) -> Any:
 
 class RelayResponse(Response):
     """Streams an upstream SSE response chunk by chunk; a client that leaves cancels the upstream.
-    ``on_done`` is called once with how it ended: "ok", "disconnect" or "upstream-error"."""
+    ``on_done`` is called once with how it ended: "ok", "disconnect" or "upstream-error". A stream
+    that breaks ends with an error event in the shape the clients of the pod's route ``path`` read
+    (``kvcommon.sse.error_event``)."""
 
-    def __init__(self, opened: Opened, headers: list[tuple[bytes, bytes]], on_done: Callable[[str], None]):
+    def __init__(self, opened: Opened, headers: list[tuple[bytes, bytes]], on_done: Callable[[str], None],
+                 path: str = ""):
         self.status_code = opened.resp.status
         self.background = None
         self.raw_headers = headers
         self._opened = opened
         self._on_done = on_done
+        self._path = path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         opened = self._opened
@@ -339,9 +344,8 @@ class RelayResponse(Response):
                 how = "disconnect"  # the client's socket went away while we wrote (the last write too)
                 return
             how = "upstream-error"
-            msg = error_body(502, f"upstream stream failed: {type(exc).__name__}")
             try:
-                await out(b"data: " + msg + b"\n\ndata: [DONE]\n\n")
+                await out(error_event(self._path, 502, f"upstream stream failed: {type(exc).__name__}"))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 pass

@@ -26,12 +26,13 @@ import orjson
 
 from indexer.messages import Unrenderable, chat_body, disabled_thinking_effort, merges_inline_system
 from indexer.tokens import ChatTemplateError
+from kvcommon.sse import MESSAGES_PATH
 from router.costs import estimate_prompt_tokens
 from router.disagg import computed_whole
 from router.errors import APIError
 from router.prompts import Unkeyed
 
-PATH = "/v1/messages"
+PATH = MESSAGES_PATH
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 # a stream's first event: the message's id, its empty content and the prompt's token count (vLLM 0.32's
 # ``message_stream_converter``), no token. vLLM builds it from the chat stream's first chunk, so it comes

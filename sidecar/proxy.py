@@ -21,7 +21,7 @@ import aiohttp
 
 from kvcommon.asgi import read_body, unless_disconnected
 from kvcommon.errors import APIError, ClientDisconnected, error_body
-from kvcommon.sse import EventFramer
+from kvcommon.sse import EventFramer, error_event
 from kvcommon.transfer import drop_client_params, one_prefill_cannot_serve
 from sidecar.allowlist import Allowlist, Resolver, TargetResolver, resolve_name
 from sidecar.config import SidecarSettings
@@ -35,6 +35,7 @@ from sidecar.legs import (
     has_prefill_header,
     is_generation_path,
     is_streamed,
+    normal_path,
     parse_body,
     pick_prefill_target,
     prefill_body,
@@ -586,11 +587,11 @@ class SidecarApp:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 outcome = "stream_error"
                 log.warning("decoder stream broke: %s", exc or type(exc).__name__)
-                if framer is not None:
-                    err = error_body(502, f"the decoder stream broke: {exc or type(exc).__name__}",
-                                     err_type="InternalServerError")
-                    await send({"type": "http.response.body", "body": b"data: " + err + b"\n\ndata: [DONE]\n\n",
-                                "more_body": True})
+                if framer is not None:  # in the shape the route's clients read (an Anthropic one on /v1/messages)
+                    err = error_event(normal_path(scope["path"]), 502,
+                                      f"the decoder stream broke: {exc or type(exc).__name__}",
+                                      err_type="InternalServerError")
+                    await send({"type": "http.response.body", "body": err, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             outcome = "cancelled"

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tests.helpers import free_port, free_ports, kvroute_process, metric
 
-GENERATION = ("/v1/completions", "/v1/chat/completions")
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 P_PARAMS_EXTRA = {"remote_request_id": "p-internal-7", "tp_size": 1, "future_field": {"nested": [1, 2]}}
 
 
@@ -642,6 +642,25 @@ def test_a_decoder_stream_broken_inside_an_event_ends_with_whole_events(pods, si
     assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "tok0 "
     assert json.loads(events[1][6:])["error"]["type"] == "InternalServerError"
     assert events[2] == b"data: [DONE]"
+
+
+def test_a_decoder_stream_broken_on_the_messages_route_ends_with_anthropics_error_event(pods, sidecar):
+    """A Messages stream goes to the decode engine whole; broken there, it ends with vLLM's own
+    ``event: error`` (Anthropic's SDK skips an event with no name) and no ``[DONE]``."""
+    prefill, decode = pods
+    decode.behaviour = {"drop": "inside"}
+    body = {"model": "fake-model", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", sidecar + "/v1/messages", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        raw = r.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert len(events) == 2 and events[0].startswith(b"data: "), raw
+    name, data = events[1].split(b"\n")
+    assert name == b"event: error"
+    error = json.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "internal_error"
+    assert error["error"]["message"].startswith("the decoder stream broke")
+    assert not prefill.received and [rec["path"] for rec in decode.received] == ["/v1/messages"]
 
 
 async def test_many_concurrent_streams_through_both_legs(pods, sidecar):

@@ -6,7 +6,10 @@ each, a real OpenAI client in front of the router.
   router's TTFT is taken at the first event, not at the comment, and the comment still reaches the
   client at once;
 - a pod that drops the stream between two events: the client's SDK raises the router's error
-  event, and the request counts as a 502 (no fix needed: a regression test).
+  event, and the request counts as a 502 (no fix needed: a regression test);
+- the same on the Anthropic Messages route, with Anthropic's SDK, which skips an event with no name:
+  the router's error event there is vLLM's ``event: error`` (the OpenAI one ended the client's
+  stream as if it were whole).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -229,3 +233,45 @@ async def test_the_simulated_pods_keep_alive_comments_are_relayed_and_time_no_to
     assert comments >= 3 and all(e == b": keep-alive" for e in events[:comments]), events[:comments + 1]
     assert events[-1] == b"data: [DONE]" and count == 1
     assert total >= 0.4, f"observed TTFT {total:.3f} s; the 2,000-token prompt prefills for ~0.5 s"
+
+
+MESSAGE_EVENTS = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-1","type":"message",'
+                  b'"role":"assistant","content":[],"model":"m","usage":{"input_tokens":9,"output_tokens":0}}}\n\n'
+                  b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+                  b'"content_block":{"type":"text","text":""}}\n\n')
+MESSAGE_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                 b'"delta":{"type":"text_delta","text":"a"}}\n\n')
+
+
+@pytest.mark.parametrize("http", ["auto", GuardedHttpToolsProtocol])
+@pytest.mark.parametrize("cut", [0, len(MESSAGE_DELTA) // 2])
+async def test_a_broken_messages_stream_raises_the_routers_error_in_anthropics_sdk(http, cut):
+    """vLLM's Messages stream breaks after a text delta (between events, or inside the next one):
+    Anthropic's SDK raises the router's message, as it does vLLM's own ``event: error``, and the
+    events before the break arrive whole."""
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        half = chunk(MESSAGE_DELTA[:cut]) if cut else b""  # (a chunk of nothing would end the body)
+        writer.write(SSE_HEAD + chunk(MESSAGE_EVENTS) + chunk(MESSAGE_DELTA) + half)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=http) as (base, services):
+            client = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0, timeout=10)
+            kinds, texts = [], []
+            with pytest.raises(anthropic.APIError) as failed:
+                async for event in await client.messages.create(
+                        model="m", max_tokens=9, stream=True, messages=[{"role": "user", "content": "hi"}]):
+                    kinds.append(event.type)
+                    if event.type == "content_block_delta":
+                        texts.append(event.delta.text)
+            await client.close()
+            answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
+                        if s.name.endswith("_total")}
+    assert kinds == ["message_start", "content_block_start", "content_block_delta"] and texts == ["a"]
+    assert "upstream stream failed" in str(failed.value) and "internal_error" in str(failed.value)
+    assert answered == {"502": 1}

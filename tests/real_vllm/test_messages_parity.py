@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import pytest
+
 from indexer.messages import chat_body, disabled_thinking_effort, merges_inline_system
 from indexer.tokens import chat_request_ids, load_tokenizer
 from realvllm.engines import MODEL_NAME
@@ -221,6 +224,19 @@ def test_messages_through_the_router(agg_engines, real_env, tmp_path):
             assert hit >= 32 * 20, hit   # the ~900-token system prompt's blocks, less the last
         names, data = _events(base, {**body, "stream": True, "max_tokens": 3})
         assert names[0] == "message_start" and names[-1] == "message_stop", names
+        # Anthropic's own SDK reads the relayed stream whole, and raises on the engine's error event
+        # (the form the router's and the sidecar's own error events take on this route)
+        client = anthropic.Anthropic(base_url=base, api_key="k", max_retries=0, timeout=120)
+        with client.messages.stream(model=MODEL_NAME, max_tokens=3, system=system,
+                                    messages=[{"role": "user", "content": "third question"}]) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 3, final
+        with pytest.raises(anthropic.APIError, match="internal_error"):
+            with client.messages.stream(model=MODEL_NAME, max_tokens=2048, system=system,
+                                        thinking={"type": "enabled", "budget_tokens": 1024},
+                                        messages=[{"role": "user", "content": "hi"}]) as stream:
+                stream.get_final_message()
+        client.close()
         counted = {"model": MODEL_NAME, "system": system, "messages": [{"role": "user", "content": "hi"}]}
         routed = http().post(base + "/v1/messages/count_tokens", json=counted, timeout=60)
         direct = http().post(urls[routed.headers["x-kvroute-pod"]] + "/v1/messages/count_tokens", json=counted,
