@@ -48,7 +48,7 @@ from router.messages import Rendering as MessagesRendering
 from router.openapi import openapi_body
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import POLICY as PASSTHROUGH_POLICY
-from router.passthrough import POOLING_PATHS, Passthrough, passthrough_model
+from router.passthrough import POOLING_PATHS, Passthrough, passthrough_model, pooled_tokens
 from router.prompts import LoopLoad, usable_cpus
 from router.responses import PATH as RESPONSES_PATH
 from router.responses import Turn, stored_query
@@ -437,8 +437,9 @@ def create_app(services: Services) -> FastAPI:
             r = router()
             model = passthrough_model(r, body)
             gate.check_model(caller, model)
+            charged = 0
             if pooling:  # the model runs over its input: charged as prompt tokens, at an estimate
-                gate.precharge(caller, estimate_input_tokens(body, r.chars_per_token))
+                charged = gate.precharge(caller, estimate_input_tokens(body, r.chars_per_token))
             if caller.salt is not None and pooling:  # vLLM's pooling requests take a cache_salt too (the prefix cache)
                 caller.salt.apply(body)
                 raw = orjson.dumps(body)
@@ -450,7 +451,13 @@ def create_app(services: Services) -> FastAPI:
             return from_exc(exc, extra)
         scope = request.scope
         fwd = upstream_headers(scope["headers"], rid, not gate.open, scope.get("client"))
-        return await passthrough.serve(r, path, model, raw, fwd, request, rid)
+        settle = None
+        if pooling and caller.prompt_tokens is not None:
+            def settle(answer: bytes) -> None:  # the estimate, settled to what the pod says it ran
+                ran = pooled_tokens(answer)
+                if ran is not None:
+                    gate.settle(caller, charged, ran)
+        return await passthrough.serve(r, path, model, raw, fwd, request, rid, on_answer=settle)
 
     def passthrough_route(path: str) -> Callable[[Request], Any]:
         async def handler(request: Request) -> Response:

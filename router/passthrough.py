@@ -2,7 +2,7 @@
 vLLM routes").
 
 ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
-``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``, ``/v1/messages/count_tokens`` and the
+``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``, ``/v2/embed``, ``/v1/messages/count_tokens`` and the
 render routes ``/v1/chat/completions/render``, ``/v1/completions/render``, ``/v1/messages/render``
 (``PATHS``: each one a route of vLLM 0.32's server whose body names its model in ``model``, which
 vLLM lets a client leave out, but for count_tokens, which requires it) go
@@ -15,13 +15,19 @@ body as the pod sent them (``WholeAnswer``).
 
 The path sent to the pod is the route's own, from ``PATHS``, never the client's raw target, and
 the pod's address comes from the fleet alone: nothing the client sends picks a host.
+
+The pooling routes (``POOLING_PATHS``) run the model over their input, so they spend the key's
+prompt-token bucket: an estimate before the request is sent (router/api.py), settled to what the
+pod's answer says it ran (``pooled_tokens``), as a generation request's estimate is settled to its
+tokenized length.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -44,7 +50,7 @@ log = logging.getLogger(__name__)
 # vllm/entrypoints/pooling/*/api_router.py and vllm/entrypoints/anthropic/api_router.py); every body
 # names its model in ``model`` (optional there but for count_tokens)
 PATHS = ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
-         "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages/count_tokens",
+         "/rerank", "/v1/rerank", "/v2/rerank", "/v2/embed", "/v1/messages/count_tokens",
          # vLLM's render routes: a request rendered into the token-in body of /inference/v1/generate
          # (router/generate.py). Not /v1/responses/render: it reads a stored response, which lives on one
          # pod and belongs to one API key (router/responses.py)
@@ -52,9 +58,33 @@ PATHS = ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", 
 # the routes that run the model over their input (vLLM's pooling routes): charged to the prompt-token
 # bucket at an estimate, and given a key's cache salt (their requests read the prefix cache)
 POOLING_PATHS = frozenset(("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                           "/v2/rerank"))
+                           "/v2/rerank", "/v2/embed"))
+# a pooling answer's count of what the model ran over (``pooled_tokens``): vLLM's ``usage`` object
+# (UsageInfo and RerankUsage, ``prompt_tokens`` their first field), and the Cohere embed route's
+# ``meta.billed_units`` (input and image tokens). ``[^{}]`` keeps each match inside its own object
+_USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"prompt_tokens"\s*:\s*(\d+)')
+_BILLED = re.compile(rb'"billed_units"\s*:\s*\{([^{}]*)\}')
+_BILLED_FIELD = re.compile(rb'"(?:input|image)_tokens"\s*:\s*(\d+)')
 # kvroute_requests_total's ``policy`` label on these routes' answers: one fixed value, never the path
 POLICY = "passthrough"
+
+
+def pooled_tokens(payload: bytes) -> int | None:
+    """The prompt tokens a pooling answer says the model ran over, or None when it says nothing the
+    router reads: ``usage.prompt_tokens`` (vLLM's embeddings, pooling, classify, score and rerank
+    answers) or the sum of ``meta.billed_units``' input and image tokens (``/v2/embed``). Read off
+    the raw bytes, not parsed: an embeddings answer can be megabytes of floats. The last ``"usage"``
+    key is vLLM's own: a client's text echoed in an answer (a rerank document) is a JSON string,
+    whose quotes are escaped, so no text of it can match the pattern's quoted key."""
+    for key, pattern in ((b'"usage"', _USAGE), (b'"billed_units"', _BILLED)):
+        at = len(payload)
+        while (at := payload.rfind(key, 0, at)) >= 0:  # from the end: vLLM writes usage last but on rerank
+            found = pattern.match(payload, at)
+            if found is not None:
+                if pattern is _USAGE:
+                    return int(found.group(1))
+                return sum(int(n) for n in _BILLED_FIELD.findall(found.group(1)))
+    return None
 
 
 def passthrough_model(router: Router, body: Mapping[str, Any]) -> str:
@@ -109,11 +139,12 @@ class Passthrough:
 
     async def serve(self, router: Router, path: str, model: str, raw: bytes, headers: dict[str, str],
                     request: Request, rid: str, pods: list[PodState] | None = None,
-                    method: str = "POST") -> Response:
+                    method: str = "POST", on_answer: Callable[[bytes], None] | None = None) -> Response:
         """Send ``raw`` to ``path`` on the best pod for ``model`` (``headers`` already filtered for
         upstream), the next one after a failure before the answer, and relay the answer. ``pods``:
-        the pods to try, in order, instead (a stored response's one pod: router/responses.py), and
-        ``method`` the request's (a GET's ``raw`` is empty)."""
+        the pods to try, in order, instead (a stored response's one pod: router/responses.py),
+        ``method`` the request's (a GET's ``raw`` is empty), and ``on_answer`` called with a 200
+        answer's whole body (a pooling request's charge settled: router/api.py)."""
         if pods is None:
             pods = self.ranked(router, model)
         if not pods:
@@ -142,7 +173,7 @@ class Passthrough:
                     continue
                 if opened is None:  # the client left while the pod worked: the open was cancelled
                     return self._left(pod.id)
-                return await self._respond(pod.id, opened, request, rid)
+                return await self._respond(pod.id, opened, request, rid, on_answer)
             finally:
                 left = self.inflight.get(pod.id, 1) - 1
                 if left > 0:
@@ -159,7 +190,8 @@ class Passthrough:
         self.count(pod_id, 499)
         return Response(b"", status_code=499)
 
-    async def _respond(self, pod_id: str, opened: Opened, request: Request, rid: str) -> Response:
+    async def _respond(self, pod_id: str, opened: Opened, request: Request, rid: str,
+                       on_answer: Callable[[bytes], None] | None = None) -> Response:
         """The pod's answer, read whole (watched for the client leaving, as the generation path reads
         a non-streaming answer) and relayed with its status and headers; a stream (a stored
         response's events) relayed as the generation path relays one."""
@@ -187,4 +219,10 @@ class Passthrough:
         headers = response_headers(resp) + ours(pod_id, rid)
         resp.release()
         self.count(pod_id, resp.status)
-        return WholeAnswer(opened.first_chunk + payload, resp.status, headers)
+        whole = opened.first_chunk + payload
+        if on_answer is not None and resp.status == 200:
+            try:
+                on_answer(whole)
+            except Exception:  # settling a charge must never cost the client its answer
+                log.exception("settling a pass-through answer's charge failed")
+        return WholeAnswer(whole, resp.status, headers)

@@ -1,5 +1,5 @@
 """vLLM's other request routes through the router (router/passthrough.py): /tokenize, /detokenize,
-/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank.
+/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /v2/embed.
 
 The router runs in this process under uvicorn (``running_router`` of tests/test_router_api.py); the
 pods are its recording loopback pods (aiohttp) with these routes added, since the simulated pod
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvcommon.settings import build_settings
 from router.config import RouterSettings
-from router.passthrough import PATHS
+from router.passthrough import PATHS, POOLING_PATHS
 from tests.helpers import free_port, until
 from tests.test_router_api import Pod, completion, running_router, started
 
@@ -32,10 +32,12 @@ EMBEDDING = [0.25, -0.5, 1.0]
 
 @dataclass
 class PassPod(Pod):
-    """A recording pod that also answers vLLM's pass-through routes."""
+    """A recording pod that also answers vLLM's pass-through routes; a pooling answer says the model
+    ran over the next of ``usage``'s counts while there are any (an embedding's 2 after them)."""
 
     model: str = "m"
     adapters: tuple[str, ...] = ()
+    usage: list[int] = field(default_factory=list)
 
     def routes(self, app: web.Application) -> None:
         super().routes(app)
@@ -51,15 +53,17 @@ class PassPod(Pod):
         if body.get("bad"):  # a refusal of the pod's own, relayed as it is
             return web.json_response({"error": {"message": "pod says no", "type": "BadRequestError", "code": 400}},
                                      status=400, headers={"x-pod-name": self.name})
+        counted = {"usage": {"prompt_tokens": n, "total_tokens": n}} if (
+            request.path in POOLING_PATHS and (n := self.usage.pop(0) if self.usage else None) is not None) else {}
         if request.path == "/v1/embeddings":
             packed = struct.pack(f"<{len(EMBEDDING)}f", *EMBEDDING)
             vector = (base64.b64encode(packed).decode() if body.get("encoding_format") == "base64"
                       else EMBEDDING)
             return web.json_response({"object": "list", "model": body.get("model") or self.model,
                                       "data": [{"object": "embedding", "index": 0, "embedding": vector}],
-                                      "usage": {"prompt_tokens": 2, "total_tokens": 2}},
+                                      "usage": {"prompt_tokens": 2, "total_tokens": 2}, **counted},
                                      headers={"x-pod-name": self.name})
-        return web.json_response({"pod": self.name, "path": request.path, "model": body.get("model")},
+        return web.json_response({"pod": self.name, "path": request.path, "model": body.get("model"), **counted},
                                  status=200, headers={"x-pod-name": self.name})
 
 
@@ -83,6 +87,7 @@ def body_for(path: str, model: str | None) -> dict:
               "/classify": {"input": "hello"}, "/score": {"queries": "q", "documents": ["a"]},
               "/v1/score": {"queries": "q", "documents": ["a"]}, "/rerank": {"query": "q", "documents": ["a"]},
               "/v1/rerank": {"query": "q", "documents": ["a"]}, "/v2/rerank": {"query": "q", "documents": ["a"]},
+              "/v2/embed": {"texts": ["hello"], "input_type": "search_document"},
               "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hello"}]},
               "/v1/chat/completions/render": {"messages": [{"role": "user", "content": "hello"}]},
               "/v1/completions/render": {"prompt": "hello"},
@@ -135,7 +140,7 @@ async def test_nothing_the_client_sends_picks_the_host_or_the_path():
             assert seen["headers"]["x-user-header"] == "kept" and seen["headers"]["x-request-id"] == "rid-1"
             assert seen["headers"]["host"] == f"127.0.0.1:{pods[0].port}"
             # a path outside the list (or one spelt otherwise) is no pass-through: the router's 404
-            for other in ("/tokenize/", "/v1/tokenize", "/v2/embed", "/start_profile", "/TOKENIZE"):
+            for other in ("/tokenize/", "/v1/tokenize", "/v2/embeddings", "/start_profile", "/TOKENIZE"):
                 r = await c.post(other, json=body_for("/tokenize", "m"))
                 assert r.status_code == 404, other
             # a GET is a 405, as for the generation routes
@@ -235,9 +240,10 @@ async def test_the_key_s_request_rate_limit_applies():
 async def test_the_pooling_routes_spend_the_key_s_prompt_tokens_and_the_others_do_not():
     """An embedding, score or rerank request runs the model over its input: it is charged to the key's
     prompt-token bucket at an estimate, as a generation request is before it is tokenized, so a
-    tenant cannot prefill past its limit through them; /tokenize runs no model and is not charged."""
+    tenant cannot prefill past its limit through them; /tokenize runs no model and is not charged.
+    (The pod's answers count what the estimates do: settling is the next test's.)"""
     keys = [{"key": "k", "prompt_tokens_per_s": 1, "prompt_token_burst": 3000}]
-    async with pass_pods(("a", "m", ())) as pods, \
+    async with pass_pods(("a", "m", ()), usage=[1100, 900]) as pods, \
             running_router(settings_for(pods, api_keys=keys, estimate_chars_per_token=4.0)) as (base, services):
         auth = {"authorization": "Bearer k"}
         big = "the quick brown fox jumps over the lazy dog " * 100   # 4,400 characters: 1,100 tokens at 4 a token
@@ -254,6 +260,29 @@ async def test_the_pooling_routes_spend_the_key_s_prompt_tokens_and_the_others_d
         assert refused.status_code == 429 and "prompt tokens" in refused.json()["error"]["message"]
         assert small.status_code == 200 and large.status_code == 429
         assert [s["path"] for s in pods[0].seen] == ["/tokenize"] * 5 + ["/v1/embeddings", "/rerank", "/v1/completions"]
+
+
+async def test_a_pooling_charge_is_settled_to_what_the_pod_says_it_ran():
+    """The estimate is the characters' (4 a token here); the pod's answer says what its tokenizer made
+    of them (``usage.prompt_tokens``), and the key is charged that: text that tokenizes densely (rare
+    characters, a token or more each) takes the bucket into debt, refusing the next pooling request
+    before its body is read, and an estimate over the count is given back. A refused answer (the pod's
+    400) and one with no count keep the estimate."""
+    keys = [{"key": "k", "prompt_tokens_per_s": 1, "prompt_token_burst": 3000}]
+    text = "x" * 4000   # 1,000 tokens by the estimate
+    async with pass_pods(("a", "m", ()), usage=[10, 3100]) as pods, \
+            running_router(settings_for(pods, api_keys=keys, estimate_chars_per_token=4.0)) as (base, services):
+        auth = {"authorization": "Bearer k"}
+        async with httpx.AsyncClient(base_url=base) as c:
+            over = await c.post("/v1/embeddings", json={"model": "m", "input": text}, headers=auth)
+            # 1,000 charged, settled to 10: 2,990 left, so two more of these fit where one did not
+            again = await c.post("/classify", json={"model": "m", "input": text * 2}, headers=auth)
+            # that one ran 3,100 tokens (the pod said so), not the estimated 2,000: the bucket is 110 in
+            # debt (less its refill since, 1 a second), so the next is refused before the pod sees it
+            refused = await c.post("/v1/embeddings", json={"model": "m", "input": "hi"}, headers=auth)
+    assert over.status_code == 200 and again.status_code == 200, (over.text, again.text)
+    assert refused.status_code == 429 and "prompt tokens" in refused.json()["error"]["message"], refused.text
+    assert [s["path"] for s in pods[0].seen] == ["/v1/embeddings", "/classify"]
 
 
 async def test_a_connection_failure_is_retried_on_another_pod_once_and_marks_the_pod():
