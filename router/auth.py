@@ -211,18 +211,21 @@ class Gate:
         self.anonymous.retune(fleet, now)
 
     def authenticate(self, headers: Mapping[str, str]) -> Caller:
-        """The caller a request's ``Authorization: Bearer`` key names; 401 when keys are required
-        and it names none."""
+        """The caller a request's ``Authorization: Bearer`` key names, or its ``x-api-key`` (the
+        header Anthropic's SDKs send their key in, for the Messages API); 401 when keys are required
+        and neither names one."""
         if not self.callers:
             assert self.anonymous is not None
             return self.anonymous
         scheme, _, token = headers.get("authorization", "").partition(" ")
         token = token.strip()
-        if scheme.lower() == "bearer" and token:
+        if scheme.lower() != "bearer" or not token:
+            token = headers.get("x-api-key", "").strip()
+        if token:
             caller = self.callers.get(_digest(token.encode("utf-8", "surrogateescape")))
             if caller is not None:
                 return caller
-        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>)",
+        raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
                        headers={"www-authenticate": "Bearer"})
 
     def admit(self, headers: Mapping[str, str]) -> Caller:

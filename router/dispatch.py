@@ -41,6 +41,8 @@ _UNSENDABLE = re.compile(rb"[\r\n\0]")
 # content type, which the router sets itself)
 _NOT_FORWARDED = HOP_BY_HOP | INTERNAL
 _NEVER = _NOT_FORWARDED | {"x-request-id", "content-type"}
+# the headers a client's API key comes in (router/auth.py): not for the pods when the router checked it
+CREDENTIALS = ("authorization", "x-api-key")
 # Connection values that name no other header (what nearly every client sends)
 _PLAIN_CONNECTION = (b"keep-alive", b"close", b"Keep-Alive", b"Close")
 
@@ -51,7 +53,7 @@ def forwardable(name: str) -> bool:
     return name not in _NOT_FORWARDED and not name.startswith(INTERNAL_PREFIXES)
 
 
-def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_authorization: bool,
+def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_credentials: bool,
                      client: tuple[str, int] | None = None) -> dict[str, str]:
     """The client's headers a pod may see, plus the request id and ``content-type: application/json``.
     A header whose name or value holds CR, LF or NUL is dropped: written out as is it would split the
@@ -63,13 +65,15 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str, drop_autho
     (the request's peer, host and port) appended, as a proxy appends it: a server that trusts the
     header from its own loopback (vLLM's uvicorn behind a sidecar) takes the last address, not one
     the client wrote. Without one none is added (the pod then sees the router's own address, or the
-    sidecar's): a header on every request cost 0.8 % of a small completion's instructions."""
+    sidecar's): a header on every request cost 0.8 % of a small completion's instructions.
+    ``drop_credentials``: the router checked the client's API key, which the pods are not to see
+    (``CREDENTIALS``)."""
     out: dict[str, str] = {}
     unsendable = _UNSENDABLE.search
     nominated = b""  # what the client's Connection names besides keep-alive or close
     for k, v in raw:
         name = k.decode("latin-1").lower()
-        if name in _NEVER or name.startswith(INTERNAL_PREFIXES) or (drop_authorization and name == "authorization"):
+        if name in _NEVER or name.startswith(INTERNAL_PREFIXES) or (drop_credentials and name in CREDENTIALS):
             if name == "connection" and v not in _PLAIN_CONNECTION:
                 nominated += b"," + v
             continue  # forwardable(name), written out: this runs for every header of every request

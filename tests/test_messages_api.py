@@ -13,6 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import anthropic
 import httpx
 import orjson
 import pytest
@@ -112,6 +113,32 @@ async def test_a_messages_request_goes_through_the_chat_front_door_and_planning(
         assert r.status_code == 200 and r.json()["input_tokens"] == 9
         assert orjson.loads(by_name[r.headers["x-kvroute-pod"]].seen[-1]["raw"]) == counted
         assert (await c.post("/v1/messages", json=message("x"))).status_code == 401
+
+
+async def test_anthropics_sdk_authenticates_with_its_x_api_key_header_and_the_pods_never_see_it():
+    """Anthropic's SDKs send their key as ``x-api-key`` (``auth_token`` as a bearer key): the router
+    takes either as the caller's key, and a pod sees neither. A wrong key is the SDK's 401, and the
+    key's limits are its own: the request bucket counts requests made either way."""
+    keys = [{"key": "sk-a", "name": "a", "requests_per_s": 0.01, "request_burst": 3}]
+    pods = [MessagesPod("pod-0", free_port())]
+    async with started(pods), running_router(settings_for(pods, api_keys=keys)) as (base, _):
+        for client in (anthropic.AsyncAnthropic(base_url=base, api_key="sk-a", max_retries=0, timeout=10),
+                       anthropic.AsyncAnthropic(base_url=base, auth_token="sk-a", max_retries=0, timeout=10)):
+            answer = await client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            assert answer.content[0].text == "hi"
+            await client.close()
+        for seen in pods[0].seen:
+            assert "x-api-key" not in seen["headers"] and "authorization" not in seen["headers"], seen["headers"]
+        wrong = anthropic.AsyncAnthropic(base_url=base, api_key="sk-b", max_retries=0, timeout=10)
+        with pytest.raises(anthropic.AuthenticationError, match="x-api-key"):
+            await wrong.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        await wrong.close()
+        limited = anthropic.AsyncAnthropic(base_url=base, api_key="sk-a", max_retries=0, timeout=10)
+        await limited.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(anthropic.RateLimitError):   # the burst of 3 spent by the two above and this one
+            await limited.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        await limited.close()
+    assert len(pods[0].seen) == 3
 
 
 async def test_a_messages_prefix_is_routed_to_the_pod_that_holds_it():

@@ -220,12 +220,14 @@ def test_header_filter_drops_hop_by_hop_and_internal_headers():
     # upstream_headers applies the same filter (written out there, on the hot path), and says itself
     # what the body it forwards is: JSON, whatever the client declared (vLLM refuses any other type)
     sent = [(name.upper().encode(), b"v") for name in dropped + kept]
-    assert upstream_headers(sent, "rid", drop_authorization=True) == {
+    assert upstream_headers(sent, "rid", drop_credentials=True) == {
         **dict.fromkeys(kept, "v"), "x-request-id": "rid", "content-type": "application/json"}
-    raw = [(b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"), (b"Accept", b"a"), (b"accept", b"b")]
-    assert upstream_headers(raw, "rid", drop_authorization=True) == {
+    raw = [(b"Authorization", b"Bearer k"), (b"X-Api-Key", b"k2"), (b"X-Request-Id", b"client"), (b"Accept", b"a"),
+           (b"accept", b"b")]
+    assert upstream_headers(raw, "rid", drop_credentials=True) == {
         "accept": "a, b", "x-request-id": "rid", "content-type": "application/json"}
-    assert upstream_headers(raw, "rid", drop_authorization=False)["authorization"] == "Bearer k"
+    kept_open = upstream_headers(raw, "rid", drop_credentials=False)   # an open router: the pods' own business
+    assert kept_open["authorization"] == "Bearer k" and kept_open["x-api-key"] == "k2"
 
 
 def test_the_request_header_map_answers_as_starlette_headers_do_and_header_settings_are_lower_cased():

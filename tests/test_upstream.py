@@ -291,5 +291,5 @@ async def test_an_idle_connection_older_than_idle_s_is_not_reused():
 def test_a_client_header_that_would_split_the_upstream_request_is_dropped():
     raw = [(b"x-ok", b"fine"), (b"x-bad", b"a\r\nx-injected: 1"), (b"x-nul", b"a\x00b"), (b"content-type", b"json"),
            (b"x-cr", b"a\rb"), (b"x-lf", b"a\nb"), (b"x-name\r\nx-injected", b"1")]
-    assert upstream_headers(raw, "rid", drop_authorization=True) == {
+    assert upstream_headers(raw, "rid", drop_credentials=True) == {
         "x-ok": "fine", "content-type": "application/json", "x-request-id": "rid"}

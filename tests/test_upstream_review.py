@@ -298,6 +298,6 @@ def test_a_header_the_clients_connection_names_is_not_forwarded():
     raw = [(b"Connection", b"keep-alive, X-Hop"), (b"x-hop", b"secret"), (b"x-ok", b"1"),
            (b"connection", b"x-other"), (b"X-Other", b"2"), (b"x-request-id", b"spoof")]
     # before: x-hop and x-other went to the pod
-    assert upstream_headers(raw, "rid", drop_authorization=False) == {
+    assert upstream_headers(raw, "rid", drop_credentials=False) == {
         "x-ok": "1", "x-request-id": "rid", "content-type": "application/json"}
     assert upstream_headers([(b"connection", b"keep-alive"), (b"x-ok", b"1")], "rid", False)["x-ok"] == "1"
