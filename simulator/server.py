@@ -398,6 +398,20 @@ async def respond_error(send: Send, status: int, message: str, param: str | None
     await respond(send, status, body, JSON_HEADERS + list(extra))
 
 
+async def _status_fault(pod: Pod, faults: RequestFaults, send: Send, echo: list, messages: bool = False) -> bool:
+    """Answer a request's status fault, if it has one (in the Messages API's shape on that route):
+    whether it did."""
+    if faults.status is None:
+        return False
+    pod.metrics.faults.labels("status").inc()
+    message = f"simulated fault: status {faults.status}"
+    if messages:
+        await respond_messages_error(send, faults.status, message, extra=echo)
+    else:
+        await respond_error(send, faults.status, message, extra=echo)
+    return True
+
+
 async def respond_messages_error(send: Send, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = (),
                                  err_type: str | None = None) -> None:
     """An error of the Messages API after its request validation: Anthropic-shaped."""
@@ -979,13 +993,7 @@ async def generate(pod: Pod, kind: str, scope: dict, receive: Receive, send: Sen
         base_id = base_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
     base_id = base_id or (call.response_id if call is not None else gen.body_request_id) or uuid.uuid4().hex
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
-    if faults.status is not None:
-        pod.metrics.faults.labels("status").inc()
-        message = f"simulated fault: status {faults.status}"
-        if messages:
-            await respond_messages_error(send, faults.status, message, extra=echo)
-        else:
-            await respond_error(send, faults.status, message, extra=echo)
+    if await _status_fault(pod, faults, send, echo, messages):
         return
     if call is not None:
         response_id = call.response_id   # vLLM's: the body's request_id, never the header's
@@ -1065,9 +1073,7 @@ async def generate_batch(pod: Pod, scope: dict, receive: Receive, send: Send) ->
         check_rank_header(scope, 1)
     base_id = header(scope, b"x-request-id") or gens[0].body_request_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
-    if faults.status is not None:
-        pod.metrics.faults.labels("status").inc()
-        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+    if await _status_fault(pod, faults, send, echo):
         return
     response_id = f"chatcmpl-{base_id}"
     reads_cache = not wants_prompt_logprobs(body, "/v1/chat/completions")
@@ -1122,9 +1128,7 @@ async def generate_tokens(pod: Pod, scope: dict, receive: Receive, send: Send) -
         check_rank_header(scope, 1)
     base_id = header(scope, b"x-request-id") or tok.request_id or f"{uuid.uuid4().int & (2**64 - 1):016x}"
     echo = [(b"x-request-id", base_id.encode("latin-1", "replace"))]
-    if faults.status is not None:
-        pod.metrics.faults.labels("status").inc()
-        await respond_error(send, faults.status, f"simulated fault: status {faults.status}", extra=echo)
+    if await _status_fault(pod, faults, send, echo):
         return
     request_id = f"generate-tokens-{base_id}"
     if gen is None:
