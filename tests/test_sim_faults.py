@@ -40,6 +40,19 @@ def test_error_status_from_header_and_at_run_time(pod):
     assert httpx.post(pod + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}),
+    ("/inference/v1/generate", {"model": "sim-model", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}),
+])
+def test_a_status_fault_on_the_other_generation_routes_is_in_the_routes_shape(pod, path, body):
+    r = httpx.post(pod + path, headers={"x-sim-fault": "status=503", "x-request-id": "f2"}, json=body)
+    assert r.status_code == 503 and r.headers["x-request-id"] == "f2"
+    if path == "/v1/messages":   # the Messages API's errors are Anthropic's shape
+        assert r.json()["type"] == "error" and r.json()["error"]["message"] == "simulated fault: status 503"
+    else:
+        assert r.json()["error"]["code"] == 503 and r.json()["error"]["message"] == "simulated fault: status 503"
+
+
 def test_delay(pod):
     t0 = time.monotonic()
     r = httpx.post(pod + "/v1/completions", headers={"x-sim-fault": "delay=0.3"}, json={"prompt": "x", "max_tokens": 1})
