@@ -71,6 +71,9 @@ def test_demo_workload_too_large_is_a_clear_error(no_fleet: list[Any], tmp_path:
     assert no_fleet == []
 
 
+# e2e: it draws the run's plot, and matplotlib's first import on a machine builds its font cache by
+# running fc-list (a child process), which a unit test may not start
+@pytest.mark.e2e
 def test_demo_progress_line_prints_a_dash_for_what_the_run_did_not_measure(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every request turned away, no pod counters: before, the line read "hit 0.0 %  p99 0.00 s"."""
