@@ -28,7 +28,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +134,7 @@ class Engine:
     responses_store: bool = False  # VLLM_ENABLE_RESPONSES_API_STORE: /v1/responses keeps what it answers
     data_parallel_size: int = 1  # engines behind the one API port; rank r publishes on the event ports + r
     extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)  # on top of ``environment``'s own
     host: str = "127.0.0.1"
     port: int = field(default_factory=lambda: listen_port())
     events_port: int = 0  # 0: picked (data_parallel_size consecutive ports)
@@ -202,6 +203,7 @@ class Engine:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         if self.nixl:  # vLLM's AMX attention dies after a NIXL transfer: realvllm/no_amx/sitecustomize.py
             env["PYTHONPATH"] = str(Path(__file__).resolve().parent / "no_amx")
+        env.update(self.extra_env)
         return env
 
     def start(self) -> Engine:

@@ -359,6 +359,10 @@ class RouterSettings(BaseSettings):
     kv_events_check_interval_s: float = Field(60.0, ge=0, description="compare each pod's KV-event publishers (vLLM's "
                                               "GET /kv_event_sources) with its kv_events this often, and say when "
                                               "they disagree (kvroute_pod_kv_events_mismatch; 0 = never)")
+    adapters_check_interval_s: float = Field(15.0, ge=0, description="read each pod's LoRA adapters from its "
+                                             "GET /v1/models this often: an adapter vLLM loads at run time is "
+                                             "routed to once listed, one it unloads no longer (0 = the pods' "
+                                             "lora_adapters only)")
     discovery: DiscoveryMode = Field("static", description="where the fleet comes from: 'static' (the pods list), "
                                      "'dns' (a headless Service re-resolved) or 'kubernetes' (list and watch pods)")
     discovery_label_selector: str = Field("kvroute.io/pool=default", description="kubernetes: label selector of the "

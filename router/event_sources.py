@@ -80,35 +80,42 @@ def compare(subscribed: Iterable[EventEndpoint], published: Any) -> list[str]:
     return problems
 
 
-class EventSourceCheck:
-    """The periodic check (``start``/``stop``) and its gauge."""
+class PodPoll:
+    """A periodic read of one JSON route (``path``) from each healthy pod's server (``start``/``stop``),
+    each answer handed to ``apply`` with the units that server describes. Advice only: a pod that does
+    not answer, or not with JSON of at most ``MAX_ANSWER_BYTES``, is skipped for that pass."""
 
-    def __init__(self, registry: PodRegistry, interval_s: float, metrics: CollectorRegistry | None = None,
-                 timeout_s: float = 2.0):
+    path = ""
+    what = ""  # for the log: what a failed pass was checking
+
+    def __init__(self, registry: PodRegistry, interval_s: float, timeout_s: float = 2.0):
         self.registry, self.interval_s = registry, interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.mismatch = Gauge("kvroute_pod_kv_events_mismatch", "1 when a pod's KV-event publishers "
-                              "(its /kv_event_sources) disagree with the router's kv_events for it, 0 when they "
-                              "agree (absent: the pod does not say)", ["pod"], registry=metrics)
-        self.problems: dict[str, list[str]] = {}
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
+    def server(self, pod: PodState) -> str:
+        """The base URL of the server that answers ``path`` for this unit."""
+        return pod.config.url
+
+    def apply(self, pods: list[PodState], answer: Any) -> None:
+        raise NotImplementedError
+
+    def after(self) -> None:
+        """At the end of each pass (what is kept of pods that left is dropped here)."""
+
     def _groups(self) -> dict[str, list[PodState]]:
-        """The healthy units by the server that describes their engines."""
+        """The healthy units by the server that describes them."""
         groups: dict[str, list[PodState]] = {}
         for pod in self.registry.pods.values():
-            if not pod.healthy:
-                continue
-            config = pod.config
-            own = config.metrics_urls[config.dp_rank or 0] if config.metrics_urls else None
-            groups.setdefault(own or config.url, []).append(pod)
+            if pod.healthy:
+                groups.setdefault(self.server(pod), []).append(pod)
         return groups
 
     async def _fetch(self, url: str) -> Any:
         assert self._session is not None
         try:
-            async with self._session.get(url + PATH) as resp:
+            async with self._session.get(url + self.path) as resp:
                 if resp.status != 200:
                     return None  # an older vLLM (or not vLLM): it does not say
                 body = await resp.content.read(MAX_ANSWER_BYTES + 1)
@@ -121,25 +128,10 @@ class EventSourceCheck:
     async def check(self) -> None:
         """One pass over the fleet."""
         for url, pods in self._groups().items():
-            published = await self._fetch(url)
-            if published is None:
-                continue
-            problems = compare((e for p in pods for e in p.config.kv_events), published)
-            for pod in pods:
-                before = self.problems.get(pod.id)
-                self.problems[pod.id] = problems
-                self.mismatch.labels(pod.id).set(1.0 if problems else 0.0)
-                if problems and problems != before:
-                    log.warning("pod %s: its KV events do not reach the router's index: %s", pod.id,
-                                "; ".join(problems))
-                elif before and not problems:
-                    log.info("pod %s: its KV-event publishers now agree with the router's kv_events", pod.id)
-        for gone in set(self.problems) - set(self.registry.pods):
-            del self.problems[gone]
-            try:
-                self.mismatch.remove(gone)
-            except KeyError:
-                pass
+            answer = await self._fetch(url)
+            if answer is not None:
+                self.apply(pods, answer)
+        self.after()
 
     async def _loop(self) -> None:
         while True:
@@ -148,7 +140,7 @@ class EventSourceCheck:
             except asyncio.CancelledError:
                 raise
             except Exception:  # advice only: never stop over it
-                log.exception("checking the pods' KV-event sources failed")
+                log.exception("checking the pods' %s failed", self.what)
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
@@ -163,3 +155,42 @@ class EventSourceCheck:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class EventSourceCheck(PodPoll):
+    """The periodic check and its gauge."""
+
+    path = PATH
+    what = "KV-event sources"
+
+    def __init__(self, registry: PodRegistry, interval_s: float, metrics: CollectorRegistry | None = None,
+                 timeout_s: float = 2.0):
+        super().__init__(registry, interval_s, timeout_s)
+        self.mismatch = Gauge("kvroute_pod_kv_events_mismatch", "1 when a pod's KV-event publishers "
+                              "(its /kv_event_sources) disagree with the router's kv_events for it, 0 when they "
+                              "agree (absent: the pod does not say)", ["pod"], registry=metrics)
+        self.problems: dict[str, list[str]] = {}
+
+    def server(self, pod: PodState) -> str:
+        config = pod.config  # an external-lb rank's own server describes its engine
+        return (config.metrics_urls[config.dp_rank or 0] if config.metrics_urls else None) or config.url
+
+    def apply(self, pods: list[PodState], published: Any) -> None:
+        problems = compare((e for p in pods for e in p.config.kv_events), published)
+        for pod in pods:
+            before = self.problems.get(pod.id)
+            self.problems[pod.id] = problems
+            self.mismatch.labels(pod.id).set(1.0 if problems else 0.0)
+            if problems and problems != before:
+                log.warning("pod %s: its KV events do not reach the router's index: %s", pod.id,
+                            "; ".join(problems))
+            elif before and not problems:
+                log.info("pod %s: its KV-event publishers now agree with the router's kv_events", pod.id)
+
+    def after(self) -> None:
+        for gone in set(self.problems) - set(self.registry.pods):
+            del self.problems[gone]
+            try:
+                self.mismatch.remove(gone)
+            except KeyError:
+                pass

@@ -42,9 +42,12 @@ class PodState:
     last_scrape: float | None = None
     scrape_errors: int = 0
     id: str = field(init=False, repr=False)  # config.id, read several times per pod in every decision
+    # the LoRA adapters it serves: its lora_adapters, then what its /v1/models lists (router/adapters.py)
+    adapters: frozenset[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.id = self.config.id
+        self.adapters = frozenset(self.config.lora_adapters)
 
 
 @dataclass
@@ -171,6 +174,7 @@ class PodRegistry:
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._pages: dict[str, tuple[float, asyncio.Future[str]]] = {}  # metrics URL -> (fetched at, page)
         self._models: list[str] | None = None  # models()' answer until the membership changes
+        self._adapters: dict[str, str] | None = None  # adapters()' answer until membership or adapters change
 
     # ---- queries -------------------------------------------------------------------------
     def healthy(self) -> list[PodState]:
@@ -187,17 +191,31 @@ class PodRegistry:
         return model in (self._models if self._models is not None else self.models())
 
     def adapters(self) -> dict[str, str]:
-        """LoRA adapter name -> the base model of the pods that serve it (the first pod's, if they differ)."""
-        out: dict[str, str] = {}
-        for p in self.pods.values():
-            for name in p.config.lora_adapters:
-                out.setdefault(name, p.config.model)
-        return out
+        """LoRA adapter name -> the base model of the pods that serve it (the first pod's, if they
+        differ); kept until a pod joins or leaves or its adapters change."""
+        if self._adapters is None:
+            out: dict[str, str] = {}
+            for p in self.pods.values():
+                for name in sorted(p.adapters):
+                    out.setdefault(name, p.config.model)
+            self._adapters = out
+        return self._adapters
 
     def serving(self, model: str, adapter: str | None = None) -> list[PodState]:
         """Healthy pods of ``model`` (and, for an adapter's request, serving that adapter)."""
         return [p for p in self.healthy()
-                if p.config.model == model and (adapter is None or adapter in p.config.lora_adapters)]
+                if p.config.model == model and (adapter is None or adapter in p.adapters)]
+
+    def set_adapters(self, pod_id: str, adapters: frozenset[str]) -> None:
+        """The LoRA adapters a pod says it serves now (its /v1/models: router/adapters.py)."""
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.adapters == adapters:
+            return
+        added, dropped = sorted(adapters - pod.adapters), sorted(pod.adapters - adapters)
+        pod.adapters = adapters
+        self._adapters = None
+        log.info("pod %s: LoRA adapters%s%s", pod_id, f" loaded {', '.join(added)}" if added else "",
+                 f" unloaded {', '.join(dropped)}" if dropped else "")
 
     def block_size(self) -> int | None:
         """The block size the pods report (the most common one), if any has reported."""
@@ -349,7 +367,7 @@ class PodRegistry:
             raise ValueError(f"pod {config.id} is already in the fleet")
         pod = PodState(config, ready=ready)
         self.pods[config.id] = pod
-        self._models = None
+        self._models = self._adapters = None
         if self._session is not None:
             self._poll(pod)
         return pod
@@ -363,7 +381,7 @@ class PodRegistry:
     def remove(self, pod_id: str) -> PodState | None:
         """A pod leaves: it stops being a candidate at once and its polling stops."""
         pod = self.pods.pop(pod_id, None)
-        self._models = None
+        self._models = self._adapters = None
         for t in self._tasks.pop(pod_id, []):
             t.cancel()
         return pod

@@ -130,7 +130,7 @@ class RemotePrompts:
 
     def _tokenizer_for(self, model: str) -> RemoteTokenizer | None:
         pods = sorted((p for p in self._registry.healthy()
-                       if p.config.model == model or model in p.config.lora_adapters), key=lambda p: p.id)
+                       if p.config.model == model or model in p.adapters), key=lambda p: p.id)
         if not pods:
             return None
         pod = pods[0].config

@@ -14,6 +14,7 @@ from typing import Any
 from indexer.keys import key_space
 from indexer.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvcommon.listener import ListenerCollector
+from router.adapters import AdapterCheck
 from router.booking import Ledger
 from router.config import RouterSettings, data_parallel_ranks
 from router.discovery import DiscoveredPod, FleetSync, build_discovery
@@ -190,6 +191,11 @@ class Services:
             self.event_sources = EventSourceCheck(self.registry, self.settings.kv_events_check_interval_s,
                                                   self.metrics.registry)
             self.event_sources.start()
+        # adapters loaded and unloaded at run time (router/adapters.py)
+        self.adapter_check: AdapterCheck | None = None
+        if self.settings.adapters_check_interval_s:
+            self.adapter_check = AdapterCheck(self.registry, self.settings.adapters_check_interval_s)
+            self.adapter_check.start()
         self.router = Router(self.settings, self.registry, self.index, self.tokenizer, self.metrics,
                              ledger=self.ledger, block_size=block_size, subscriber=self.subscriber)
         if self.bus is not None:
@@ -261,9 +267,9 @@ class Services:
         watchdog = getattr(self, "watchdog", None)
         if watchdog is not None:
             await watchdog.stop()
-        sources = getattr(self, "event_sources", None)
-        if sources is not None:
-            await sources.stop()
+        for check in (getattr(self, "event_sources", None), getattr(self, "adapter_check", None)):
+            if check is not None:
+                await check.stop()
         router = getattr(self, "router", None)
         if router is not None and router.prediction_log is not None:
             router.prediction_log.close()

@@ -2,7 +2,8 @@
 tiny-model script writes): the engine announces the adapter's blocks with its name, hashed with the
 adapter in every block's extra keys exactly as the simulator hashes them; the router sends the
 adapter's requests to that engine only and credits an adapter's follow-up exactly what the engine
-then hits, and none of the base model's copy of the same text."""
+then hits, and none of the base model's copy of the same text; an adapter loaded at run time
+(``/v1/load_lora_adapter``) is routed to once the engine lists it, and no longer once unloaded."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ WORDS = "select from where group order having join inner outer limit offset unio
 
 @pytest.fixture(scope="module")
 def lora_engine(real_env: rv.RealEnv, real_scratch) -> Iterator[rv.Engine]:
-    """One engine (core 0) serving the tiny model and its adapter ``sql``."""
+    """One engine (core 0) serving the tiny model and its adapter ``sql``, adapters loadable at run time."""
     path = real_env.model / f"lora-{ADAPTER}"
     assert (path / "adapter_config.json").is_file(), f"no adapter at {path}: run make real-vllm"
     engine = rv.Engine(real_env, "lora", real_scratch, core=0, extra_args=[
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"{ADAPTER}={path}"])
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"{ADAPTER}={path}"],
+        extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})   # /v1/load_lora_adapter and unload
     with rv.running([engine]):
         yield engine
 
@@ -79,3 +81,26 @@ def test_an_adapters_follow_up_is_credited_as_the_engine_hits_it(lora_engine, ag
         print(f"adapter follow-up: {r.json()['usage']['prompt_tokens']} prompt tokens, router credited "
               f"{predicted}, engine hit {observed}")
         assert predicted == observed > 0
+
+
+def test_an_adapter_loaded_at_run_time_is_routed_to_and_one_unloaded_is_not(lora_engine, real_env, tmp_path):
+    """The router is told of no adapter: it reads them from the engine's /v1/models (router/adapters.py)."""
+    path = str(real_env.model / f"lora-{ADAPTER}")
+    with running_router(tmp_path, [router_pod(lora_engine)], adapters_check_interval_s=0.2) as base:
+        def listed() -> dict[str, str | None]:
+            return {m["id"]: m["parent"] for m in http().get(base + "/v1/models").json()["data"]}
+
+        wait_for(lambda: ADAPTER in listed(), 10, "the engine's adapter listed")
+        body = {"model": "sql-later", "prompt": text(5, 40), "max_tokens": 2}
+        assert http().post(base + "/v1/completions", json=body).status_code == 404
+        r = http().post(lora_engine.url + "/v1/load_lora_adapter", json={"lora_name": "sql-later", "lora_path": path})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: listed().get("sql-later") == MODEL_NAME, 10, "the loaded adapter listed")
+        r = http().post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "lora", r.text
+        assert r.json()["model"] == "sql-later", r.text
+        r = http().post(lora_engine.url + "/v1/unload_lora_adapter", json={"lora_name": "sql-later"})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: "sql-later" not in listed(), 10, "the unloaded adapter gone")
+        r = http().post(base + "/v1/completions", json=body)
+        assert r.status_code == 404 and "sql-later" in r.json()["error"]["message"], r.text
