@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -280,6 +281,8 @@ class Pod:
         # LoRA adapters: name -> (vLLM's adapter id, path); ids count from 1 in --lora-modules order
         self.loras = {name.strip(): (i + 1, path.strip()) for i, (name, _, path) in
                       enumerate(m.partition("=") for m in s.lora_modules)}
+        # an adapter loaded at run time takes the next id (vLLM's lora_id_counter: never one reused)
+        self.lora_ids = itertools.count(len(self.loras) + 1)
         self.max_prompt_tokens = s.num_gpu_blocks * s.block_size
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
@@ -486,6 +489,28 @@ async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> Non
 
 
 # --- the app -------------------------------------------------------------------------------------
+def runtime_lora_updating() -> bool:
+    """vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``1`` or ``true``, any case): the server then serves
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
+def lora_request(body: Any, load: bool) -> tuple[str, str, bool]:
+    """(lora_name, lora_path, load_inplace) of a load or unload request (vLLM's
+    ``LoadLoRAAdapterRequest``, ``UnloadLoRAAdapterRequest``: a field of the wrong type is the request
+    model's 400). The adapter's files are not read: the simulator holds no weights."""
+    if not isinstance(body, dict):
+        raise ShapeError("Input should be a valid dictionary or object to extract fields from", param="body")
+    fields = (("lora_name", str), ("lora_path", str), ("load_inplace", bool)) if load else (("lora_name", str),)
+    for key, kind in fields:
+        if key in body and not isinstance(body[key], kind):
+            raise invalid(key, f"Input should be a valid {'string' if kind is str else 'boolean'}")
+    if "lora_name" not in body or (load and "lora_path" not in body):
+        missing = "lora_name" if "lora_name" not in body else "lora_path"
+        raise invalid(missing, "Field required")
+    return body["lora_name"], body.get("lora_path", ""), body.get("load_inplace", False)
+
+
 def build_app(pod: Pod):
     """The ASGI app of one pod."""
     routes: dict[tuple[str, str], Callable] = {}
@@ -633,6 +658,32 @@ def build_app(pod: Pod):
             raise ShapeError("'tokens' must be a list of non-negative integers", param="tokens")
         await respond_json(send, 200, {"prompt": pod.tokenizer.decode(tokens)})
 
+    if runtime_lora_updating():
+        @route("POST", "/v1/load_lora_adapter")
+        async def load_lora_adapter(scope, receive, send):
+            name, path, inplace = lora_request(parse_json_request(scope, await read_body(scope, receive)), True)
+            if not name or not path:
+                raise ShapeError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
+            if name == pod.model:
+                raise ShapeError(f"The lora adapter '{name}' conflicts with a served base model.",
+                                 err_type="InvalidUserInput")
+            if name in pod.loras and not inplace:
+                raise ShapeError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                 "adapter in place, set 'load_inplace' to True.", err_type="InvalidUserInput")
+            pod.loras[name] = (pod.loras[name][0] if name in pod.loras else next(pod.lora_ids), path)
+            await respond(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(), [])
+
+        @route("POST", "/v1/unload_lora_adapter")
+        async def unload_lora_adapter(scope, receive, send):
+            name, _, _ = lora_request(parse_json_request(scope, await read_body(scope, receive)), False)
+            if not name:
+                raise ShapeError("'lora_name' needs to be provided to unload a LoRA adapter.",
+                                 err_type="InvalidUserInput")
+            if name not in pod.loras:
+                raise ShapeError(f"The lora adapter '{name}' cannot be found.", status=404, err_type="NotFoundError")
+            del pod.loras[name]
+            await respond(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), [])
+
     @route("GET", "/sim/faults")
     async def get_faults(scope, receive, send):
         await respond_json(send, 200, pod.faults.as_dict())
@@ -766,6 +817,8 @@ class DataParallelApp:
 
     def __init__(self, pods: list[Pod]):
         self.pods = pods
+        for p in pods[1:]:  # one server: an adapter loaded at run time (on rank 0's routes) is every engine's
+            p.loras, p.lora_ids = pods[0].loras, pods[0].lora_ids
         self.apps = [build_app(p) for p in pods]
         self.inflight = [0] * len(pods)
         self._start = 0

@@ -94,13 +94,18 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_one_unloaded_is_not(lora
         body = {"model": "sql-later", "prompt": text(5, 40), "max_tokens": 2}
         assert http().post(base + "/v1/completions", json=body).status_code == 404
         r = http().post(lora_engine.url + "/v1/load_lora_adapter", json={"lora_name": "sql-later", "lora_path": path})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql-later' added successfully.", r.text
+        r = http().post(lora_engine.url + "/v1/load_lora_adapter", json={"lora_name": "sql-later", "lora_path": path})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidUserInput", r.text   # as the simulator
         wait_for(lambda: listed().get("sql-later") == MODEL_NAME, 10, "the loaded adapter listed")
         r = http().post(base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "lora", r.text
         assert r.json()["model"] == "sql-later", r.text
         r = http().post(lora_engine.url + "/v1/unload_lora_adapter", json={"lora_name": "sql-later"})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql-later' removed successfully.", r.text
         wait_for(lambda: "sql-later" not in listed(), 10, "the unloaded adapter gone")
         r = http().post(base + "/v1/completions", json=body)
         assert r.status_code == 404 and "sql-later" in r.json()["error"]["message"], r.text
+        r = http().post(lora_engine.url + "/v1/unload_lora_adapter", json={"lora_name": "sql-later"})
+        assert r.status_code == 404 and r.json()["error"] == {   # the simulator's words (tests/test_sim_lora.py)
+            **r.json()["error"], "type": "NotFoundError", "message": "The lora adapter 'sql-later' cannot be found."}
