@@ -12,13 +12,11 @@ has answered, its ``lora_adapters`` stand; a pod that does not answer keeps what
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from router.event_sources import PodPoll
 from router.pods import PodState
 
-log = logging.getLogger("kvroute.adapters")
 MAX_ADAPTERS = 4096  # a pod's list past this is not taken (vLLM's --max-cpu-loras is far below it)
 
 
