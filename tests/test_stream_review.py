@@ -15,8 +15,10 @@ each, a real OpenAI client in front of the router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anthropic
 import httpx
@@ -54,6 +56,24 @@ def answering(server_ref: list[Server], stream: Callable[[asyncio.StreamWriter],
                 continue
             await stream(writer)
     return handler
+
+
+@contextlib.asynccontextmanager
+async def router_before_a_pod_that_dies(data: bytes, http: Any = GuardedHttpToolsProtocol):
+    """The router (``http``: its listener) in front of one raw pod that answers every request with
+    ``data`` and then dies (its connection reset: no ``[DONE]``, no last chunk); yields (base, services)."""
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()
+
+    ref: list[Server] = []
+    async with Server(answering(ref, stream)) as server:
+        ref.append(server)
+        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
+        async with running_router(settings_for([pod], retries=0), http=http) as running:
+            yield running
 
 
 @pytest.mark.parametrize("data", [b": keep-alive\n\n", b":\r\n\r\n", b": a comment\n: another\n\n"])
@@ -140,25 +160,15 @@ async def test_the_keep_alive_comment_is_relayed_at_once():
 
 
 async def test_a_pod_that_drops_the_stream_between_events_leaves_the_client_a_readable_error():
-    async def stream(writer: asyncio.StreamWriter) -> None:
-        writer.write(SSE_HEAD + chunk(EVENT) + chunk(EVENT))
-        await writer.drain()
-        await asyncio.sleep(0.2)
-        writer.transport.abort()  # the pod's process died: no [DONE], no last chunk
-
-    ref: list[Server] = []
-    async with Server(answering(ref, stream)) as server:
-        ref.append(server)
-        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
-        async with running_router(settings_for([pod], retries=0), http=GuardedHttpToolsProtocol) as (base, services):
-            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
-            texts = []
-            with pytest.raises(openai.APIError) as failed:
-                async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
-                    texts.append(part.choices[0].text)
-            await client.close()
-            answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
-                        if s.name.endswith("_total")}
+    async with router_before_a_pod_that_dies(SSE_HEAD + chunk(EVENT) + chunk(EVENT)) as (base, services):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
+        texts = []
+        with pytest.raises(openai.APIError) as failed:
+            async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
+                texts.append(part.choices[0].text)
+        await client.close()
+        answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
+                    if s.name.endswith("_total")}
     assert texts == ["a", "a"]
     assert "upstream stream failed" in str(failed.value)
     assert answered == {"502": 1}
@@ -170,23 +180,13 @@ async def test_a_pod_that_drops_the_stream_inside_an_event_leaves_the_client_a_r
     """The pod's last bytes end inside an event: the client gets the events before it whole and then
     the router's error event, never the half event run into the error (the SDK would raise a JSON
     error on the mixture, not the router's message). Under both listeners (the relay's two paths)."""
-    async def stream(writer: asyncio.StreamWriter) -> None:
-        writer.write(SSE_HEAD + chunk(EVENT) + chunk(EVENT[:cut]))
-        await writer.drain()
-        await asyncio.sleep(0.2)
-        writer.transport.abort()
-
-    ref: list[Server] = []
-    async with Server(answering(ref, stream)) as server:
-        ref.append(server)
-        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
-        async with running_router(settings_for([pod], retries=0), http=http) as (base, _):
-            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
-            texts = []
-            with pytest.raises(openai.APIError) as failed:
-                async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
-                    texts.append(part.choices[0].text)
-            await client.close()
+    async with router_before_a_pod_that_dies(SSE_HEAD + chunk(EVENT) + chunk(EVENT[:cut]), http=http) as (base, _):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=10)
+        texts = []
+        with pytest.raises(openai.APIError) as failed:
+            async for part in await client.completions.create(model="m", prompt="hi", max_tokens=9, stream=True):
+                texts.append(part.choices[0].text)
+        await client.close()
     assert texts == ["a"]
     assert "upstream stream failed" in str(failed.value)
 
@@ -249,29 +249,20 @@ async def test_a_broken_messages_stream_raises_the_routers_error_in_anthropics_s
     """vLLM's Messages stream breaks after a text delta (between events, or inside the next one):
     Anthropic's SDK raises the router's message, as it does vLLM's own ``event: error``, and the
     events before the break arrive whole."""
-    async def stream(writer: asyncio.StreamWriter) -> None:
-        half = chunk(MESSAGE_DELTA[:cut]) if cut else b""  # (a chunk of nothing would end the body)
-        writer.write(SSE_HEAD + chunk(MESSAGE_EVENTS) + chunk(MESSAGE_DELTA) + half)
-        await writer.drain()
-        await asyncio.sleep(0.2)
-        writer.transport.abort()
-
-    ref: list[Server] = []
-    async with Server(answering(ref, stream)) as server:
-        ref.append(server)
-        pod = type("P", (), {"name": "raw", "url": f"http://127.0.0.1:{server.port}"})()
-        async with running_router(settings_for([pod], retries=0), http=http) as (base, services):
-            client = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0, timeout=10)
-            kinds, texts = [], []
-            with pytest.raises(anthropic.APIError) as failed:
-                async for event in await client.messages.create(
-                        model="m", max_tokens=9, stream=True, messages=[{"role": "user", "content": "hi"}]):
-                    kinds.append(event.type)
-                    if event.type == "content_block_delta":
-                        texts.append(event.delta.text)
-            await client.close()
-            answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
-                        if s.name.endswith("_total")}
+    half = chunk(MESSAGE_DELTA[:cut]) if cut else b""  # (a chunk of nothing would end the body)
+    data = SSE_HEAD + chunk(MESSAGE_EVENTS) + chunk(MESSAGE_DELTA) + half
+    async with router_before_a_pod_that_dies(data, http=http) as (base, services):
+        client = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0, timeout=10)
+        kinds, texts = [], []
+        with pytest.raises(anthropic.APIError) as failed:
+            async for event in await client.messages.create(
+                    model="m", max_tokens=9, stream=True, messages=[{"role": "user", "content": "hi"}]):
+                kinds.append(event.type)
+                if event.type == "content_block_delta":
+                    texts.append(event.delta.text)
+        await client.close()
+        answered = {s.labels["status"]: s.value for m in services.metrics.requests.collect() for s in m.samples
+                    if s.name.endswith("_total")}
     assert kinds == ["message_start", "content_block_start", "content_block_delta"] and texts == ["a"]
     assert "upstream stream failed" in str(failed.value) and "internal_error" in str(failed.value)
     assert answered == {"502": 1}
